@@ -1,0 +1,17 @@
+"""Checkpoints: HF import (key maps, Conv->Matmul), mindvl model folders (sharded safetensors + config.json)."""
+
+from .conv import conv3d_to_matmul, matmul_to_conv3d
+from .hf import compose, convert_from_hf, load_pretrained, save_pretrained
+from .safetensors_io import ShardedWriter, TensorFolder, atomic_output_folder
+
+__all__ = [
+    "ShardedWriter",
+    "TensorFolder",
+    "atomic_output_folder",
+    "compose",
+    "conv3d_to_matmul",
+    "convert_from_hf",
+    "load_pretrained",
+    "matmul_to_conv3d",
+    "save_pretrained",
+]

@@ -1,0 +1,352 @@
+"""Import HuggingFace checkpoints into mindvl model folders, and load/save those folders.
+
+Supported sources (detected from config.json `model_type`):
+- `qwen2_5_vl`: a Qwen2.5-VL model; its merger becomes the projector, its Qwen2 LLM the language model (M-RoPE).
+- `qwen3` / `qwen2`: a causal LM, imported as a text-only model (no vision tower).
+- `mindvl`: already ours.
+
+A MindVL *composition* takes the vision tower of a Qwen2.5-VL checkpoint and the language model of another
+(e.g. Qwen3-8B) and adds a freshly, seededly initialised projector, as the paper does.
+
+Both config.json generations are read: hub-style flat text fields with `rope_scaling`, and transformers >= 5's
+nested `text_config` with `rope_parameters`. Tensor names may use the hub prefixes (`visual.`, `model.`) or
+transformers >= 4.52's in-memory ones (`model.visual.`, `model.language_model.`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+from mindvl.models.projector import Projector
+
+from .conv import conv3d_to_matmul
+from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
+
+CONFIG_NAME = "config.json"
+# Files travelling with a checkpoint that mindvl's tokenizer/processor loaders (or users) read.
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "generation_config.json",
+)
+SPECIAL_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+# HF name -> mindvl name, first match wins. Vision rules come before the generic `model.` rule.
+_NAME_RULES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"^(?:model\.)?visual\.patch_embed\.proj\.weight$"), "visual.patch_embed.weight"),
+    (re.compile(r"^(?:model\.)?visual\.merger\.ln_q\.(.+)$"), r"projector.norm.\1"),
+    (re.compile(r"^(?:model\.)?visual\.merger\.mlp\.0\.(.+)$"), r"projector.fc1.\1"),
+    (re.compile(r"^(?:model\.)?visual\.merger\.mlp\.2\.(.+)$"), r"projector.fc2.\1"),
+    (re.compile(r"^(?:model\.)?visual\.(.+)$"), r"visual.\1"),
+    (re.compile(r"^model\.language_model\.(.+)$"), r"language_model.\1"),
+    (re.compile(r"^model\.(.+)$"), r"language_model.\1"),
+    (re.compile(r"^lm_head\.weight$"), "language_model.lm_head.weight"),
+]
+# Non-parameters some exports carry; mindvl recomputes them.
+_SKIPPED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def mindvl_name(hf_name: str) -> str | None:
+    """Map one HF tensor name to mindvl's, or None when the tensor is not a parameter mindvl keeps."""
+    if _SKIPPED.search(hf_name):
+        return None
+    for pattern, repl in _NAME_RULES:
+        if pattern.match(hf_name):
+            return pattern.sub(repl, hf_name)
+    return hf_name  # unknown names pass through and are reported as unexpected by the loader
+
+
+def _convert_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return conv3d_to_matmul(tensor) if name == "visual.patch_embed.weight" and tensor.dim() == 5 else tensor
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+
+
+def read_config(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a model folder needs its config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _rope(text: dict) -> tuple[float, list[int] | None]:
+    params = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    theta = text.get("rope_theta", params.get("rope_theta", 10000.0))
+    section = scaling.get("mrope_section", params.get("mrope_section"))
+    kind = scaling.get("rope_type", scaling.get("type", params.get("rope_type", "default")))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"rope scaling type {kind!r} is not supported yet (default RoPE and M-RoPE are)")
+    return float(theta), (list(section) if section else None)
+
+
+def text_config_from_hf(config: dict, family: str) -> TextConfig:
+    # transformers >= 5 nests the LLM under text_config; hub configs keep it flat. Top-level keys are the fallback.
+    text = {**config, **(config.get("text_config") or {})}
+    theta, section = _rope(text)
+    heads = text["num_attention_heads"]
+    return TextConfig(
+        family=family,
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        num_hidden_layers=text["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads", heads),
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        mrope_section=section,
+        max_position_embeddings=text.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        hidden_act=text.get("hidden_act", "silu"),
+    )
+
+
+def vision_config_from_hf(config: dict) -> VisionConfig:
+    v = config["vision_config"]
+    theta = (v.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return VisionConfig(
+        depth=v["depth"],
+        hidden_size=v["hidden_size"],
+        intermediate_size=v["intermediate_size"],
+        num_heads=v["num_heads"],
+        in_channels=v.get("in_channels", v.get("in_chans", 3)),
+        patch_size=v.get("patch_size", v.get("spatial_patch_size", 14)),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+        window_size=v.get("window_size", 112),
+        fullatt_block_indexes=list(v.get("fullatt_block_indexes", [7, 15, 23, 31])),
+        hidden_act=v.get("hidden_act", "silu"),
+        rope_theta=theta,
+    )
+
+
+def detect_family(config: dict, where: str) -> str:
+    kind = config.get("model_type")
+    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "mindvl"):
+        return kind
+    raise ValueError(
+        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl (vision+LLM), qwen3 and qwen2 (LLM)"
+    )
+
+
+def _token_ids(config: dict, tokenizer_folder: Path | None) -> dict[str, int]:
+    """Vision special-token ids: from the tokenizer when present, else from config.json, else Qwen's defaults."""
+    ids = {name: config[name] for name in SPECIAL_TOKENS if name in config}
+    tok = tokenizer_folder / "tokenizer.json" if tokenizer_folder else None
+    if tok is not None and tok.is_file():
+        added = {t["content"]: t["id"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
+        for name, text in SPECIAL_TOKENS.items():
+            if text in added:
+                ids[name] = added[text]
+    return ids
+
+
+def mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
+    family = detect_family(config, str(folder / CONFIG_NAME))
+    if family == "mindvl":
+        return MindVLConfig.from_dict(config)
+    if family == "qwen2_5_vl":
+        text = text_config_from_hf(config, "qwen2")
+        vision = vision_config_from_hf(config)
+        out_hidden = config["vision_config"].get("out_hidden_size", text.hidden_size)
+        if out_hidden != text.hidden_size:
+            raise ValueError(f"{folder}: vision out_hidden_size {out_hidden} != text hidden_size {text.hidden_size}")
+        tps = config["vision_config"].get("tokens_per_second", 2)
+        return MindVLConfig(text=text, vision=vision, tokens_per_second=tps, source={"converted_from": str(folder)},
+                            **_token_ids(config, folder))
+    return MindVLConfig(text=text_config_from_hf(config, family), vision=None,
+                        source={"converted_from": str(folder)}, **_token_ids(config, folder))
+
+
+# ----------------------------------------------------------------------------------------------- load / save
+
+
+def expected_shapes(config: MindVLConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = MindVL(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str) -> None:
+    """One error listing every missing, unexpected and mis-shaped tensor."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    misshaped = sorted(f"{n}: checkpoint {found[n]} vs model {expected[n]}"
+                       for n in set(found) & set(expected) if tuple(found[n]) != tuple(expected[n]))
+    if missing or unexpected or misshaped:
+        parts = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                shown = ", ".join(items[:20]) + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
+                parts.append(f"{len(items)} {label}: {shown}")
+        raise ValueError(f"{where} does not match its config: " + "; ".join(parts))
+
+
+def load_pretrained(folder: str | os.PathLike, dtype: torch.dtype | None = None,
+                    device: torch.device | str = "cpu") -> MindVL:
+    """Build the model on the meta device and fill it tensor by tensor from the folder (no full-size init)."""
+    folder = Path(folder)
+    config = read_config(folder)
+    if config.get("model_type") != "mindvl":
+        raise ValueError(f"{folder} is a {config.get('model_type')!r} checkpoint; import it first: "
+                         f"mindvl convert --from-hf {folder} --out OUT")
+    cfg = MindVLConfig.from_dict(config)
+    tensors = TensorFolder(folder)
+    check_tensors(tensors.shapes(), expected_shapes(cfg), str(folder))
+    with torch.device("meta"):
+        model = MindVL(cfg)
+    state = {}
+    for name, tensor in tensors.iter_tensors():
+        cast = dtype if dtype is not None and tensor.is_floating_point() else None
+        state[name] = tensor.to(device=device, dtype=cast)
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval()
+
+
+def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = False,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    side_files_from: str | os.PathLike | None = None) -> Path:
+    """Write config.json + sharded safetensors (+ tokenizer files copied from `side_files_from`), atomically."""
+    with atomic_output_folder(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for name, tensor in model.state_dict().items():
+            writer.add(name, tensor)
+        writer.close()
+        _write_config(tmp, model.config)
+        if side_files_from is not None:
+            copy_side_files(Path(side_files_from), tmp)
+    return Path(out)
+
+
+def _write_config(folder: Path, config: MindVLConfig) -> None:
+    (folder / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+# -------------------------------------------------------------------------------------------------- convert
+
+
+def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Import a local Qwen2.5-VL / Qwen3 / Qwen2 checkpoint, streaming tensor by tensor (memory ~ one shard)."""
+    src = Path(src)
+    cfg = mindvl_config_from_hf(read_config(src), src)
+    tensors = TensorFolder(src)
+    renamed = {h: mindvl_name(h) for h in tensors.names()}
+    expected = expected_shapes(cfg)
+    hf_shapes = tensors.shapes()
+    found = {}
+    for hf, name in renamed.items():
+        if name is None:
+            continue
+        shape = hf_shapes[hf]
+        found[name] = (shape[0], int(torch.Size(shape[1:]).numel())) if name == "visual.patch_embed.weight" else shape
+    if cfg.text.tie_word_embeddings:
+        found.pop("language_model.lm_head.weight", None)  # some exports store the tied copy anyway
+    check_tensors(found, expected, str(src))
+    with atomic_output_folder(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for hf, tensor in tensors.iter_tensors([h for h, n in renamed.items() if n in found]):
+            writer.add(renamed[hf], _convert_tensor(renamed[hf], tensor))
+        writer.close()
+        _write_config(tmp, cfg)
+        copy_side_files(src, tmp)
+    return Path(out)
+
+
+def default_mrope_section(head_dim: int) -> list[int]:
+    """Qwen2.5-VL's split of the rotary frequencies, [16, 24, 24] for head_dim 128, scaled to other head sizes."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, out: str | os.PathLike,
+            seed: int = 0, position_encoding: str = "mrope", overwrite: bool = False,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """A MindVL model: the vision tower of `vision_from` (a Qwen2.5-VL), the LLM of `language_from`, a new projector.
+
+    The projector is initialised from `seed` alone (normal(0, 0.02) weights, zero biases, unit norm), in the
+    language model's dtype. `position_encoding` is `mrope` (3-D positions for image tokens; text-only positions are
+    unchanged, so the LLM's text behaviour is exactly preserved) or `rope` (plain 1-D positions).
+    """
+    vision_from, language_from = Path(vision_from), Path(language_from)
+    vcfg_raw = read_config(vision_from)
+    if detect_family(vcfg_raw, str(vision_from / CONFIG_NAME)) != "qwen2_5_vl":
+        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL checkpoint (model_type qwen2_5_vl)")
+    lcfg_raw = read_config(language_from)
+    lang_family = detect_family(lcfg_raw, str(language_from / CONFIG_NAME))
+    if lang_family not in ("qwen3", "qwen2"):
+        raise ValueError(f"{language_from}: --language-from must be a qwen3 or qwen2 causal LM, not {lang_family!r}")
+    if position_encoding not in ("mrope", "rope"):
+        raise ValueError(f"position_encoding must be 'mrope' or 'rope', not {position_encoding!r}")
+    text = text_config_from_hf(lcfg_raw, lang_family)
+    text.mrope_section = default_mrope_section(text.head_dim) if position_encoding == "mrope" else None
+    cfg = MindVLConfig(
+        text=text, vision=vision_config_from_hf(vcfg_raw), projector_seed=seed,
+        tokens_per_second=vcfg_raw["vision_config"].get("tokens_per_second", 2),
+        source={"vision_from": str(vision_from), "language_from": str(language_from)},
+        **_token_ids(lcfg_raw, language_from),
+    )
+    expected = expected_shapes(cfg)
+    vis = TensorFolder(vision_from)
+    lang = TensorFolder(language_from)
+    vis_names = {h: mindvl_name(h) for h in vis.names()}
+    vis_names = {h: n for h, n in vis_names.items() if n is not None and n.startswith("visual.")}
+    lang_names = {h: mindvl_name(h) for h in lang.names()}
+    lang_names = {h: n for h, n in lang_names.items() if n is not None}
+    if text.tie_word_embeddings:
+        lang_names = {h: n for h, n in lang_names.items() if n != "language_model.lm_head.weight"}
+    vis_shapes, lang_shapes = vis.shapes(), lang.shapes()
+    found = {n: (vis_shapes[h][0], int(torch.Size(vis_shapes[h][1:]).numel())) if n == "visual.patch_embed.weight"
+             else vis_shapes[h] for h, n in vis_names.items()}
+    found.update({n: lang_shapes[h] for h, n in lang_names.items()})
+    projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
+    projector.reset_parameters(torch.Generator().manual_seed(seed))
+    proj_state = {f"projector.{k}": v for k, v in projector.state_dict().items()}
+    found.update({n: tuple(t.shape) for n, t in proj_state.items()})
+    check_tensors(found, expected, f"composition of {vision_from} + {language_from}")
+
+    with atomic_output_folder(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for h, tensor in vis.iter_tensors(list(vis_names)):
+            writer.add(vis_names[h], _convert_tensor(vis_names[h], tensor))
+        dtype = None
+        for h, tensor in lang.iter_tensors(list(lang_names)):
+            dtype = dtype or tensor.dtype
+            writer.add(lang_names[h], tensor)
+        for name, tensor in proj_state.items():
+            writer.add(name, tensor.to(dtype or torch.float32))
+        writer.close()
+        _write_config(tmp, cfg)
+        copy_side_files(language_from, tmp)  # the tokenizer is the language model's
+        if (vision_from / "preprocessor_config.json").is_file():
+            shutil.copy2(vision_from / "preprocessor_config.json", tmp / "preprocessor_config.json")
+    return Path(out)

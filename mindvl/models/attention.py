@@ -1,0 +1,230 @@
+"""One variable-length attention interface over several backends.
+
+    attend(q, k, v, cu_seqlens, max_seqlen, causal, window=None, scale=None, backend="auto") -> out
+
+q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] hold several sequences concatenated along T; `cu_seqlens` (int32,
+[n+1], starts at 0, ends at T) marks them. Attention never crosses a boundary. Hq must be a multiple of Hkv (GQA).
+`window` (causal only) limits each query to itself and the `window` tokens before it. Returns [T, Hq, Dv].
+
+Backends
+- `sdpa`:  torch's scaled_dot_product_attention on any device. Sequences are grouped into power-of-two length
+           buckets and each bucket is padded only to its own longest member, so memory is O(T * max_seqlen), never a
+           dense T x T mask; a bucket of equal lengths needs no mask at all (the vision tower's 64-patch windows).
+- `flex`:  FlexAttention with a block mask built from sequence ids (compiled on accelerators; forward-only on CPU,
+           where torch has no FlexAttention backward).
+- `flash`: flash-attn's varlen kernel (CUDA, fp16/bf16), when the package is installed.
+- `npu`:   torch_npu's fused attention in the TND layout with actual sequence lengths (Ascend), when installed.
+`auto` picks `npu` on Ascend, `flash` on CUDA when importable and the dtype allows it, else `sdpa`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "flex", "flash", "npu")
+_ENV_OVERRIDE = "MINDVL_ATTN_BACKEND"
+
+
+def check_backend_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+@functools.cache
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run on `device` in this environment (used by tests and benchmarks)."""
+    kind = torch.device(device).type
+    names = ["sdpa", "flex"]
+    if kind == "cuda" and _importable("flash_attn"):
+        names.append("flash")
+    if kind == "npu" and _importable("torch_npu"):
+        names.append("npu")
+    return names
+
+
+def resolve_backend(name: str, q: torch.Tensor) -> str:
+    """Turn `auto` (or the MINDVL_ATTN_BACKEND environment override) into a concrete backend for this call."""
+    name = os.environ.get(_ENV_OVERRIDE, name) if name == "auto" else name
+    check_backend_name(name)
+    if name != "auto":
+        return name
+    if q.device.type == "npu" and _importable("torch_npu"):
+        return "npu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _importable("flash_attn"):
+        return "flash"
+    return "sdpa"
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    window: int | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"attend expects [T, heads, dim] tensors, got q{tuple(q.shape)} k{tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if window is not None and not causal:
+        raise ValueError("a sliding window is only defined for causal attention")
+    if q.shape[0] == 0:
+        return q.new_zeros(0, q.shape[1], v.shape[2])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    impl = {"sdpa": _sdpa, "flex": _flex, "flash": _flash, "npu": _npu}[resolve_backend(backend, q)]
+    return impl(q, k, v, cu_seqlens, int(max_seqlen), causal, window, scale)
+
+
+# ---------------------------------------------------------------------------------------------------------- sdpa
+
+
+def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
+    total, hq, _ = q.shape
+    starts = cu_seqlens[:-1].tolist()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if len(lengths) == 1 and window is None:  # one sequence: no gather, no mask
+        out = _sdpa_call(q[None], k[None], v[None], None, causal, scale)
+        return out[0]
+
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n > 0:
+            buckets.setdefault(max(n - 1, 0).bit_length(), []).append(i)
+
+    out_rows, out_index = [], []
+    for members in buckets.values():
+        seg_len = [lengths[i] for i in members]
+        width = max(seg_len)
+        seg_start = torch.tensor([starts[i] for i in members], device=q.device)
+        seg_n = torch.tensor(seg_len, device=q.device)
+        offs = torch.arange(width, device=q.device)
+        valid = offs[None, :] < seg_n[:, None]  # [B, L]
+        # Padded slots read token 0 of their own sequence: finite values, masked out as keys, discarded as queries.
+        gather = seg_start[:, None] + torch.where(valid, offs[None, :], 0)  # [B, L]
+        qb, kb, vb = q[gather], k[gather], v[gather]  # [B, L, H, D]
+        mask = None
+        if window is not None or min(seg_len) != width:
+            mask = valid[:, None, None, :].expand(-1, 1, width, width)  # key must exist
+            if causal:
+                mask = mask & (offs[None, :] <= offs[:, None])[None, None]
+            if window is not None:
+                mask = mask & (offs[:, None] - offs[None, :] <= window)[None, None]
+            # A padded query row may be fully masked (with a window); let it see key 0 so softmax stays finite.
+            mask = mask | ((~valid)[:, None, :, None] & (offs == 0)[None, None, None, :])
+        ob = _sdpa_call(qb, kb, vb, mask, causal and mask is None, scale)  # [B, L, Hq, Dv]
+        out_rows.append(ob[valid])
+        out_index.append(gather[valid])
+    rows, index = torch.cat(out_rows), torch.cat(out_index)
+    return rows.new_empty(total, hq, rows.shape[-1]).index_copy(0, index, rows)
+
+
+def _sdpa_call(q, k, v, mask, is_causal, scale):
+    """q [B, L, Hq, D] (and k/v [B, L, Hkv, D]) -> [B, L, Hq, Dv]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------- flex
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def _flex(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    total = q.shape[0]
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(cu_seqlens) - 1, device=q.device), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    )
+
+    def mask_mod(b, h, qi, ki):
+        keep = seq_id[qi] == seq_id[ki]
+        if causal:
+            keep = keep & (qi >= ki)
+        if window is not None:
+            keep = keep & (qi - ki <= window)
+        return keep
+
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device)
+    fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
+    out = fn(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+# --------------------------------------------------------------------------------------------------------- flash
+
+
+def _flash(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
+    from flash_attn import flash_attn_varlen_func  # optional dependency, checked by resolve_backend/auto
+
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:  # e.g. MLA: the kernel wants one head size, so pad V and slice the output
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    out = flash_attn_varlen_func(
+        q, k, v, cu, cu, max_seqlen, max_seqlen,
+        softmax_scale=scale, causal=causal, window_size=(window, 0) if window is not None else (-1, -1),
+    )
+    return out[..., :dv]
+
+
+# ----------------------------------------------------------------------------------------------------------- npu
+
+_NPU_CAUSAL_MASK: dict[torch.device, torch.Tensor] = {}
+
+
+def _npu(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
+    import torch_npu  # optional dependency (Ascend), checked by resolve_backend/auto
+
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    ends = cu_seqlens[1:].tolist()  # TND layout wants cumulative end offsets as host ints
+    kwargs = {}
+    if causal:
+        # The fused kernel takes a compressed 2048 x 2048 upper-triangular mask (the paper's "mask compression"):
+        # sparse_mode 3 = causal, 4 = causal band of `window` tokens.
+        if q.device not in _NPU_CAUSAL_MASK:
+            _NPU_CAUSAL_MASK[q.device] = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
+        kwargs["atten_mask"] = _NPU_CAUSAL_MASK[q.device]
+        kwargs["sparse_mode"] = 3 if window is None else 4
+        if window is not None:
+            kwargs["pre_tockens"], kwargs["next_tockens"] = window, 0
+    out = torch_npu.npu_fusion_attention(
+        q, k, v, q.shape[1], "TND", scale=scale, actual_seq_qlen=ends, actual_seq_kvlen=ends, **kwargs
+    )[0]
+    return out[..., :dv]

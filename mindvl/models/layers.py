@@ -1,0 +1,98 @@
+"""Building blocks shared by the vision tower and the language models: RMSNorm, the gated MLP and rotary helpers.
+
+Numerics follow transformers' Qwen2.5-VL / Qwen3 implementations exactly (see shared/reference/model-numerics.md):
+RMSNorm normalises in float32 and casts back to the input dtype *before* multiplying by the weight, and the rotary
+frequencies are always computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str):
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; choose one of {sorted(_ACTIVATIONS)}") from None
+
+
+class RMSNorm(nn.Module):
+    """y = w * (x / rms(x)).to(x.dtype); x [..., dim]."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): the SwiGLU MLP of Qwen's LLMs (no bias) and vision blocks (bias)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------------------------------------- rotary
+
+
+def inverse_frequencies(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """1 / theta^(2i/dim) for i < dim/2, float32 [dim/2]. Computed on the fly (no buffer) so meta-device init works."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d] broadcast over heads. Computed in cos.dtype, returned in x.dtype.
+
+    The vision tower passes float32 tables (transformers rotates vision q/k in fp32); the LLMs pass tables already
+    cast to the activation dtype, as transformers does for text.
+    """
+    xc = x.to(cos.dtype)
+    out = xc * cos[:, None, :] + rotate_half(xc) * sin[:, None, :]
+    return out.to(x.dtype)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for text tokens: position_ids [T] (1-D RoPE) or [3, T] (M-RoPE) -> cos, sin float32 [T, head_dim].
+
+    M-RoPE: frequency slot j of the first half uses the temporal, height or width index depending on which
+    `mrope_section` chunk it falls in; the second half of head_dim repeats the pattern (transformers' layout).
+    """
+    inv_freq = inverse_frequencies(head_dim, theta, position_ids.device)  # [hd/2]
+    if position_ids.dim() == 1:
+        freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
+    else:
+        if mrope_section is None:
+            # A 1-D RoPE model given 3-D positions (text rows are equal): use the temporal row.
+            freqs = position_ids[0].float()[:, None] * inv_freq[None, :]
+        else:
+            if sum(mrope_section) != head_dim // 2:
+                raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+            per_axis = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, hd/2]
+            chunks = per_axis.split(list(mrope_section), dim=-1)
+            freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()

@@ -1,0 +1,209 @@
+"""The composed model: vision tower -> projector -> language model.
+
+Two call forms share one forward:
+
+- transformers' form, for alignment and evaluation: `model(input_ids=[1, T], pixel_values=[P, 1176],
+  image_grid_thw=[N, 3])` returns `MindVLOutput(logits=[1, T, V])`.
+- the packed training form: `model(input_ids=[T], labels=[T], cu_seqlens=[n+1], position_ids=[3, T] | [T],
+  pixel_values=[P, 1176], image_grid_thw=[N, 3])` returns `LossOutput(loss_sum, num_tokens)`; without labels it
+  returns `MindVLOutput(logits=[T, V])`.
+
+Image features replace the image-pad token embeddings in order. A micro-batch without images still runs the
+vision tower and projector on zero patches (and ties them into the graph with a zero), so that under FSDP every
+rank runs the same collectives every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .attention import check_backend_name
+from .config import MindVLConfig
+from .loss import chunked_cross_entropy, next_token_targets
+from .projector import Projector
+from .text import TextModel
+from .vision import VisionTransformer
+
+
+@dataclass
+class MindVLOutput:
+    logits: torch.Tensor
+
+
+class LossOutput(NamedTuple):
+    loss_sum: torch.Tensor  # float32 scalar: summed cross-entropy over labelled tokens
+    num_tokens: torch.Tensor  # int64 scalar: how many tokens were labelled
+
+
+def mrope_position_ids(
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    image_token_id: int,
+    spatial_merge_size: int,
+) -> torch.Tensor:
+    """3-D M-RoPE positions [3, T] for a packed row, restarting at 0 in every sample (transformers' get_rope_index).
+
+    Text tokens advance all three rows together; an image's pad tokens get (0, row, col) offsets from the running
+    position, and the text after it resumes at max + 1. Image features are consumed across samples in order.
+    """
+    ids = input_ids.tolist()
+    grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+    pos = torch.empty(3, len(ids), dtype=torch.long)
+    bounds = cu_seqlens.tolist()
+    image = 0
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        cur, i = 0, start
+        while i < end:
+            if ids[i] != image_token_id:
+                j = i
+                while j < end and ids[j] != image_token_id:
+                    j += 1
+                pos[:, i:j] = torch.arange(cur, cur + j - i)
+                cur += j - i
+                i = j
+                continue
+            if image >= len(grids):
+                raise ValueError("more image-pad tokens than images in image_grid_thw")
+            t, h, w = grids[image]
+            lh, lw = h // spatial_merge_size, w // spatial_merge_size
+            n = t * lh * lw
+            if i + n > end:
+                raise ValueError(f"image {image} needs {n} image-pad tokens but its sample ends after {end - i}")
+            # Still images: the temporal index is 0 for every frame (transformers multiplies it by 0 for images).
+            pos[0, i : i + n] = cur
+            pos[1, i : i + n] = torch.arange(lh).repeat_interleave(lw).repeat(t) + cur
+            pos[2, i : i + n] = torch.arange(lw).repeat(t * lh) + cur
+            cur += max(lh, lw)
+            i += n
+            image += 1
+    return pos.to(input_ids.device)
+
+
+class MindVL(nn.Module):
+    def __init__(self, config: MindVLConfig) -> None:
+        super().__init__()
+        self.config = config
+        if config.vision is not None:
+            self.visual = VisionTransformer(config.vision)
+            self.projector = Projector(config.vision.hidden_size, config.text.hidden_size, config.vision.merge_unit)
+        else:
+            self.visual, self.projector = None, None
+        self.language_model = TextModel(config.text)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> MindVL:
+        """Load a mindvl model folder (sharded safetensors + config.json), as written by `mindvl convert`/`export`."""
+        from mindvl.checkpoint.hf import load_pretrained  # file I/O lives in mindvl.checkpoint, not here
+
+        return load_pretrained(path, dtype=dtype, device=device)
+
+    def set_attention_backend(self, name: str) -> None:
+        """`auto`, `sdpa`, `flex`, `flash` or `npu`, for every attention layer of both towers."""
+        check_backend_name(name)
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = name
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Seeded random weights: normal linear/embedding weights, zero biases, unit norms (the tiny default)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:  # norm weights
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+
+    # ---------------------------------------------------------------------------------------------- pieces
+
+    def image_features(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """[P, 1176] patch rows + [N, 3] grids -> [P/4, hidden] LLM-width features, in image-pad order."""
+        cfg = self.config.vision
+        device = self.language_model.embed_tokens.weight.device
+        if pixel_values is None:
+            pixel_values = torch.zeros(0, cfg.patch_dim, device=device)
+            image_grid_thw = torch.zeros(0, 3, dtype=torch.long)
+        if image_grid_thw is None:
+            raise ValueError("pixel_values given without image_grid_thw")
+        return self.projector(self.visual(pixel_values, image_grid_thw))
+
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
+        """input_ids [T] -> inputs_embeds [T, hidden] with image features scattered into the image-pad slots."""
+        embeds = self.language_model.embed_tokens(input_ids)
+        if self.visual is None:
+            if pixel_values is not None and pixel_values.numel():
+                raise ValueError("this is a text-only model (no vision tower) but pixel_values were given")
+            return embeds
+        features = self.image_features(pixel_values, image_grid_thw).to(embeds.dtype)
+        is_pad = input_ids == self.config.image_token_id
+        n_pads = int(is_pad.sum())
+        if n_pads != features.shape[0]:
+            raise ValueError(
+                f"the text has {n_pads} image-pad tokens (id {self.config.image_token_id}) but the images give "
+                f"{features.shape[0]} features; each image needs t*h*w/4 pads for its grid_thw"
+            )
+        if n_pads == 0:
+            # Keeps the (empty) vision graph attached so every parameter receives a (zero) gradient on every rank.
+            return embeds + features.sum() * 0.0
+        return embeds.masked_scatter(is_pad[:, None], features)
+
+    def default_position_ids(self, input_ids, cu_seqlens, image_grid_thw) -> torch.Tensor:
+        if self.config.uses_mrope:
+            merge = self.config.vision.spatial_merge_size if self.config.vision else 2
+            return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+        return torch.arange(input_ids.shape[0], device=input_ids.device) - starts
+
+    # --------------------------------------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        loss_chunk_size: int = 2048,
+    ) -> MindVLOutput | LossOutput:
+        batched = input_ids.dim() == 2
+        if batched:
+            if input_ids.shape[0] != 1:
+                raise ValueError("the [B, T] form takes one sample (B=1); pack several samples with cu_seqlens instead")
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("padding is not supported: pass unpadded samples packed with cu_seqlens")
+            input_ids = input_ids[0]
+            labels = labels[0] if labels is not None else None
+            if position_ids is not None:
+                position_ids = position_ids[..., 0, :]  # [3, 1, T] -> [3, T]; [1, T] -> [T]
+        total = input_ids.shape[0]
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, total], dtype=torch.int32, device=input_ids.device)
+        if int(cu_seqlens[-1]) != total:
+            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the row has {total} tokens")
+        if position_ids is None:
+            position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw)
+        elif not self.config.uses_mrope and position_ids.dim() == 2:
+            position_ids = position_ids[0]  # data pipelines emit [3, T]; a 1-D RoPE model uses the temporal row
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+        embeds = self.embed(input_ids, pixel_values, image_grid_thw)
+        hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen)  # [T, H]
+        if labels is not None:
+            targets = next_token_targets(labels, cu_seqlens)
+            loss_sum, count = chunked_cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
+            return LossOutput(loss_sum, count)
+        logits = self.language_model.logits(hidden)
+        return MindVLOutput(logits=logits[None] if batched else logits)
+
