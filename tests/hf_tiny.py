@@ -40,7 +40,8 @@ def qwen25vl(folder: Path | None = None, seed: int = 0, tie: bool = False):
 
     cfg = Qwen2_5_VLConfig(
         vision_config=VISION_KW, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, rope_theta=1e6, rope_scaling={"type": "mrope", "mrope_section": [1, 2, 3]},
+        num_key_value_heads=2, vocab_size=VOCAB, rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 2, 3]},
         max_position_embeddings=512, rms_norm_eps=1e-6, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
         vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, bos_token_id=0, eos_token_id=1,
         tie_word_embeddings=tie, attn_implementation="eager",

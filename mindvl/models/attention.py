@@ -83,7 +83,8 @@ def attend(
     if window is not None and not causal:
         raise ValueError("a sliding window is only defined for causal attention")
     if q.shape[0] == 0:
-        return q.new_zeros(0, q.shape[1], v.shape[2])
+        # Zero tokens (a micro-batch without images): stay attached to q/k/v so every weight gets a zero gradient.
+        return q.new_zeros(0, q.shape[1], v.shape[2]) + (q.sum() + k.sum() + v.sum()) * 0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = {"sdpa": _sdpa, "flex": _flex, "flash": _flash, "npu": _npu}[resolve_backend(backend, q)]
     return impl(q, k, v, cu_seqlens, int(max_seqlen), causal, window, scale)

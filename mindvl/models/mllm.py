@@ -192,13 +192,12 @@ class MindVL(nn.Module):
             cu_seqlens = torch.tensor([0, total], dtype=torch.int32, device=input_ids.device)
         if int(cu_seqlens[-1]) != total:
             raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the row has {total} tokens")
+        embeds = self.embed(input_ids, pixel_values, image_grid_thw)  # checks image-pad count vs features first
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw)
         elif not self.config.uses_mrope and position_ids.dim() == 2:
             position_ids = position_ids[0]  # data pipelines emit [3, T]; a 1-D RoPE model uses the temporal row
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-
-        embeds = self.embed(input_ids, pixel_values, image_grid_thw)
         hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen)  # [T, H]
         if labels is not None:
             targets = next_token_targets(labels, cu_seqlens)
