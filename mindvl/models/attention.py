@@ -7,9 +7,10 @@ q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] hold several sequences concatenated 
 `window` (causal only) limits each query to itself and the `window` tokens before it. Returns [T, Hq, Dv].
 
 Backends
-- `sdpa`:  torch's scaled_dot_product_attention on any device. Sequences are grouped into power-of-two length
-           buckets and each bucket is padded only to its own longest member, so memory is O(T * max_seqlen), never a
-           dense T x T mask; a bucket of equal lengths needs no mask at all (the vision tower's 64-patch windows).
+- `sdpa`:  torch's scaled_dot_product_attention on any device. Sequences of equal length run as one batch with no
+           mask (the vision tower's 64-patch windows; the fused kernel stays available); short sequences share
+           power-of-two buckets padded to their longest member with a key mask. Memory is O(T * max_seqlen), never
+           a dense T x T mask.
 - `flex`:  FlexAttention with a block mask built from sequence ids (compiled on accelerators; forward-only on CPU,
            where torch has no FlexAttention backward).
 - `flash`: flash-attn's varlen kernel (CUDA, fp16/bf16), when the package is installed.
@@ -93,6 +94,9 @@ def attend(
 # ---------------------------------------------------------------------------------------------------------- sdpa
 
 
+_SHORT = 128
+
+
 def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
     total, hq, _ = q.shape
     starts = cu_seqlens[:-1].tolist()
@@ -101,10 +105,13 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
         out = _sdpa_call(q[None], k[None], v[None], None, causal, scale)
         return out[0]
 
-    buckets: dict[int, list[int]] = {}
+    # Sequences of one exact length batch together with no mask, so sdpa keeps its fused (flash) kernel; only
+    # short ones (<= _SHORT) share power-of-two buckets with a padding mask, so many tiny samples stay few calls.
+    buckets: dict[tuple[str, int], list[int]] = {}
     for i, n in enumerate(lengths):
         if n > 0:
-            buckets.setdefault(max(n - 1, 0).bit_length(), []).append(i)
+            key = ("pow2", (n - 1).bit_length()) if n <= _SHORT and window is None else ("exact", n)
+            buckets.setdefault(key, []).append(i)
 
     out_rows, out_index = [], []
     for members in buckets.values():

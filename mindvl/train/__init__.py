@@ -1,0 +1,1 @@
+"""Training: the loop, phases, optimiser, parallelism and metrics."""

@@ -1,0 +1,99 @@
+"""Model FLOPs and MFU, counted on the real packed tokens and patches of a step (no padding counted).
+
+FLOPs are matmul FLOPs (2 per multiply-add) of the vision tower, projector and language model; attention is counted
+exactly per sequence (causal: L(L+1)/2 query-key pairs; vision: full squares per window or frame). The vocabulary
+projection is counted for labelled tokens only, because that is all mindvl computes (chunked loss). A training step
+costs 3x the forward (forward + backward for activations and weights).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mindvl.models.config import MindVLConfig
+
+# Dense bf16 tensor-core peaks in TFLOP/s (vendor datasheets; Ascend from the MindVL paper's Table 10).
+PEAK_TFLOPS_BF16 = {
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "910B1": 400.0,
+    "910B2": 376.0,
+    "910B": 376.0,
+}
+
+
+def _seq_pairs(lengths: list[int], causal: bool) -> int:
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def forward_flops(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,
+                  grid_thw: list[list[int]] | None = None) -> float:
+    """Forward matmul FLOPs for one packed row: sample lengths, labelled-token count and image grids (t, h, w)."""
+    t = config.text
+    tokens = sum(text_lengths)
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    per_token = 2 * (t.hidden_size * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size)
+    attn = 2 * 2 * q * _seq_pairs(text_lengths, causal=True)  # QK^T and AV
+    flops = t.num_hidden_layers * (tokens * per_token + attn) + 2 * labelled_tokens * t.hidden_size * t.vocab_size
+    if config.vision is not None and grid_thw:
+        v = config.vision
+        d, merge = v.hidden_size, v.spatial_merge_size
+        patches = sum(a * b * c for a, b, c in grid_thw)
+        side = v.window_size // v.patch_size  # window side in patches (8 for 112 px)
+        window_pairs = frame_pairs = 0
+        for gt, gh, gw in grid_thw:
+            frame_pairs += gt * (gh * gw) ** 2
+            # full windows, and the partial ones along the bottom and right edges
+            rows = [side] * (gh // side) + ([gh % side] if gh % side else [])
+            cols = [side] * (gw // side) + ([gw % side] if gw % side else [])
+            window_pairs += gt * sum((r * c) ** 2 for r in rows for c in cols)
+        per_patch = 2 * (4 * d * d + 3 * d * v.intermediate_size)
+        n_full = len(v.fullatt_block_indexes)
+        attn_v = 2 * 2 * d * (n_full * frame_pairs + (v.depth - n_full) * window_pairs)
+        merged = patches // (merge * merge)
+        inner = d * merge * merge
+        flops += (2 * patches * v.patch_dim * d + v.depth * patches * per_patch + attn_v
+                  + 2 * merged * (inner * inner + inner * t.hidden_size))
+    return float(flops)
+
+
+def training_flops(*args, **kwargs) -> float:
+    """Forward + backward: 3x the forward FLOPs."""
+    return 3.0 * forward_flops(*args, **kwargs)
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[float, str]:
+    """(peak FLOP/s, how it was obtained): the datasheet table for known accelerators, else a measured matmul."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_TFLOPS_BF16.items():
+            if key in name.replace(" ", ""):
+                return tflops * 1e12, f"{name} datasheet bf16"
+    if device.type == "npu":
+        name = torch.npu.get_device_name(device)  # type: ignore[attr-defined]
+        for key, tflops in PEAK_TFLOPS_BF16.items():
+            if key in name:
+                return tflops * 1e12, f"{name} datasheet bf16"
+    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    """Best achieved FLOP/s of an n x n matmul: the practical peak of a device without a datasheet entry (CPUs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best

@@ -1,0 +1,27 @@
+"""FLOPs counting for MFU, against values worked out by hand."""
+
+from mindvl.models import MindVLConfig, TextConfig, VisionConfig
+from mindvl.train.metrics import forward_flops, training_flops
+
+
+def tiny_config(vision: bool) -> MindVLConfig:
+    text = TextConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, head_dim=4)
+    v = VisionConfig(depth=2, hidden_size=8, intermediate_size=16, num_heads=2, fullatt_block_indexes=[1])
+    return MindVLConfig(text=text, vision=v if vision else None, image_token_id=5, video_token_id=6,
+                        vision_start_token_id=7, vision_end_token_id=8)
+
+
+def test_text_flops_by_hand():
+    # per token: 2*(q 4*4 + k,v 2*4*4 + o 4*4 + mlp 3*4*8) = 2*160 = 320; 3 tokens -> 960
+    # attention: 2 (QK, AV) * 2 flops * 4 dims * 6 causal pairs (3*4/2) = 96; logits: 2 labelled * 2*4*10 = 160
+    assert forward_flops(tiny_config(False), [3], labelled_tokens=2) == 960 + 96 + 160
+    assert training_flops(tiny_config(False), [3], labelled_tokens=2) == 3 * (960 + 96 + 160)
+
+
+def test_vision_flops_by_hand():
+    # one 4x4-patch image: patch embed 2*16*1176*8 = 301056; blocks 2 * 16 * 2*(4*64 + 3*8*16) = 40960;
+    # attention: one window and one frame of 16 patches: 4 * 8 * (256 + 256) = 16384;
+    # projector: 4 merged tokens * 2*(32*32 + 32*4) = 9216
+    text_only = forward_flops(tiny_config(True), [3], 2)
+    assert forward_flops(tiny_config(True), [3], 2, [[1, 4, 4]]) - text_only == 301056 + 40960 + 16384 + 9216
