@@ -97,3 +97,20 @@ def test_qwen25vl_tied_embeddings_convert_and_match(tmp_path):
         ref = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, **H.mm_kwargs(hf, ids)).logits
         got = ours(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
     assert H.rel_err(got, ref) <= TOL
+
+
+def test_bf16_is_as_accurate_as_transformers_bf16(tmp_path):
+    """bf16 cannot match bit for bit across kernels; it must be as close to the fp32 truth as transformers' bf16."""
+    hf32 = H.qwen25vl(tmp_path / "hf", seed=1)
+    convert_from_hf(tmp_path / "hf", tmp_path / "mindvl")
+    ours = MindVL.from_pretrained(tmp_path / "mindvl", dtype=torch.bfloat16)
+    hf16 = H.qwen25vl(seed=1).to(torch.bfloat16)
+    ids = H.multimodal_ids([5, [1, 12, 20], 7, [1, 8, 8], 4], seed=5)[None]
+    pixels, grid = H.random_pixels([[1, 12, 20], [1, 8, 8]], seed=6)
+    with torch.no_grad():
+        truth = hf32(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, **H.mm_kwargs(hf32, ids)).logits
+        ref = hf16(input_ids=ids, pixel_values=pixels.bfloat16(), image_grid_thw=grid, **H.mm_kwargs(hf16, ids)).logits
+        got = ours(input_ids=ids, pixel_values=pixels.bfloat16(), image_grid_thw=grid).logits
+    assert got.dtype == torch.bfloat16
+    assert H.rel_err(got, ref) <= 2e-2
+    assert H.rel_err(got, truth) <= 1.25 * H.rel_err(ref, truth)
