@@ -170,3 +170,34 @@ def test_cli_convert_and_one_line_errors(hf_folders, tmp_path, capsys):
     assert len(err) == 1 and "already exists" in err[0] and "--overwrite" in err[0]
     assert cli_main(["convert", "--from-hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c")]) == 2
     assert "config.json not found" in capsys.readouterr().err
+
+
+def test_export_to_hf_round_trips_through_transformers(hf_folders, tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
+
+    assert cli_main(["convert", "--from-hf", str(hf_folders / "vl"), "--out", str(tmp_path / "m")]) == 0
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "m"), "--out", str(tmp_path / "back")]) == 0
+    original = load_file(hf_folders / "vl" / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+    reloaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    source = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_folders / "vl", attn_implementation="eager")
+    ids = H.multimodal_ids([4, [1, 8, 8], 3], seed=1)[None]
+    pixels, grid = H.random_pixels([[1, 8, 8]], seed=2)
+    with torch.no_grad():
+        a = reloaded(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, **H.mm_kwargs(reloaded, ids)).logits
+        b = source(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, **H.mm_kwargs(source, ids)).logits
+    assert torch.equal(a, b)
+
+    convert_from_hf(hf_folders / "q3", tmp_path / "q3")
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "q3"), "--out", str(tmp_path / "q3back")]) == 0
+    q3 = Qwen3ForCausalLM.from_pretrained(tmp_path / "q3back")
+    src = load_file(hf_folders / "q3" / "model.safetensors")
+    assert all(torch.equal(q3.state_dict()[k], v) for k, v in src.items())
+
+
+def test_export_refuses_a_composition_without_a_transformers_class(hf_folders, tmp_path, capsys):
+    compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "c")
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "c"), "--out", str(tmp_path / "x")]) == 2
+    assert "has a qwen3 LLM, so keep it in mindvl's format" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

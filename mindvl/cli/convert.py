@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 
 from mindvl.checkpoint import compose, convert_from_hf
+from mindvl.checkpoint.hf_export import export_to_hf
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
         help="import a local HF checkpoint or compose a MindVL model",
-        description="Import a local Qwen2.5-VL / Qwen3 / Qwen2 checkpoint (--from-hf), or compose a MindVL model "
-        "from the vision tower of one checkpoint and the language model of another with a new projector.",
+        description="Import a local Qwen2.5-VL / Qwen3 / Qwen2 checkpoint (--from-hf), export one back to "
+        "transformers' layout (--to-hf), or compose a MindVL model from the vision tower of one checkpoint and the "
+        "language model of another with a new projector.",
     )
     p.add_argument("--from-hf", metavar="DIR", help="a local HF model folder (config.json + safetensors)")
+    p.add_argument("--to-hf", metavar="DIR", help="a mindvl model folder to export back to transformers' layout")
     p.add_argument("--vision-from", metavar="DIR", help="Qwen2.5-VL folder whose vision tower to use")
     p.add_argument("--language-from", metavar="DIR", help="Qwen3/Qwen2 causal-LM folder to use as the LLM")
     p.add_argument("--out", required=True, metavar="OUT", help="output folder (must not exist unless --overwrite)")
@@ -28,14 +31,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     shard = int(args.max_shard_gb * 1024**3)
-    if args.from_hf and (args.vision_from or args.language_from):
-        raise ValueError("use either --from-hf DIR, or --vision-from DIR --language-from DIR, not both")
-    if args.from_hf:
+    modes = [bool(args.from_hf), bool(args.to_hf), bool(args.vision_from or args.language_from)]
+    if sum(modes) > 1:
+        raise ValueError("use one of --from-hf DIR, --to-hf DIR, or --vision-from DIR --language-from DIR")
+    if args.to_hf:
+        out = export_to_hf(args.to_hf, args.out, overwrite=args.overwrite, max_shard_bytes=shard)
+    elif args.from_hf:
         out = convert_from_hf(args.from_hf, args.out, overwrite=args.overwrite, max_shard_bytes=shard)
     elif args.vision_from and args.language_from:
         out = compose(args.vision_from, args.language_from, args.out, seed=args.seed,
                       position_encoding=args.position_encoding, overwrite=args.overwrite, max_shard_bytes=shard)
     else:
-        raise ValueError("give --from-hf DIR, or both --vision-from DIR and --language-from DIR")
+        raise ValueError("give --from-hf DIR, --to-hf DIR, or both --vision-from DIR and --language-from DIR")
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,97 @@
+"""Export a mindvl model folder back to transformers' layout, for the families transformers can represent.
+
+- vision + Qwen2 LLM with M-RoPE (a converted or fine-tuned Qwen2.5-VL) -> `Qwen2_5_VLForConditionalGeneration`;
+- text-only Qwen3 / Qwen2 -> `Qwen3ForCausalLM` / `Qwen2ForCausalLM`.
+A MindVL composition (Qwen2.5-VL vision tower + Qwen3 LLM) has no transformers class, so it is refused with a
+clear message rather than written in a layout nothing can load.
+
+The config is written in the hub's flat layout (text fields at the top level, `rope_scaling`, `vision_config`),
+which transformers 4.49 ... 5.x read; tensors get the hub names and the patch embedding goes back to Conv3d.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from mindvl.models import MindVLConfig
+
+from .conv import matmul_to_conv3d
+from .hf import CONFIG_NAME, copy_side_files, read_config
+from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
+
+_HF_RULES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"^visual\.patch_embed\.weight$"), "visual.patch_embed.proj.weight"),
+    (re.compile(r"^projector\.norm\.(.+)$"), r"visual.merger.ln_q.\1"),
+    (re.compile(r"^projector\.fc1\.(.+)$"), r"visual.merger.mlp.0.\1"),
+    (re.compile(r"^projector\.fc2\.(.+)$"), r"visual.merger.mlp.2.\1"),
+    (re.compile(r"^visual\.(.+)$"), r"visual.\1"),
+    (re.compile(r"^language_model\.lm_head\.weight$"), "lm_head.weight"),
+    (re.compile(r"^language_model\.(.+)$"), r"model.\1"),
+]
+
+
+def hf_name(name: str) -> str:
+    for pattern, repl in _HF_RULES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    raise ValueError(f"no transformers name for tensor {name!r}")
+
+
+def hf_config(cfg: MindVLConfig) -> dict:
+    t = cfg.text
+    text = {
+        "vocab_size": t.vocab_size, "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": t.num_hidden_layers, "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta,
+        "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": t.tie_word_embeddings,
+        "hidden_act": t.hidden_act,
+    }
+    if cfg.vision is None:
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[t.family]
+        extra = {"head_dim": t.head_dim, "attention_bias": False} if t.family == "qwen3" else {}
+        return {"architectures": [arch], "model_type": t.family, **text, **extra}
+    if t.family != "qwen2" or t.mrope_section is None or t.head_dim * t.num_attention_heads != t.hidden_size:
+        raise ValueError(
+            "only a Qwen2.5-VL-shaped model (Qwen2 LLM with M-RoPE and head_dim = hidden/heads) has a transformers "
+            f"class; this model has a {t.family} LLM, so keep it in mindvl's format"
+        )
+    v = cfg.vision
+    vision = {
+        "depth": v.depth, "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
+        "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size, "spatial_merge_size": v.spatial_merge_size,
+        "window_size": v.window_size, "fullatt_block_indexes": v.fullatt_block_indexes, "hidden_act": v.hidden_act,
+        "out_hidden_size": t.hidden_size, "tokens_per_second": cfg.tokens_per_second, "model_type": "qwen2_5_vl",
+    }
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", **text,
+        "rope_scaling": {"type": "mrope", "mrope_section": t.mrope_section}, "vision_config": vision,
+        "image_token_id": cfg.image_token_id, "video_token_id": cfg.video_token_id,
+        "vision_start_token_id": cfg.vision_start_token_id, "vision_end_token_id": cfg.vision_end_token_id,
+    }
+
+
+def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """mindvl model folder -> transformers model folder, streaming tensor by tensor."""
+    src = Path(src)
+    cfg = MindVLConfig.from_dict(read_config(src))
+    config = hf_config(cfg)  # refuses unrepresentable models before anything is written
+    tensors = TensorFolder(src)
+    with atomic_output_folder(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for name, tensor in tensors.iter_tensors():
+            if tensor.is_floating_point():
+                # transformers >= 5 loads in the dtype the config names (4.x reads torch_dtype): state the real one.
+                config["torch_dtype"] = config["dtype"] = str(tensor.dtype).removeprefix("torch.")
+            if name == "visual.patch_embed.weight":
+                v = cfg.vision
+                tensor = matmul_to_conv3d(tensor, v.in_channels, v.temporal_patch_size, v.patch_size)
+            writer.add(hf_name(name), tensor)
+        writer.close()
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(src, tmp)
+    return Path(out)
