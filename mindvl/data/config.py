@@ -1,0 +1,208 @@
+"""Typed, validated configuration of the data pipeline (the `data:` section of a recipe).
+
+`DataConfig.from_dict(d)` rejects unknown keys and wrong types with an error that names the key
+(`data.sources[1].ratio: must be > 0`), so a typo in a recipe fails at load time, not hours into a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from .template import DEFAULT_SYSTEM
+
+SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")
+
+
+def _check_keys(d: Any, cls: type, where: str) -> dict:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: must be a mapping, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+        if key not in known:
+            raise ValueError(f"{where}.{key}: unknown key (known: {', '.join(sorted(known))})")
+    return d
+
+
+def _typed(value: Any, types: tuple[type, ...], where: str, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) and bool not in types:
+        raise ValueError(f"{where}: expected {'/'.join(t.__name__ for t in types)}, got a boolean")
+    if not isinstance(value, types):
+        raise ValueError(f"{where}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}")
+    return value
+
+
+def _positive(value: Any, where: str, allow_none: bool = False) -> int | None:
+    v = _typed(value, (int,), where, allow_none)
+    if v is not None and v <= 0:
+        raise ValueError(f"{where}: must be > 0, got {v}")
+    return v
+
+
+@dataclass
+class SynthConfig:
+    """A synthetic source generated once into a cache folder (see mindvl.data.synth)."""
+
+    tasks: list[str] = field(default_factory=lambda: list(SYNTH_TASKS))
+    n: int = 1000
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SynthConfig:
+        _check_keys(d, cls, where)
+        tasks = d.get("tasks", list(SYNTH_TASKS))
+        if isinstance(tasks, str):
+            tasks = [t.strip() for t in tasks.split(",") if t.strip()]
+        if not isinstance(tasks, list) or not tasks:
+            raise ValueError(f"{where}.tasks: must be a non-empty list of {list(SYNTH_TASKS)}")
+        for t in tasks:
+            if t not in SYNTH_TASKS:
+                raise ValueError(f"{where}.tasks: unknown task {t!r} (known: {', '.join(SYNTH_TASKS)})")
+        return cls(tasks=list(tasks), n=_positive(d.get("n", 1000), f"{where}.n"),
+                   seed=_typed(d.get("seed", 0), (int,), f"{where}.seed"))
+
+
+@dataclass
+class SourceConfig:
+    """One data source: files/globs (JSONL or WebDataset tar shards) or a synthetic set, with a sampling ratio."""
+
+    name: str = ""
+    paths: list[str] = field(default_factory=list)
+    synth: SynthConfig | None = None
+    format: str = "auto"  # auto (by extension) | jsonl | tar
+    ratio: float = 1.0
+    min_pixels: int | None = None  # override DataConfig.min_pixels for this source
+    max_pixels: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SourceConfig:
+        if isinstance(d, str):
+            d = {"paths": [d]}
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: must be a mapping or a path, got {type(d).__name__}")
+        d = dict(d)
+        if "path" in d:  # a convenient alias for a single file or glob
+            if "paths" in d:
+                raise ValueError(f"{where}: give either `path` or `paths`, not both")
+            d["paths"] = d.pop("path")
+        _check_keys(d, cls, where)
+        paths = d.get("paths", [])
+        if isinstance(paths, str):
+            paths = [paths]
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise ValueError(f"{where}.paths: must be a list of file paths or globs")
+        synth = SynthConfig.from_dict(d["synth"], f"{where}.synth") if d.get("synth") is not None else None
+        if bool(paths) == (synth is not None):
+            raise ValueError(f"{where}: give exactly one of `paths` (files/globs) or `synth`")
+        fmt = d.get("format", "auto")
+        if fmt not in ("auto", "jsonl", "tar"):
+            raise ValueError(f"{where}.format: must be auto, jsonl or tar, got {fmt!r}")
+        ratio = _typed(d.get("ratio", 1.0), (int, float), f"{where}.ratio")
+        if not ratio > 0:
+            raise ValueError(f"{where}.ratio: must be > 0, got {ratio}")
+        name = _typed(d.get("name", ""), (str,), f"{where}.name")
+        return cls(
+            name=name,
+            paths=list(paths),
+            synth=synth,
+            format=fmt,
+            ratio=float(ratio),
+            min_pixels=_positive(d.get("min_pixels"), f"{where}.min_pixels", allow_none=True),
+            max_pixels=_positive(d.get("max_pixels"), f"{where}.max_pixels", allow_none=True),
+        )
+
+
+@dataclass
+class DataConfig:
+    """The data pipeline of one training phase."""
+
+    sources: list[SourceConfig] = field(default_factory=list)
+    seq_len: int = 8192  # token slots per pack
+    max_patches_per_pack: int | None = None  # cap on vision patch rows per pack (None: only the token budget)
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # decoded-size limit: larger files are refused as bombs
+    truncation: str = "truncate"  # truncate (at a safe point) | drop, for samples longer than seq_len
+    pack_buffer: int = 256  # samples held for packing (bounded look-ahead)
+    pad_to_seq_len: bool = False  # pad each pack to seq_len with a final -100 segment (static shapes)
+    seed: int = 0
+    strict: bool = False  # fail on the first bad sample instead of skipping it
+    num_workers: int = 0  # loader worker processes per rank
+    tokenizer: str | None = None  # HF tokenizer folder; None = mindvl's default
+    default_system: str | None = DEFAULT_SYSTEM  # system turn added when a conversation has none (None: none)
+    train_on_prompt: bool = False
+    synth_cache: str | None = None  # where synthetic sources are generated (default ~/.cache/mindvl/synth)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "data") -> DataConfig:
+        _check_keys(d, cls, where)
+        raw_sources = d.get("sources")
+        if not isinstance(raw_sources, list) or not raw_sources:
+            raise ValueError(f"{where}.sources: must be a non-empty list of sources")
+        sources = [SourceConfig.from_dict(s, f"{where}.sources[{i}]") for i, s in enumerate(raw_sources)]
+        explicit = {s.name for s in sources if s.name}
+        for i, s in enumerate(sources):
+            if not s.name:
+                name = f"synth{i}" if s.synth is not None else _default_name(s.paths[0], i)
+                s.name = name if name not in explicit else f"{name}_{i}"
+                explicit.add(s.name)
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}.sources: source names must be unique, got {names}")
+        cfg = cls(
+            sources=sources,
+            seq_len=_positive(d.get("seq_len", 8192), f"{where}.seq_len"),
+            max_patches_per_pack=_positive(d.get("max_patches_per_pack"), f"{where}.max_patches_per_pack", True),
+            min_pixels=_positive(d.get("min_pixels", DEFAULT_MIN_PIXELS), f"{where}.min_pixels"),
+            max_pixels=_positive(d.get("max_pixels", DEFAULT_MAX_PIXELS), f"{where}.max_pixels"),
+            max_image_pixels=_positive(d.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+                                       f"{where}.max_image_pixels"),
+            truncation=d.get("truncation", "truncate"),
+            pack_buffer=_positive(d.get("pack_buffer", 256), f"{where}.pack_buffer"),
+            pad_to_seq_len=_typed(d.get("pad_to_seq_len", False), (bool,), f"{where}.pad_to_seq_len"),
+            seed=_typed(d.get("seed", 0), (int,), f"{where}.seed"),
+            strict=_typed(d.get("strict", False), (bool,), f"{where}.strict"),
+            num_workers=_typed(d.get("num_workers", 0), (int,), f"{where}.num_workers"),
+            tokenizer=_typed(d.get("tokenizer"), (str,), f"{where}.tokenizer", allow_none=True),
+            default_system=_typed(d.get("default_system", DEFAULT_SYSTEM), (str,), f"{where}.default_system", True),
+            train_on_prompt=_typed(d.get("train_on_prompt", False), (bool,), f"{where}.train_on_prompt"),
+            synth_cache=_typed(d.get("synth_cache"), (str,), f"{where}.synth_cache", allow_none=True),
+        )
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str = "data") -> None:
+        """Cross-field checks (also run on configs built in code)."""
+        if not self.sources:
+            raise ValueError(f"{where}.sources: must be a non-empty list of sources")
+        if self.truncation not in ("truncate", "drop"):
+            raise ValueError(f"{where}.truncation: must be truncate or drop, got {self.truncation!r}")
+        if self.num_workers < 0:
+            raise ValueError(f"{where}.num_workers: must be >= 0, got {self.num_workers}")
+        for i, s in enumerate([None, *self.sources]):
+            lo = (s.min_pixels if s and s.min_pixels else None) or self.min_pixels
+            hi = (s.max_pixels if s and s.max_pixels else None) or self.max_pixels
+            if lo > hi:
+                key = f"{where}.sources[{i - 1}]" if s else where
+                raise ValueError(f"{key}: min_pixels {lo} is larger than max_pixels {hi}")
+        if self.max_patches_per_pack is not None and self.max_patches_per_pack < 4:
+            raise ValueError(f"{where}.max_patches_per_pack: must be >= 4 (one merged token), got "
+                             f"{self.max_patches_per_pack}")
+
+    def pixels_for(self, source: int) -> tuple[int, int]:
+        s = self.sources[source]
+        return (s.min_pixels or self.min_pixels, s.max_pixels or self.max_pixels)
+
+
+def _default_name(path: str, index: int) -> str:
+    import os
+
+    base = os.path.basename(path.rstrip("/")) or f"source{index}"
+    for ext in (".jsonl", ".json", ".tar"):
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+    return base.replace("*", "_") or f"source{index}"

@@ -1,0 +1,222 @@
+"""Image decoding and the Qwen2-VL patch layout.
+
+`preprocess(image, min_pixels, max_pixels) -> (pixel_values [P, 1176] float32, (t, h, w))` is bit-identical to
+transformers' PIL Qwen2-VL image processor (`Qwen2VLImageProcessorPil` in 5.x, `Qwen2VLImageProcessor` in 4.x):
+RGB conversion (transparency composited onto white), `smart_resize` to multiples of 28, PIL bicubic resize, rescale
+by 1/255 computed in float64 then cast to float32, float32 normalisation with the OpenAI CLIP mean/std, then the
+patch layout where the 2x2 patches that the merger fuses are consecutive rows and each row is flattened
+(C=3, T=2, 14, 14) with the single frame repeated along T.
+
+Speed and memory: the per-pixel arithmetic (rescale, normalise) depends only on the uint8 value and the channel, so
+it is precomputed once as a 3x256 float32 table with exactly the same operations; gathering from the table gives
+the same bits as doing the arithmetic on every pixel, several times faster. The pipeline keeps patches as uint8
+(`preprocess_uint8`, 588 bytes a row) while samples wait in the packing buffer and expands them to float32 rows
+(`expand_patches`) only when a pack is built, straight into the pack's buffer.
+
+Decoding (`load_image`) applies the EXIF orientation and refuses decompression bombs *before* the pixels are
+decoded. transformers' processor does not apply EXIF orientation itself, so equality tests pass the same already
+oriented PIL image to both.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image, ImageOps
+
+PATCH_SIZE = 14
+TEMPORAL_PATCH_SIZE = 2
+MERGE_SIZE = 2
+FACTOR = PATCH_SIZE * MERGE_SIZE  # 28: resized sides are multiples of this
+CHANNELS = 3
+PATCH_DIM = CHANNELS * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE  # 1176 values per patch row
+
+# transformers' class defaults (Qwen2VLImageProcessor): 56*56 and 28*28*1280.
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+# Pillow's own warning threshold; an image with more source pixels than this is refused as a decompression bomb.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; `reason` is a short machine-readable key for the skip counters."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = FACTOR,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels], aspect ratio kept.
+
+    Same arithmetic as transformers' `smart_resize` (Python's `round` is banker's rounding, on purpose).
+    """
+    if min(height, width) <= 0:
+        raise ImageError("bad_image_size", f"image has an empty side ({height}x{width})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageError(
+            "bad_aspect_ratio",
+            f"aspect ratio {max(height, width) / min(height, width):.1f} of a {height}x{width} image exceeds "
+            f"{MAX_ASPECT_RATIO}; crop or pad the image",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def grid_for_size(height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int, int]:
+    """(t, h, w) in patches that `preprocess` will produce for an image of this size, without decoding it."""
+    rh, rw = smart_resize(height, width, FACTOR, min_pixels, max_pixels)
+    return 1, rh // PATCH_SIZE, rw // PATCH_SIZE
+
+
+def _value_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """[3, 256] float32: the normalised value of every uint8 level per channel.
+
+    The operations and dtypes are exactly those of transformers' `rescale` (float64 multiply by 1/255, cast to
+    float32) and `normalize` (float32 subtract, float32 divide), applied to the 256 possible inputs.
+    """
+    levels = np.arange(256, dtype=np.uint8)
+    rescaled = (levels.astype(np.float64) * (1 / 255)).astype(np.float32)  # [256]
+    mean32 = np.asarray(mean, dtype=np.float32)[:, None]
+    std32 = np.asarray(std, dtype=np.float32)[:, None]
+    return ((rescaled[None, :] - mean32) / std32).astype(np.float32)  # [3, 256]
+
+
+_CLIP_TABLE = _value_table(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB with any transparency composited onto white (what transformers' `convert_to_rgb` does)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def load_image(source: str | os.PathLike | bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode an image file or bytes: size check first (decompression bombs), full decode, EXIF orientation.
+
+    Raises `ImageError` with reason `missing_image`, `decompression_bomb` or `corrupt_image`.
+    """
+    name = "<bytes>" if isinstance(source, bytes) else os.fspath(source)
+    try:
+        fp = io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")  # noqa: SIM115
+    except FileNotFoundError as exc:
+        raise ImageError("missing_image", f"image file not found: {name}") from exc
+    except OSError as exc:
+        raise ImageError("missing_image", f"image file unreadable: {name} ({exc})") from exc
+    with fp:
+        try:
+            with warnings.catch_warnings():
+                # Our own limit below is the policy; Pillow's warning would only duplicate it.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(fp)
+                width, height = image.size  # header only: nothing decoded yet
+                if width * height > max_image_pixels:
+                    raise ImageError(
+                        "decompression_bomb",
+                        f"image {name} declares {width}x{height} = {width * height} pixels, over the "
+                        f"max_image_pixels limit {max_image_pixels}; refusing to decode it",
+                    )
+                image.load()
+        except ImageError:
+            raise
+        except Image.DecompressionBombError as exc:
+            raise ImageError("decompression_bomb", f"image {name} refused as a decompression bomb: {exc}") from exc
+        except (OSError, SyntaxError, ValueError, Image.UnidentifiedImageError) as exc:
+            raise ImageError("corrupt_image", f"image {name} is corrupt or truncated: {exc}") from exc
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception as exc:  # a malformed EXIF block must not take the corpus down
+            raise ImageError("corrupt_image", f"image {name} has an unreadable EXIF block: {exc}") from exc
+    return image
+
+
+PATCH_PIXELS = CHANNELS * PATCH_SIZE * PATCH_SIZE  # 588 uint8 values per patch before normalisation
+
+
+def patchify_uint8(levels: np.ndarray) -> np.ndarray:
+    """[H, W, 3] uint8 (H, W multiples of 28) -> [H/14 * W/14, 3*14*14] uint8 in the merger's row order.
+
+    Rows run over (h-block, w-block, h-in-block, w-in-block); each row is (C, 14, 14). Kept as uint8 so a buffered
+    sample costs 588 bytes per patch instead of the 4704 of its float32 row.
+    """
+    height, width, c = levels.shape
+    gh, gw = height // PATCH_SIZE, width // PATCH_SIZE
+    x = levels.reshape(gh // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, gw // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, c)
+    x = x.transpose(0, 3, 1, 4, 6, 2, 5)  # (bh, bw, mh, mw, C, ph, pw)
+    return np.ascontiguousarray(x).reshape(gh * gw, c * PATCH_SIZE * PATCH_SIZE)
+
+
+def expand_patches(patches: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """[P, 588] uint8 -> [P, 1176] float32 rows (C, T=2, 14, 14): normalised values, frame repeated on T.
+
+    Writes into `out` when given (e.g. a pack's shared-memory buffer), so the float rows are materialised once.
+    """
+    n = patches.shape[0]
+    if out is None:
+        out = np.empty((n, PATCH_DIM), np.float32)
+    view = out.reshape(n, CHANNELS, TEMPORAL_PATCH_SIZE, PATCH_SIZE * PATCH_SIZE)
+    src = patches.reshape(n, CHANNELS, PATCH_SIZE * PATCH_SIZE)
+    for c in range(CHANNELS):
+        np.take(_CLIP_TABLE[c], src[:, c], out=view[:, c, 0], mode="clip")  # uint8 indices are always in range
+    for t in range(1, TEMPORAL_PATCH_SIZE):
+        view[:, :, t] = view[:, :, 0]
+    return out
+
+
+def preprocess_uint8(
+    image: Image.Image | str | os.PathLike | bytes,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Everything up to normalisation: (uint8 patches [t*h*w, 588], grid_thw). `expand_patches` finishes it."""
+    if not isinstance(image, Image.Image):
+        image = load_image(image, max_image_pixels)
+    rgb = to_rgb(image)
+    width, height = rgb.size
+    rh, rw = smart_resize(height, width, FACTOR, min_pixels, max_pixels)
+    if (rw, rh) != (width, height):
+        rgb = rgb.resize((rw, rh), Image.BICUBIC)
+    return patchify_uint8(np.asarray(rgb)), (1, rh // PATCH_SIZE, rw // PATCH_SIZE)
+
+
+def preprocess(
+    image: Image.Image | str | os.PathLike | bytes,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One image -> (pixel_values [t*h*w, 1176] float32, grid_thw (t, h, w) in patches).
+
+    A path or bytes is decoded with `load_image` (EXIF orientation, bomb check); a PIL image is used as given.
+    The merged image tokens for the LLM number t*h*w/4.
+    """
+    patches, grid = preprocess_uint8(image, min_pixels, max_pixels, max_image_pixels)
+    return expand_patches(patches), grid

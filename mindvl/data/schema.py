@@ -1,0 +1,160 @@
+"""The data types that travel through the pipeline: record -> Conversation -> Sample -> Pack.
+
+Everything is NumPy; `Pack.to_torch()` is the one place that hands tensors to the model side (torch is imported
+lazily there, so loader workers that never call it do not need it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+IMAGE_PLACEHOLDER = "<image>"
+
+
+class BadSample(ValueError):
+    """A record that cannot become a training sample.
+
+    `reason` is a short key for the skip counters (e.g. `bad_json`, `missing_image`); `where` is `file:line` or
+    `shard:key`. The message says what is wrong and what to do.
+    """
+
+    def __init__(self, reason: str, where: str, message: str):
+        super().__init__(f"{where}: {message}")
+        self.reason = reason
+        self.where = where
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where a record lives, enough to read it again on resume: source index, file index within the source's file
+    list, byte offset of the JSONL line (or of the tar header of the key's first member), and 1-based line number
+    (or key ordinal in the shard)."""
+
+    source: int
+    file: int
+    offset: int
+    line: int
+
+    def to_list(self) -> list[int]:
+        return [self.source, self.file, self.offset, self.line]
+
+    @classmethod
+    def from_list(cls, v: list[int]) -> SampleRef:
+        return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]))
+
+
+@dataclass
+class ImageRef:
+    """An image named by a record: a path on disk, or bytes read from a tar member (with the member's name)."""
+
+    name: str
+    data: bytes | None = None
+
+
+@dataclass
+class Message:
+    role: str  # one of ROLES
+    content: str  # text with IMAGE_PLACEHOLDER where each image goes
+
+
+@dataclass
+class Conversation:
+    """A validated record: messages in order, the images for the placeholders in order of appearance."""
+
+    messages: list[Message]
+    images: list[ImageRef]
+    where: str  # file:line or shard:key, for messages
+
+
+@dataclass
+class Sample:
+    """One tokenized conversation with its image patches.
+
+    input_ids, labels: int64 [L]; position_ids: int64 [3, L] (M-RoPE, starting at 0);
+    patches: uint8 [P, 588] (rows (C, 14, 14) in the merger's order, not yet normalised: 8x smaller than the
+    float32 rows while the sample waits in the packing buffer; `image.expand_patches` makes the Pack's rows);
+    image_grid_thw: int64 [N, 3] with P = sum(t*h*w).
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    patches: np.ndarray
+    image_grid_thw: np.ndarray
+    source: int = 0
+    ref: SampleRef | None = None
+    where: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.patches.shape[0])
+
+    @property
+    def num_trained(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+PACK_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "pixel_values", "image_grid_thw")
+
+
+@dataclass
+class Pack:
+    """One packed micro-batch row (ARCHITECTURE.md §3).
+
+    input_ids int64 [T]; labels int64 [T], -100 where not trained, *unshifted* (HF convention: the model predicts
+    labels[i+1] from position i; every sample starts with `<|im_start|>` labelled -100, so a shift never trains one
+    sample's last token on the next sample's first); position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0
+    per sample; text tokens have three equal rows, so row 0 is the 1-D position for non-M-RoPE LLMs);
+    cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, 1176] (images in order of appearance);
+    image_grid_thw int64 [N_images, 3]. If padding was requested it is the last segment of cu_seqlens, labels -100,
+    and counted in `num_pad`.
+    """
+
+    input_ids: Any
+    labels: Any
+    position_ids: Any
+    cu_seqlens: Any
+    pixel_values: Any
+    image_grid_thw: Any
+    sample_sources: list[int] = field(default_factory=list)  # source index per real sample
+    num_pad: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots, padding included."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_tokens - self.num_pad
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_sources)
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+    def to_torch(self) -> dict[str, Any]:
+        """The model's input dict: exactly the keys in PACK_KEYS, as torch tensors (zero-copy from NumPy)."""
+        import torch
+
+        out = {}
+        for key in PACK_KEYS:
+            value = getattr(self, key)
+            out[key] = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+        return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The six arrays as NumPy (for tests and inspection)."""
+        return {k: np.asarray(getattr(self, k)) for k in PACK_KEYS}

@@ -1,0 +1,369 @@
+"""Reading sources: JSONL files and WebDataset tar shards, split over (rank, worker), resumable.
+
+A source is a list of files (globs expanded, sorted). The unit of work is a *part* of a file: when there are fewer
+files than reading slots (ranks x workers), each file is cut into `parts` pieces so every slot has work — a JSONL
+part is a byte range (a line belongs to the part holding its first byte), a tar part is every `parts`-th key. Each
+epoch, the units are shuffled with a seed derived from (seed, source, epoch) and dealt round-robin to the slots, so
+a rank only ever opens its own units and all ranks agree on the split without talking to each other.
+
+A `SourceReader` walks one slot's units and yields `RawItem`s; its position (epoch, unit, byte offset, line) is its
+whole state. `read_ref(ref)` reads one record again from its byte offset, which is how the packing buffer is
+restored on resume without storing samples in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import os
+import random
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .config import SourceConfig
+from .records import parse_record
+from .schema import BadSample, Conversation, ImageRef, SampleRef
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+_CHUNK = 1 << 20
+
+
+def resolve_files(paths: list[str], fmt: str, where: str) -> list[tuple[str, str]]:
+    """Expand globs (sorted) into [(path, format)]. Missing, unreadable or all-empty sources raise clear errors."""
+    files: list[str] = []
+    for pattern in paths:
+        pattern = os.path.expanduser(pattern)
+        matched = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        matched = [m for m in matched if not os.path.isdir(m)]
+        if not matched:
+            raise FileNotFoundError(f"{where}: no file matches {pattern!r}")
+        files.extend(matched)
+    out = []
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{where}: file not found: {path}")
+        if not os.access(path, os.R_OK):
+            raise FileNotFoundError(f"{where}: file is not readable: {path}")
+        kind = fmt if fmt != "auto" else ("tar" if path.endswith(".tar") else "jsonl")
+        out.append((os.path.abspath(path), kind))
+    if sum(os.path.getsize(p) for p, _ in out) == 0:
+        raise ValueError(f"{where}: every file is empty ({len(out)} file(s)); an empty source would train on nothing")
+    return out
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Part `part` of `parts` of file `file` (index into the source's file list)."""
+
+    file: int
+    part: int
+    parts: int
+
+
+def _derived_seed(*parts: Any) -> int:
+    """A stable 64-bit seed from any values (hashlib, not Python's salted hash())."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def epoch_units(n_files: int, n_slots: int, seed: int, source: int, epoch: int) -> list[Unit]:
+    """All units of a source for one epoch, shuffled; slot s reads `units[s::n_slots]`."""
+    parts = max(1, -(-n_slots // n_files))  # ceil: at least one unit per slot
+    units = [Unit(f, p, parts) for f in range(n_files) for p in range(parts)]
+    random.Random(_derived_seed("units", seed, source, epoch)).shuffle(units)
+    return units
+
+
+def slot_units(n_files: int, n_slots: int, slot: int, seed: int, source: int, epoch: int) -> list[Unit]:
+    return epoch_units(n_files, n_slots, seed, source, epoch)[slot::n_slots]
+
+
+@dataclass
+class RawItem:
+    """One record as read from disk, before parsing: a JSONL line or a tar key's members (suffix -> bytes)."""
+
+    ref: SampleRef
+    where: str
+    kind: str  # jsonl | tar
+    line: bytes = b""
+    members: dict[str, bytes] | None = None
+    base_dir: str = ""
+    key: str = ""
+
+
+# ----------------------------------------------------------------------------------------------------------- JSONL
+
+
+def _jsonl_part_start(f: io.BufferedReader, size: int, part: int, parts: int) -> tuple[int, int]:
+    """(byte offset, 1-based line number) of the first line whose first byte is in this part's byte range."""
+    lo = size * part // parts
+    if lo == 0:
+        return 0, 1
+    f.seek(0)
+    newlines, pos = 0, 0
+    while pos < lo - 1:  # count the lines that end before lo-1 so messages can say file:line
+        chunk = f.read(min(_CHUNK, lo - 1 - pos))
+        if not chunk:
+            break
+        newlines += chunk.count(b"\n")
+        pos += len(chunk)
+    f.seek(lo - 1)
+    rest = f.readline()  # the line straddling lo belongs to the previous part
+    return lo - 1 + len(rest), newlines + 1 + (1 if rest.endswith(b"\n") else 0)
+
+
+def iter_jsonl(path: str, file_index: int, source: int, unit: Unit, offset: int | None, line: int) -> Iterator[
+    tuple[RawItem, int, int]
+]:
+    """Yield (item, next_offset, next_line) for the lines of `unit`, starting at `offset` (None: the part's start)."""
+    size = os.path.getsize(path)
+    hi = size * (unit.part + 1) // unit.parts
+    with open(path, "rb") as f:
+        if offset is None:
+            offset, line = _jsonl_part_start(f, size, unit.part, unit.parts)
+        f.seek(offset)
+        base_dir = os.path.dirname(path)
+        while offset < hi:
+            raw = f.readline()
+            if not raw:
+                break
+            this_offset, this_line = offset, line
+            offset += len(raw)
+            line += 1
+            if not raw.strip():
+                continue  # blank lines are not records
+            ref = SampleRef(source, file_index, this_offset, this_line)
+            item = RawItem(ref, f"{path}:{this_line}", "jsonl", line=raw, base_dir=base_dir)
+            yield item, offset, line
+
+
+def read_jsonl_line(path: str, ref: SampleRef) -> RawItem:
+    with open(path, "rb") as f:
+        f.seek(ref.offset)
+        raw = f.readline()
+    return RawItem(ref, f"{path}:{ref.line}", "jsonl", line=raw, base_dir=os.path.dirname(path))
+
+
+# ------------------------------------------------------------------------------------------------------------- tar
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """WebDataset naming: 'dir/abc.0.jpg' -> key 'dir/abc', suffix '0.jpg' (the key ends at the basename's first
+    dot)."""
+    dirname, base = os.path.split(name)
+    stem, dot, suffix = base.partition(".")
+    return (os.path.join(dirname, stem) if dirname else stem), suffix
+
+
+class ShardError(Exception):
+    """A tar shard that cannot be read further (truncated or corrupt headers)."""
+
+
+def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | None, ordinal: int) -> Iterator[
+    tuple[RawItem | BadSample, int, int]
+]:
+    """Yield (item or BadSample, next_offset, next_ordinal) for the keys of `unit` (every parts-th key).
+
+    `offset` is the header offset of the next key's first member and `ordinal` its 0-based key index in the shard.
+    """
+    offset = 0 if offset is None else offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")
+        except tarfile.ReadError as exc:
+            if offset == 0 and os.path.getsize(path) > 0:
+                raise ShardError(f"{path}: not a readable tar shard ({exc})") from exc
+            return  # an empty remainder (offset at the end-of-archive blocks)
+        group: list[tarfile.TarInfo] = []
+        key = None
+        while True:
+            try:
+                member = tf.next()
+            except (tarfile.ReadError, EOFError, OSError) as exc:
+                if group and ordinal % unit.parts == unit.part:
+                    # The pending key's last member is cut off: report it by shard:key, then give up on the shard.
+                    bad = BadSample("tar_member_unreadable", f"{path}:{key}",
+                                    f"shard is truncated or corrupt in this key ({exc}); the rest of the shard is "
+                                    "skipped; re-create it")
+                    yield bad, os.path.getsize(path), ordinal + 1
+                    return
+                raise ShardError(f"{path}: tar shard is truncated or corrupt after offset {offset} ({exc})") from exc
+            if member is not None and not member.isfile():
+                continue
+            member_key = _split_key(member.name)[0] if member is not None else None
+            if group and member_key != key:
+                next_offset = member.offset if member is not None else os.path.getsize(path)
+                if ordinal % unit.parts == unit.part:
+                    yield _read_group(tf, path, file_index, source, key, group, ordinal), next_offset, ordinal + 1
+                ordinal += 1
+                offset = next_offset
+                group = []
+            if member is None:
+                return
+            key = member_key
+            group.append(member)
+
+
+def _read_group(tf: tarfile.TarFile, path: str, file_index: int, source: int, key: str,
+                members: list[tarfile.TarInfo], ordinal: int) -> RawItem | BadSample:
+    ref = SampleRef(source, file_index, members[0].offset, ordinal)
+    where = f"{path}:{key}"
+    data: dict[str, bytes] = {}
+    for m in members:
+        suffix = _split_key(m.name)[1]
+        try:
+            fobj = tf.extractfile(m)
+            if fobj is None:
+                raise tarfile.ReadError("not a regular file")
+            data[suffix] = fobj.read()
+            if len(data[suffix]) != m.size:
+                raise tarfile.ReadError(f"read {len(data[suffix])} of {m.size} bytes")
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            return BadSample("tar_member_unreadable", where,
+                             f"member {m.name} is unreadable ({exc}); re-create the shard")
+    return RawItem(ref, where, "tar", members=data, key=key)
+
+
+def read_tar_key(path: str, ref: SampleRef) -> RawItem | BadSample:
+    """Read the key whose first member's header is at ref.offset."""
+    unit = Unit(0, 0, 1)
+    for item, _, _ in iter_tar(path, ref.file, ref.source, unit, ref.offset, ref.line):
+        return item
+    raise ShardError(f"{path}: no key at offset {ref.offset}; the shard changed since the checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------------- raw -> record
+
+
+def item_to_conversation(item: RawItem) -> Conversation:
+    """Parse a RawItem into a validated Conversation (BadSample on any problem)."""
+    if item.kind == "jsonl":
+        try:
+            record = json.loads(item.line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadSample("bad_json", item.where, f"malformed JSON line ({exc}); fix or delete the line") from exc
+
+        def resolve(name: str) -> ImageRef:
+            return ImageRef(os.path.join(item.base_dir, name) if not os.path.isabs(name) else name)
+
+        return parse_record(record, item.where, resolve)
+
+    members = item.members or {}
+    if "json" not in members:
+        raise BadSample("bad_record", item.where, "key has no .json record member")
+    try:
+        record = json.loads(members["json"])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadSample("bad_json", item.where, f"malformed .json member ({exc}); re-create the shard") from exc
+    image_suffixes = sorted(
+        (s for s in members if s.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS), key=_natural_key
+    )
+
+    def resolve_member(name: str) -> ImageRef:
+        for suffix in (name, name[len(item.key) + 1:] if name.startswith(item.key + ".") else None):
+            if suffix is not None and suffix in members:
+                return ImageRef(f"{item.where}.{suffix}", members[suffix])
+        raise BadSample("missing_image", item.where, f"image {name!r} is not a member of this key")
+
+    return parse_record(record, item.where, resolve_member, image_suffixes)
+
+
+def _natural_key(s: str) -> list:
+    out: list = []
+    for part in s.split("."):
+        out.append((0, int(part), "") if part.isdigit() else (1, 0, part))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ the reader
+
+
+@dataclass
+class ReaderState:
+    """Position of one source in one slot: the next record is unit `unit` of `epoch`, at byte `offset` (None: the
+    unit's start) with line number / key ordinal `line`."""
+
+    epoch: int = 0
+    unit: int = 0
+    offset: int | None = None
+    line: int = 0
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "unit": self.unit, "offset": self.offset, "line": self.line}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReaderState:
+        return cls(int(d["epoch"]), int(d["unit"]), None if d["offset"] is None else int(d["offset"]), int(d["line"]))
+
+
+class SourceReader:
+    """Reads one source's records for one slot, epoch after epoch (or one epoch if `max_epochs=1`).
+
+    `next()` returns a RawItem, or a BadSample for a record that was unreadable at the container level (tar member,
+    truncated shard); `None` when `max_epochs` is reached.
+    """
+
+    def __init__(self, cfg: SourceConfig, source: int, files: list[tuple[str, str]], slot: int, n_slots: int,
+                 seed: int, max_epochs: int | None = None, state: ReaderState | None = None):
+        self.cfg, self.source, self.files = cfg, source, files
+        self.slot, self.n_slots, self.seed, self.max_epochs = slot, n_slots, seed, max_epochs
+        self.state = state or ReaderState()
+        self._it: Iterator | None = None
+        self._units: list[Unit] | None = None
+        self._units_epoch = -1
+
+    def _epoch_units(self) -> list[Unit]:
+        if self._units_epoch != self.state.epoch:
+            self._units = slot_units(len(self.files), self.n_slots, self.slot, self.seed, self.source, self.state.epoch)
+            self._units_epoch = self.state.epoch
+        return self._units  # type: ignore[return-value]
+
+    def next(self) -> RawItem | BadSample | None:
+        start_epoch = self.state.epoch
+        while True:
+            if self.max_epochs is not None and self.state.epoch >= self.max_epochs:
+                return None
+            if self.state.epoch > start_epoch + 1:
+                # A whole epoch went by inside this call without a single record for this slot.
+                raise ValueError(
+                    f"source {self.cfg.name!r}: no records for reading slot {self.slot} of {self.n_slots} in epoch "
+                    f"{self.state.epoch - 1}; the source has too few records for this many ranks x workers "
+                    "(use fewer loader workers or more data)"
+                )
+            units = self._epoch_units()
+            if self.state.unit >= len(units):
+                self.state = ReaderState(self.state.epoch + 1, 0, None, 0)
+                self._it = None
+                continue
+            if self._it is None:
+                unit = units[self.state.unit]
+                path, kind = self.files[unit.file]
+                opener = iter_tar if kind == "tar" else iter_jsonl
+                self._it = opener(path, unit.file, self.source, unit, self.state.offset, self.state.line)
+            try:
+                item, offset, line = next(self._it)
+            except StopIteration:
+                self._advance_unit()
+                continue
+            except ShardError as exc:
+                # The rest of this shard is unreadable: report it once and go on with the next unit.
+                unit = units[self.state.unit]
+                self._advance_unit()
+                return BadSample("tar_unreadable", self.files[unit.file][0], f"{exc}; the rest of the shard is skipped")
+            except OSError as exc:
+                unit = units[self.state.unit]
+                raise FileNotFoundError(f"cannot read {self.files[unit.file][0]}: {exc}") from exc
+            self.state = ReaderState(self.state.epoch, self.state.unit, offset, line)
+            return item
+
+    def _advance_unit(self) -> None:
+        self.state = ReaderState(self.state.epoch, self.state.unit + 1, None, 0)
+        self._it = None
+
+    def read_ref(self, ref: SampleRef) -> RawItem | BadSample:
+        path, kind = self.files[ref.file]
+        return read_tar_key(path, ref) if kind == "tar" else read_jsonl_line(path, ref)

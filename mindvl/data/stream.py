@@ -1,0 +1,161 @@
+"""One reading slot's pipeline: readers -> mixture -> parse -> process -> packer -> Packs, with exact state.
+
+A `PackStream` runs in one loader worker (or in the main process with `num_workers: 0`). Its state after each pack
+is a small JSON-able dict: every reader's position, the mixture's draw counter, the packer buffer as record refs,
+and the counters. `load_state_dict` re-reads the buffered records and processes them again (deterministically),
+so the packs that follow are exactly those an uninterrupted run would have produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .config import DataConfig
+from .mixture import Consumption, Mixture
+from .packing import Packer, build_pack
+from .process import ProcessConfig, process_conversation
+from .schema import BadSample, Pack, Sample, SampleRef
+from .skips import SkipLog
+from .sources import RawItem, ReaderState, SourceReader, item_to_conversation
+from .tokenizer import TextTokenizer
+
+STATE_VERSION = 1
+
+
+class PackStream:
+    def __init__(self, cfg: DataConfig, tok: TextTokenizer, files: list[list[tuple[str, str]]], slot: int,
+                 n_slots: int, max_epochs: int | None = None, context: str = ""):
+        self.cfg, self.tok, self.files = cfg, tok, files
+        self.slot, self.n_slots, self.context = slot, n_slots, context
+        self.readers = [
+            SourceReader(s, i, files[i], slot, n_slots, cfg.seed, max_epochs) for i, s in enumerate(cfg.sources)
+        ]
+        self.mixture = Mixture([s.ratio for s in cfg.sources], cfg.seed, slot)
+        self.packer = Packer(cfg.seq_len, cfg.max_patches_per_pack, cfg.pack_buffer, cfg.pad_to_seq_len,
+                             pad_id=tok.special.endoftext)
+        self.skips = SkipLog(cfg.strict, context)
+        self.consumed = Consumption([s.name for s in cfg.sources])
+        self.truncated = 0
+        self.exhausted = [False] * len(cfg.sources)
+        self.epoch_valid = [[0, 0] for _ in cfg.sources]  # per source: [epoch, usable records so far in it]
+        self.alloc_pixels = None  # optional [P] -> float32 [P, 1176] allocator for pack pixel rows (shared memory)
+        self._process_cfgs = [
+            ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
+                          cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt)
+            for i in range(len(cfg.sources))
+        ]
+
+    # ------------------------------------------------------------------------------------------------- records
+
+    def _process(self, item: RawItem) -> tuple[Sample, bool]:
+        conv = item_to_conversation(item)
+        return process_conversation(conv, self.tok, self._process_cfgs[item.ref.source], item.ref.source, item.ref)
+
+    def _next_sample(self) -> Sample | None:
+        """The next usable sample from the mixture, or None when every source is exhausted (finite epochs)."""
+        while True:
+            src = self.mixture.choose([not e for e in self.exhausted])
+            if src is None:
+                return None
+            reader = self.readers[src]
+            item = reader.next()
+            self._check_epoch(src)
+            if item is None:
+                self.exhausted[src] = True
+                continue
+            if isinstance(item, BadSample):
+                self.skips.record(item)
+                continue
+            try:
+                sample, truncated = self._process(item)
+            except BadSample as bad:
+                self.skips.record(bad)
+                continue
+            self.truncated += truncated
+            self.epoch_valid[src][1] += 1
+            return sample
+
+    def _check_epoch(self, src: int) -> None:
+        epoch = self.readers[src].state.epoch
+        seen_epoch, valid = self.epoch_valid[src]
+        if epoch != seen_epoch:
+            if valid == 0:
+                name = self.cfg.sources[src].name
+                raise ValueError(
+                    f"source {name!r} gave no usable sample in epoch {seen_epoch} on {self.context or 'this slot'} "
+                    f"(skipped so far: {self.skips.state_dict()}); fix the data (see the warnings above)"
+                )
+            self.epoch_valid[src] = [epoch, 0]
+
+    # --------------------------------------------------------------------------------------------------- packs
+
+    def _emit(self) -> Pack:
+        samples = self.packer.select()
+        for s in samples:
+            self.consumed.add(s.source, s.num_tokens, s.num_trained, len(s.image_grid_thw), s.num_patches)
+        return build_pack(samples, self.cfg.seq_len if self.cfg.pad_to_seq_len else None, self.packer.pad_id,
+                          self.alloc_pixels)
+
+    def __iter__(self) -> Iterator[Pack]:
+        """Packs until every source is exhausted (never, unless max_epochs is set). After each yield,
+        `state_dict()` is the state that resumes right after that pack."""
+        while True:
+            if self.packer.full:
+                yield self._emit()
+                continue
+            sample = self._next_sample()
+            if sample is None:
+                while self.packer.buffer:
+                    yield self._emit()
+                return
+            self.packer.add(sample)
+
+    # --------------------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "slot": [self.slot, self.n_slots],
+            "readers": [r.state.to_dict() for r in self.readers],
+            "mixture": self.mixture.state_dict(),
+            "packer": self.packer.state_dict(),
+            "skipped": self.skips.state_dict(),
+            "consumed": self.consumed.state_dict(),
+            "truncated": self.truncated,
+            "exhausted": list(self.exhausted),
+            "epoch_valid": [list(v) for v in self.epoch_valid],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {state.get('version')} is not {STATE_VERSION}")
+        if list(state["slot"]) != [self.slot, self.n_slots]:
+            raise ValueError(
+                f"data state is for reading slot {state['slot'][0]} of {state['slot'][1]}, this is slot {self.slot} of "
+                f"{self.n_slots}; resume with the same number of ranks and loader workers"
+            )
+        if len(state["readers"]) != len(self.readers):
+            raise ValueError(f"data state has {len(state['readers'])} sources, the config has {len(self.readers)}")
+        for reader, rs in zip(self.readers, state["readers"], strict=True):
+            reader.state = ReaderState.from_dict(rs)
+            reader._it = None
+        self.mixture.load_state_dict(state["mixture"])
+        self.skips.load_state_dict(state["skipped"])
+        self.consumed.load_state_dict(state["consumed"])
+        self.truncated = int(state["truncated"])
+        self.exhausted = [bool(x) for x in state["exhausted"]]
+        self.epoch_valid = [[int(a), int(b)] for a, b in state["epoch_valid"]]
+        ps = state["packer"]
+        self.packer.buffer = []
+        for ref_list, arrival, order in ps["buffer"]:
+            ref = SampleRef.from_list(ref_list)
+            item = self.readers[ref.source].read_ref(ref)
+            if isinstance(item, BadSample):
+                raise ValueError(f"cannot restore the packing buffer: {item}")
+            try:
+                sample, _ = self._process(item)
+            except BadSample as bad:
+                raise ValueError(f"cannot restore the packing buffer (did the data change?): {bad}") from bad
+            self.packer.add(sample, arrival=int(arrival), order=int(order))
+        self.packer.packs_made = int(ps["packs_made"])
+        self.packer._order = int(ps["order"])

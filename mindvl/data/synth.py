@@ -1,0 +1,226 @@
+"""Synthetic multimodal data: OCR, charts, grounding and documents, rendered with Pillow, deterministic from a seed.
+
+`generate(out_dir, n, seed, tasks)` writes `out_dir/data.jsonl` (the `messages` layout with `<image>` placeholders
+and `images` relative to the file) and `out_dir/images/*.png`. Sample i depends only on (seed, i), so a larger n
+extends a smaller one. Only Pillow's bundled fonts are used (its TrueType "Aileron" at several sizes, with and
+without a stroke, and its bitmap font), so the output is the same on every machine with the same Pillow.
+
+Image sides are multiples of 28 and within the default pixel range, so the processor does not resize them and the
+grounding boxes (absolute pixels, as Qwen2.5-VL writes them) stay exact for the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+TASKS = ("ocr", "chart", "grounding", "doc")
+SYNTH_VERSION = 1  # bump when the generator's output changes, so cached sets are regenerated
+
+WORDS = (
+    "apple river mountain signal quantum harbor velvet copper garden silent orbit lantern meadow crystal thunder "
+    "falcon marble canyon ember willow summit cobalt prism voyage beacon saffron glacier timber atlas nectar"
+).split()
+CATEGORIES = ("North", "South", "East", "West", "Alpha", "Beta", "Gamma", "Delta", "Q1", "Q2", "Q3", "Q4")
+COLOURS = {
+    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
+    "purple": (140, 60, 180), "orange": (245, 140, 30), "black": (20, 20, 20), "gray": (128, 128, 128),
+}
+SHAPES = ("rectangle", "circle", "triangle")
+
+
+def _font(rng: random.Random, lo: int = 14, hi: int = 40) -> tuple[ImageFont.ImageFont | ImageFont.FreeTypeFont, int]:
+    """(font, stroke width): Pillow's bundled TrueType at a random size, sometimes bold (stroke), or its bitmap font."""
+    if rng.random() < 0.15:
+        return ImageFont.load_default_imagefont(), 0
+    return ImageFont.load_default(size=rng.randint(lo, hi)), rng.choice((0, 0, 0, 1))
+
+
+def _size(rng: random.Random, lo: int, hi: int) -> int:
+    return 28 * rng.randint(lo // 28, hi // 28)
+
+
+def _bg_fg(rng: random.Random) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    light = rng.random() < 0.7
+    bg = tuple(rng.randint(200, 255) if light else rng.randint(0, 60) for _ in range(3))
+    dark = sum(bg) < 300
+    fg = tuple(rng.randint(190, 255) for _ in range(3)) if dark else tuple(rng.randint(0, 90) for _ in range(3))
+    return bg, fg  # type: ignore[return-value]
+
+
+def _ocr(rng: random.Random) -> tuple[Image.Image, str, str]:
+    w, h = _size(rng, 224, 644), _size(rng, 84, 308)
+    bg, fg = _bg_fg(rng)
+    img = Image.new("RGB", (w, h), bg)
+    draw = ImageDraw.Draw(img)
+    parts = [rng.choice(WORDS) if rng.random() < 0.7 else str(rng.randint(0, 99999)) for _ in range(rng.randint(1, 4))]
+    text = " ".join(parts)
+    font, stroke = _font(rng)
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font, stroke_width=stroke)
+    x = rng.randint(0, max(0, w - (right - left) - 1)) - left
+    y = rng.randint(0, max(0, h - (bottom - top) - 1)) - top
+    draw.text((x, y), text, fill=fg, font=font, stroke_width=stroke, stroke_fill=fg)
+    q = rng.choice(("What text is written in the image?", "Read the text in the image.", "OCR this image."))
+    return img, q, text
+
+
+def _chart(rng: random.Random) -> tuple[Image.Image, str, str]:
+    w, h = _size(rng, 336, 560), _size(rng, 252, 420)
+    img = Image.new("RGB", (w, h), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    n = rng.randint(3, 6)
+    cats = rng.sample(CATEGORIES, n)
+    vals = [rng.randint(1, 100) for _ in range(n)]
+    font = ImageFont.load_default(size=12)
+    x0, y0, x1, y1 = 40, 20, w - 10, h - 30  # plot area
+    draw.line([(x0, y0), (x0, y1), (x1, y1)], fill=(0, 0, 0), width=1)
+    for tick in (0, 25, 50, 75, 100):
+        ty = y1 - (y1 - y0) * tick / 100
+        draw.text((4, ty - 6), str(tick), fill=(0, 0, 0), font=font)
+        draw.line([(x0 - 3, ty), (x0, ty)], fill=(0, 0, 0))
+    step = (x1 - x0) / n
+    kind = rng.choice(("bar", "line"))
+    colour = rng.choice(list(COLOURS.values())[:6])
+    points = []
+    for i, (c, v) in enumerate(zip(cats, vals, strict=True)):
+        cx = x0 + step * (i + 0.5)
+        top = y1 - (y1 - y0) * v / 100
+        if kind == "bar":
+            draw.rectangle([cx - step * 0.3, top, cx + step * 0.3, y1], fill=colour)
+        points.append((cx, top))
+        draw.text((cx - 10, y1 + 6), c, fill=(0, 0, 0), font=font)
+        draw.text((cx - 8, top - 14), str(v), fill=(0, 0, 0), font=font)
+    if kind == "line":
+        draw.line(points, fill=colour, width=2)
+        for px, py in points:
+            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=colour)
+    if rng.random() < 0.6:
+        i = rng.randrange(n)
+        return img, f"In this {kind} chart, what is the value of {cats[i]}?", str(vals[i])
+    best = max(range(n), key=lambda i: (vals[i], -i))
+    return img, f"Which category has the highest value in this {kind} chart?", cats[best]
+
+
+def _grounding(rng: random.Random) -> tuple[Image.Image, str, str]:
+    w, h = _size(rng, 280, 644), _size(rng, 280, 644)
+    img = Image.new("RGB", (w, h), tuple(rng.randint(225, 255) for _ in range(3)))
+    draw = ImageDraw.Draw(img)
+    names = rng.sample(list(COLOURS), rng.randint(1, 4))
+    boxes = []
+    for colour in names:
+        for _ in range(30):  # shapes must not overlap, or the visible extent would differ from the answer box
+            bw, bh = rng.randint(24, w // 3), rng.randint(24, h // 3)
+            x1, y1 = rng.randint(0, w - bw - 1), rng.randint(0, h - bh - 1)
+            box = (x1, y1, x1 + bw, y1 + bh)
+            if not any(box[0] <= b[2] and b[0] <= box[2] and box[1] <= b[3] and b[1] <= box[3] for _, _, b in boxes):
+                break
+        else:
+            continue
+        shape = rng.choice(SHAPES)
+        fill = COLOURS[colour]
+        if shape == "rectangle":
+            draw.rectangle(box, fill=fill)
+        elif shape == "circle":
+            draw.ellipse(box, fill=fill)
+        else:
+            draw.polygon([(box[0], box[3]), ((box[0] + box[2]) // 2, box[1]), (box[2], box[3])], fill=fill)
+        boxes.append((colour, shape, box))
+    colour, shape, box = rng.choice(boxes)
+    q = f"Locate the {colour} {shape} and give its bounding box as (x1, y1), (x2, y2)."
+    return img, q, f"({box[0]}, {box[1]}), ({box[2]}, {box[3]})"
+
+
+def _doc(rng: random.Random) -> tuple[Image.Image, str, str]:
+    w, h = _size(rng, 392, 616), _size(rng, 504, 812)
+    img = Image.new("RGB", (w, h), (252, 252, 248))
+    draw = ImageDraw.Draw(img)
+    title_font = ImageFont.load_default(size=rng.randint(22, 30))
+    body_font = ImageFont.load_default(size=rng.randint(13, 17))
+    kind = rng.choice(("Invoice", "Receipt", "Report", "Order"))
+    title = f"{kind} {rng.randint(1000, 9999)}"
+    draw.text((24, 20), title, fill=(10, 10, 10), font=title_font, stroke_width=1, stroke_fill=(10, 10, 10))
+    fields = {
+        "Date": f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+        "Customer": f"{rng.choice(WORDS).title()} {rng.choice(WORDS).title()}",
+        "Total": f"${rng.randint(10, 9999)}.{rng.randint(0, 99):02d}",
+        "Items": str(rng.randint(1, 40)),
+        "City": rng.choice(("Paris", "Lima", "Oslo", "Cairo", "Seoul", "Quito", "Perth")),
+    }
+    y = 70
+    for k, v in fields.items():
+        draw.text((24, y), f"{k}: {v}", fill=(30, 30, 30), font=body_font)
+        y += 26
+    y += 10
+    for _ in range(rng.randint(3, 8)):  # filler body text
+        if y > h - 30:
+            break
+        draw.text((24, y), " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 8))), fill=(60, 60, 60),
+                  font=body_font)
+        y += 22
+    if rng.random() < 0.3:
+        return img, "What is the title of this document?", title
+    key = rng.choice(list(fields))
+    return img, f"According to the document, what is the {key.lower()}?", fields[key]
+
+
+GENERATORS: dict[str, Callable[[random.Random], tuple[Image.Image, str, str]]] = {
+    "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc,
+}
+
+
+def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Image, str]:
+    """Sample i: (record without its image path, image, task). A pure function of (seed, i, tasks)."""
+    rng = random.Random(f"mindvl-synth:{seed}:{i}")
+    task = tasks[rng.randrange(len(tasks))]
+    img, question, answer = GENERATORS[task](rng)
+    prompt = f"<image>{question}" if rng.random() < 0.8 else f"{question}\n<image>"
+    record = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+    return record, img, task
+
+
+def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[str] = TASKS) -> Path:
+    """Write n samples to out_dir/data.jsonl and out_dir/images/; returns the JSONL path."""
+    for t in tasks:
+        if t not in GENERATORS:
+            raise ValueError(f"unknown synth task {t!r} (known: {', '.join(TASKS)})")
+    if n <= 0:
+        raise ValueError(f"--n must be > 0, got {n}")
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    jsonl = out / "data.jsonl"
+    with open(jsonl, "w") as f:
+        for i in range(n):
+            record, img, task = make_record(i, seed, list(tasks))
+            name = f"images/{task}_{i:07d}.png"
+            img.save(out / name, format="PNG")
+            record["images"] = [name]
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return jsonl
+
+
+def ensure_synth(cache: str | os.PathLike, tasks: Sequence[str], n: int, seed: int) -> Path:
+    """The JSONL of a cached synthetic set, generated on first use (atomically: safe with several ranks)."""
+    cache = Path(cache)
+    final = cache / f"{'-'.join(tasks)}_n{n}_s{seed}_v{SYNTH_VERSION}"
+    if (final / "data.jsonl").is_file():
+        return final / "data.jsonl"
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".synth-", dir=cache))
+    try:
+        generate(tmp, n, seed, tasks)
+        try:
+            os.rename(tmp, final)  # atomic; if another process won the race its copy is identical
+        except OSError:
+            if not (final / "data.jsonl").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final / "data.jsonl"
