@@ -164,23 +164,39 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+# The layers of a forward share a few cu_seqlens (vision windows, vision frames, text samples), so recent block
+# masks are reused instead of rebuilt per layer; the oldest is dropped beyond _FLEX_CACHE_SIZE.
+_FLEX_MASK_CACHE: dict = {}
+_FLEX_CACHE_SIZE = 8
+
+
+def _flex_block_mask(cu_seqlens, total, causal, window, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (tuple(cu_seqlens.tolist()), causal, window, str(device))
+    if key not in _FLEX_MASK_CACHE:
+        seq_id = torch.repeat_interleave(
+            torch.arange(len(cu_seqlens) - 1, device=device), (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
+        )
+
+        def mask_mod(b, h, qi, ki):
+            keep = seq_id[qi] == seq_id[ki]
+            if causal:
+                keep = keep & (qi >= ki)
+            if window is not None:
+                keep = keep & (qi - ki <= window)
+            return keep
+
+        if len(_FLEX_MASK_CACHE) >= _FLEX_CACHE_SIZE:
+            _FLEX_MASK_CACHE.pop(next(iter(_FLEX_MASK_CACHE)))
+        _FLEX_MASK_CACHE[key] = create_block_mask(mask_mod, None, None, total, total, device=device)
+    return _FLEX_MASK_CACHE[key]
+
+
 def _flex(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    total = q.shape[0]
-    seq_id = torch.repeat_interleave(
-        torch.arange(len(cu_seqlens) - 1, device=q.device), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    )
-
-    def mask_mod(b, h, qi, ki):
-        keep = seq_id[qi] == seq_id[ki]
-        if causal:
-            keep = keep & (qi >= ki)
-        if window is not None:
-            keep = keep & (qi - ki <= window)
-        return keep
-
-    block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device)
+    block_mask = _flex_block_mask(cu_seqlens, q.shape[0], causal, window, q.device)
     fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
     out = fn(
         q.transpose(0, 1)[None],
