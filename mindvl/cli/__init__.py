@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Sub-command modules, in the order `mindvl --help` lists them.
-COMMAND_MODULES = ("convert", "data")
+COMMAND_MODULES = ("quickstart", "train", "export", "convert", "data")
 
 
 def build_parser() -> argparse.ArgumentParser:

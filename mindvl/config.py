@@ -1,0 +1,305 @@
+"""Training recipes: typed dataclasses, YAML loading and `key=value` overrides, validated with errors naming the key.
+
+    cfg = load_recipe("recipes/tiny/warmup.yaml", ["output_dir=runs/a", "max_steps=20", "optim.lr=5e-4"])
+
+A recipe has the sections below; `data:` is validated by mindvl.data.DataConfig (kept here as its dict so this module
+imports only the standard library and yaml). Overrides take dotted paths (`optim.lr=1e-3`) or the short aliases in
+ALIASES; values are parsed as YAML (`1e-3`, `true`, `[a, b]`, `null`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Everyday overrides have short names; everything else is reachable by its dotted path.
+ALIASES = {
+    "output_dir": "output_dir",
+    "max_steps": "budget.max_steps",
+    "max_tokens": "budget.max_tokens",
+    "checkpoint_every": "checkpoint.every",
+    "resume": "checkpoint.resume",
+    "lr": "optim.lr",
+    "seed": "seed",
+    "init_from": "model.init_from",
+}
+
+PHASES = ("warmup", "multitask", "sft")
+MODULES = ("visual", "projector", "language_model")
+# What each paper phase trains (Table 1): the warm-up aligns the towers through the MLP adaptor alone.
+PHASE_TRAINABLE = {"warmup": ["projector"], "multitask": list(MODULES), "sft": list(MODULES)}
+
+
+@dataclass
+class ModelSection:
+    """Where the weights come from: `init_from` (a mindvl folder, e.g. the previous phase's `final`), `compose`
+    (HF Qwen2.5-VL vision + LLM folders, composed into `OUTPUT_DIR/composed` once) or `arch` (a config for
+    seeded random weights; vocab size and vision token ids come from the tokenizer)."""
+
+    init_from: str | None = None
+    compose: dict[str, str] | None = None  # {vision: DIR, language: DIR}
+    arch: dict[str, Any] | None = None  # {text: {...TextConfig}, vision: {...VisionConfig}}
+    init_seed: int = 0
+    attention_backend: str = "auto"
+
+
+@dataclass
+class PhaseSection:
+    name: str = "multitask"  # warmup | multitask | sft
+    trainable: list[str] | None = None  # default: PHASE_TRAINABLE[name]
+
+
+@dataclass
+class BatchSection:
+    global_batch_size: int = 1  # packs (one packed row of data.seq_len slots each) per optimizer step, all ranks
+    micro_batch_size: int = 1  # packs per forward; the packed layout concatenates samples, so this is 1
+    gradient_accumulation: int | None = None  # derived: global_batch_size / data_shards; checked when given
+    data_shards: int | None = None  # data-parallel shards of the stream (default: world size); see trainer
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-5  # maximum LR
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+
+
+@dataclass
+class ScheduleSection:
+    warmup_ratio: float = 0.1
+    decay: str = "cosine"  # cosine | linear | constant
+
+
+@dataclass
+class BudgetSection:
+    max_steps: int | None = None
+    max_tokens: int | None = None  # global packed tokens; converted to steps via global_batch_size * seq_len
+
+
+@dataclass
+class CheckpointSection:
+    every: int | None = None  # optimizer steps between checkpoints (always one at the end)
+    keep: int = 2
+    resume: str | None = None  # null | auto | a checkpoint folder
+
+
+@dataclass
+class LoggingSection:
+    every: int = 1
+    tensorboard: bool = True
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class ParallelSection:
+    fsdp: str | bool = "auto"  # auto (when world size > 1) | on | off (YAML reads on/off as booleans)
+    mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
+    activation_checkpointing: bool = False
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda | npu
+
+
+@dataclass
+class Recipe:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    data: dict[str, Any] = field(default_factory=dict)
+    phase: PhaseSection = field(default_factory=PhaseSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    budget: BudgetSection = field(default_factory=BudgetSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+
+    def validate(self) -> None:
+        """Cross-field checks; each error names the key to fix."""
+        _check(self.phase.name in PHASES, "phase.name", f"must be one of {PHASES}, got {self.phase.name!r}")
+        for m in self.trainable_modules:
+            _check(m in MODULES, "phase.trainable", f"unknown module {m!r} (known: {MODULES})")
+        b = self.batch
+        _check(b.global_batch_size >= 1, "batch.global_batch_size", "must be >= 1")
+        _check(b.micro_batch_size == 1, "batch.micro_batch_size",
+               "must be 1: a micro-batch is one packed row (raise data.seq_len to put more samples in it)")
+        _check(b.data_shards is None or b.data_shards >= 1, "batch.data_shards", "must be >= 1")
+        _check(self.optim.lr > 0, "optim.lr", "must be > 0")
+        _check(0 <= self.optim.min_lr <= self.optim.lr, "optim.min_lr", "must lie in [0, optim.lr]")
+        _check(len(self.optim.betas) == 2, "optim.betas", "must be two numbers")
+        _check(self.optim.grad_clip is None or self.optim.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
+        _check(0 <= self.schedule.warmup_ratio < 1, "schedule.warmup_ratio", "must lie in [0, 1)")
+        _check(self.schedule.decay in ("cosine", "linear", "constant"), "schedule.decay",
+               f"must be cosine, linear or constant, got {self.schedule.decay!r}")
+        _check((self.budget.max_steps is None) != (self.budget.max_tokens is None), "budget",
+               "give exactly one of budget.max_steps or budget.max_tokens")
+        for key in ("max_steps", "max_tokens"):
+            v = getattr(self.budget, key)
+            _check(v is None or v >= 1, f"budget.{key}", "must be >= 1")
+        _check(self.checkpoint.every is None or self.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+        _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+        _check(self.logging.every >= 1, "logging.every", "must be >= 1")
+        if isinstance(self.parallel.fsdp, bool):
+            self.parallel.fsdp = "on" if self.parallel.fsdp else "off"
+        _check(self.parallel.fsdp in ("auto", "on", "off"), "parallel.fsdp", "must be auto, on or off")
+        _check(self.parallel.mixed_precision in ("auto", "bf16", "fp32"), "parallel.mixed_precision",
+               "must be auto, bf16 or fp32")
+        _check(self.parallel.device in ("auto", "cpu", "cuda", "npu"), "parallel.device",
+               "must be auto, cpu, cuda or npu")
+        m = self.model
+        given = [k for k in ("init_from", "compose", "arch") if getattr(m, k)]
+        _check(len(given) == 1, "model", f"give one of init_from, compose, arch (got {given})")
+        if m.compose is not None:
+            for k in m.compose:
+                _check(k in ("vision", "language"), f"model.compose.{k}", "unknown key (known: language, vision)")
+            _check(set(m.compose) == {"vision", "language"}, "model.compose", "needs both `vision` and `language`")
+        if m.arch is not None:
+            for k in m.arch:
+                _check(k in ("text", "vision"), f"model.arch.{k}", "unknown key (known: text, vision)")
+        from mindvl.data import DataConfig  # validated here so a typo fails at load time, not at step 0
+
+        DataConfig.from_dict(self.data, "data")
+
+    @property
+    def trainable_modules(self) -> list[str]:
+        return list(self.phase.trainable) if self.phase.trainable is not None else PHASE_TRAINABLE[self.phase.name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{key}: {msg}")
+
+
+# ------------------------------------------------------------------------------------------------ typed building
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert a YAML value against a type hint; errors name the key."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{key}: must not be null")
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        _, inner = typing.get_args(tp)
+        return {k: _convert(v, inner, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"{key}: unsupported type {tp}")
+
+
+def build(cls: type, data: Any, where: str = "") -> Any:
+    """A dataclass from a mapping, rejecting unknown keys and wrong types by their dotted key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'recipe'}: must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    prefix = f"{where}." if where else ""
+    for k in data:
+        if k not in names:
+            raise ValueError(f"{prefix}{k}: unknown key (known: {', '.join(names)})")
+    return cls(**{k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()})
+
+
+# ------------------------------------------------------------------------------------------------- overrides
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`key=value` (dotted path or alias) into the raw recipe dict; the value is parsed as YAML."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r}: expected key=value")
+    key, text = item.split("=", 1)
+    key = ALIASES.get(key.strip(), key.strip())
+    value = yaml.safe_load(text) if text.strip() else None
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads `2e-3` (no dot) as a string; on the command line it means the number
+            value = float(value) if any(c in value.lower() for c in ".e") else value
+        except ValueError:
+            pass
+    if key == "budget.max_steps" and value is not None:
+        raw.setdefault("budget", {})["max_tokens"] = None  # a step budget replaces a token budget, and vice versa
+    if key == "budget.max_tokens" and value is not None:
+        raw.setdefault("budget", {})["max_steps"] = None
+    if key == "model.init_from" and value is not None:  # starting from a folder replaces the random/HF init
+        raw.setdefault("model", {}).update(arch=None, compose=None)
+    parts = key.split(".")
+    node = raw
+    for i, p in enumerate(parts[:-1]):
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ValueError(f"override {'.'.join(parts[: i + 1])}: is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
+                raw: dict[str, Any] | None = None) -> Recipe:
+    """Read a YAML recipe (or a raw dict), apply overrides, build and validate it."""
+    if raw is None:
+        p = Path(path)  # type: ignore[arg-type]
+        if not p.is_file():
+            raise FileNotFoundError(f"recipe {p} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"recipe {p}: invalid YAML ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"recipe {p}: top level must be a mapping")
+    else:
+        raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy through the same value space as a file
+    for item in overrides or []:
+        apply_override(raw, item)
+    recipe = build(Recipe, raw)
+    recipe.validate()
+    return recipe

@@ -1,0 +1,51 @@
+"""AdamW over the trainable parameters and the paper's LR schedule: linear warm-up over `warmup_ratio` of the
+steps to the maximum LR, then cosine (or linear) decay to the minimum LR at the last step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mindvl.config import OptimSection, ScheduleSection
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm weights and biases are not decayed). Frozen parameters are not
+    passed in, so they hold no optimizer state."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("phase.trainable: nothing to train (every parameter is frozen)")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: one code path on every device, so CPU reference runs and resumed runs take the same kernels.
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             foreach=False)
+
+
+def lr_at(step: int, total_steps: int, max_lr: float, min_lr: float, warmup_ratio: float, decay: str) -> float:
+    """LR used for optimizer step `step` (0-based) of `total_steps`."""
+    warmup = int(math.ceil(warmup_ratio * total_steps))
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    if decay == "constant":
+        return max_lr
+    span = max(1, total_steps - warmup - 1)
+    frac = min(1.0, (step - warmup) / span)
+    if decay == "linear":
+        return max_lr + (min_lr - max_lr) * frac
+    return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, optim: OptimSection,
+                    schedule: ScheduleSection) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR (its state is just the step counter, saved with the checkpoint)."""
+
+    def factor(step: int) -> float:
+        return lr_at(min(step, total_steps - 1), total_steps, optim.lr, optim.min_lr, schedule.warmup_ratio,
+                     schedule.decay) / optim.lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,135 @@
+"""Devices, process groups and parallelism, applied to the model from outside (torchrun's environment).
+
+- device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
+- FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
+  head), with a bf16 MixedPrecisionPolicy on accelerators (fp32 reductions) and full fp32 on CPU.
+- activation checkpointing and torch.compile per block, as options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mindvl.config import ParallelSection
+
+
+@dataclass
+class ParallelEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers the `npu` device)
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def detect_device(preference: str = "auto", local_rank: int = 0) -> tuple[torch.device, str]:
+    """(device, process-group backend) for this process."""
+    kind = preference
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "npu" if _npu_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("parallel.device: cuda requested but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    if kind == "npu":
+        if not _npu_available():
+            raise ValueError("parallel.device: npu requested but torch_npu / an Ascend NPU is not available")
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+        return torch.device("npu", local_rank), "hccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(preference: str = "auto") -> ParallelEnv:
+    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK; start the process group when there is more than one process."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device, backend = detect_device(preference, local)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if device.type != "cpu" else None)
+    return ParallelEnv(rank, world, local, device, backend)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of both towers, in order (the FSDP/checkpointing/compile unit)."""
+    out: list[nn.Module] = []
+    if getattr(model, "visual", None) is not None:
+        out.extend(model.visual.blocks)
+    out.extend(model.language_model.layers)
+    return out
+
+
+def param_dtype(cfg: ParallelSection, device: torch.device) -> torch.dtype:
+    if cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type != "cpu"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _replace_blocks(model: nn.Module, fn) -> None:
+    """Apply fn to every block, writing the result back into its ModuleList."""
+    lists = [model.language_model.layers]
+    if getattr(model, "visual", None) is not None:
+        lists.insert(0, model.visual.blocks)
+    for ml in lists:
+        for i in range(len(ml)):
+            ml[i] = fn(ml[i])
+
+
+def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.Module:
+    """Activation checkpointing, compile and FSDP2, in that order (AC inside compile inside FSDP)."""
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        _replace_blocks(model, lambda b: checkpoint_wrapper(b, preserve_rng_state=False))
+    if cfg.compile:
+        for b in blocks(model):
+            b.compile()
+    use_fsdp = cfg.fsdp == "on" or (cfg.fsdp == "auto" and env.distributed)
+    if use_fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype(cfg, env.device), reduce_dtype=torch.float32)
+        for b in blocks(model):
+            fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def all_reduce_sum(value: torch.Tensor, env: ParallelEnv) -> torch.Tensor:
+    if env.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier(env: ParallelEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def destroy(env: ParallelEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()

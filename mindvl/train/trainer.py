@@ -1,0 +1,399 @@
+"""The training loop: one readable function, `train(recipe)`.
+
+    step:  for each of `accum` micro-batches (one packed row each) -> forward -> loss_sum * world / N_global
+           -> backward; clip; AdamW; LR schedule; log; checkpoint every N steps.
+
+Loss normalisation (paper: the mean over all labelled tokens of the global batch): the labelled-target count of every
+micro-batch this rank will run is known before any forward (labels are data), so it is all-reduced once per step to
+N_global. Each micro-batch backpropagates loss_sum * world_size / N_global; FSDP (or, single-process, nothing)
+averages gradients over ranks, so the gradient is exactly d(sum of all loss_sums)/N_global, whatever the split of
+tokens between micro-batches and ranks.
+
+Data shards: the stream is split into `batch.data_shards` shards (default: the world size); rank r reads shards
+r, r + world, ... round-robin over its micro-batches. With data_shards=2 one process consumes exactly the global batch
+that two ranks would, which is how the distributed test compares 1 vs 2 processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindvl.checkpoint.training import (
+    full_model_state,
+    load_checkpoint,
+    read_latest,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from mindvl.config import Recipe
+from mindvl.data import DataConfig, build_loader, load_tokenizer
+from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+from mindvl.models.loss import next_token_targets
+
+from .metrics import device_peak_flops, pack_training_flops
+from .optim import build_optimizer, build_scheduler
+from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
+from .phases import apply_phase
+
+IGNORE = -100
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    final_dir: Path | None
+    steps: int
+    losses: list[float]
+
+
+# ------------------------------------------------------------------------------------------------------- model
+
+
+def build_model(recipe: Recipe, tok, env: ParallelEnv) -> MindVL:
+    """Seeded random weights from `model.arch`, a mindvl folder (`init_from`) or an HF composition, in fp32 (the
+    master weights; FSDP's policy casts to bf16 for compute on accelerators)."""
+    m = recipe.model
+    if m.arch is not None:
+        sp = tok.special
+        text = TextConfig(**{"vocab_size": tok.vocab_size, **m.arch.get("text", {})})
+        vision = VisionConfig(**m.arch["vision"]) if m.arch.get("vision") else None
+        config = MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
+                              vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end)
+        model = MindVL(config)
+        model.init_weights(seed=m.init_seed)
+    else:
+        folder = m.init_from
+        if m.compose is not None:
+            from mindvl.checkpoint import compose
+
+            folder = str(Path(recipe.output_dir) / "composed")
+            if env.is_main and not (Path(folder) / "config.json").is_file():
+                compose(m.compose["vision"], m.compose["language"], folder, seed=m.init_seed)
+            barrier(env)
+        if not (Path(folder) / "config.json").is_file():
+            raise FileNotFoundError(f"model.init_from: {folder} is not a mindvl model folder (no config.json)")
+        model = MindVL.from_pretrained(folder, dtype=torch.float32)
+    if m.attention_backend != "auto":
+        model.set_attention_backend(m.attention_backend)
+    return model.to(env.device).train()
+
+
+# -------------------------------------------------------------------------------------------------------- data
+
+
+class ShardedBatches:
+    """This rank's micro-batches: round-robin over its data shards (see the module docstring)."""
+
+    def __init__(self, data_cfg: DataConfig, tok, env: ParallelEnv, shards: int):
+        self.shard_ids = list(range(env.rank, shards, env.world_size))
+        self.loaders = [build_loader(data_cfg, tok, rank=s, world_size=shards) for s in self.shard_ids]
+        self._iters: list[Any] = [None] * len(self.loaders)
+        self.turn = 0
+
+    def next(self):
+        i = self.turn
+        if self._iters[i] is None:
+            self._iters[i] = iter(self.loaders[i])
+        self.turn = (i + 1) % len(self.loaders)
+        return next(self._iters[i])
+
+    def state_dict(self) -> dict:
+        return {"turn": self.turn, "shards": self.shard_ids, "loaders": [ld.state_dict() for ld in self.loaders]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["shards"] != self.shard_ids:
+            raise ValueError(f"checkpoint data shards {state['shards']} differ from this rank's {self.shard_ids}; "
+                             "resume with the same world size and batch.data_shards")
+        for ld, s in zip(self.loaders, state["loaders"], strict=True):
+            ld.load_state_dict(s)
+        self.turn = state["turn"]
+        self._iters = [None] * len(self.loaders)
+
+    def report(self) -> list[dict]:
+        return [ld.report() for ld in self.loaders]
+
+
+def labelled_targets(batch: dict) -> int:
+    """How many tokens of this packed row the loss counts (targets after the per-sample shift)."""
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE).sum())
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+def plan_steps(recipe: Recipe, seq_len: int) -> int:
+    if recipe.budget.max_steps is not None:
+        return recipe.budget.max_steps
+    return math.ceil(recipe.budget.max_tokens / (recipe.batch.global_batch_size * seq_len))
+
+
+def train(recipe: Recipe) -> RunResult:
+    env = init_distributed(recipe.parallel.device)
+    try:
+        return _train(recipe, env)
+    finally:
+        destroy(env)
+
+
+def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
+    out = Path(recipe.output_dir)
+    ckpt_root = out / "checkpoints"
+    torch.manual_seed(recipe.seed + env.rank)
+    data_cfg = DataConfig.from_dict(recipe.data)
+    tok = load_tokenizer(data_cfg.tokenizer)
+    tokenizer_dir = data_cfg.tokenizer or str(DEFAULT_TOKENIZER_PATH.parent)
+
+    shards = recipe.batch.data_shards or env.world_size
+    gb = recipe.batch.global_batch_size
+    if shards % env.world_size or gb % shards:
+        raise ValueError(f"batch: global_batch_size ({gb}) must be a multiple of data_shards ({shards}), which must be "
+                         f"a multiple of the world size ({env.world_size})")
+    accum = gb // env.world_size
+    if recipe.batch.gradient_accumulation not in (None, accum):
+        raise ValueError(f"batch.gradient_accumulation: {recipe.batch.gradient_accumulation} does not match "
+                         f"global_batch_size / world size = {accum}")
+    total_steps = plan_steps(recipe, data_cfg.seq_len)
+
+    model = build_model(recipe, tok, env)
+    config = model.config
+    trainable = apply_phase(model, recipe.trainable_modules)
+    model = parallelize(model, env, recipe.parallel)
+    optimizer = build_optimizer(model, recipe.optim)
+    scheduler = build_scheduler(optimizer, total_steps, recipe.optim, recipe.schedule)
+    batches = ShardedBatches(data_cfg, tok, env, shards)
+
+    step, tokens_seen = 0, 0
+    resume = recipe.checkpoint.resume
+    ckpt = None
+    if resume == "auto":
+        ckpt = read_latest(ckpt_root)
+    elif resume:
+        ckpt = resolve_checkpoint(resume)
+    if ckpt is not None:
+        train_state, rank_state = load_checkpoint(ckpt, model, optimizer)
+        scheduler.load_state_dict(train_state["scheduler"])
+        batches.load_state_dict(rank_state["data"])
+        step, tokens_seen = train_state["step"], train_state["tokens"]
+
+    sinks = MetricSinks(out, recipe, env, resume_step=step if ckpt is not None else 0)
+    peak, peak_how = device_peak_flops(env.device, param_dtype(recipe.parallel, env.device))
+    if env.is_main:
+        n_params = sum(p.numel() for p in model.parameters())
+        sinks.info(f"phase {recipe.phase.name}: {total_steps} steps x {gb} packs of {data_cfg.seq_len} tokens; "
+                   f"{env.world_size} rank(s) on {env.device.type}; trainable {trainable} of {n_params:,} params; "
+                   f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})" + (f"; resumed from {ckpt.name}" if ckpt else ""))
+
+    def train_state() -> dict:
+        return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
+                "tokenizer_dir": tokenizer_dir, "phase": recipe.phase.name, "total_steps": total_steps,
+                "recipe": recipe.to_dict()}
+
+    last_saved = step if ckpt is not None else -1
+    every = recipe.checkpoint.every
+    sinks.start(step, total_steps)
+    while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
+        t0 = time.perf_counter()
+        packs = [batches.next() for _ in range(accum)]
+        micro = [to_device(p.to_torch(), env.device) for p in packs]
+        t_data = time.perf_counter() - t0
+        stats = accumulate_gradients(model, micro, env, config, sum(p.num_real_tokens for p in packs))
+        counts, loss_total, t_fwd, t_bwd = stats.counts, stats.loss_sum, stats.forward_s, stats.backward_s
+        n_global = max(1.0, float(counts[0]))
+        tc = time.perf_counter()
+        grad_norm = None
+        if recipe.optim.grad_clip is not None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            gn = torch.nn.utils.clip_grad_norm_(params, recipe.optim.grad_clip)
+            grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        t_opt = time.perf_counter() - tc
+        loss = loss_total / n_global
+        step += 1
+        tokens_seen += int(counts[1])
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": float(counts[1]) / dt,
+                  "mfu": float(counts[2]) / (dt * peak * env.world_size), "grad_norm": grad_norm,
+                  "tokens": tokens_seen, "labelled_tokens": int(n_global), "step_time_s": dt, "data_s": t_data,
+                  "forward_s": t_fwd, "backward_s": t_bwd, "optimizer_s": t_opt}
+        sinks.log(record, step % recipe.logging.every == 0 or step == total_steps)
+        done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
+        if (every and step % every == 0) or done:
+            save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
+                            keep=recipe.checkpoint.keep)
+            last_saved = step
+    sinks.stop()
+    if last_saved != step and step > 0:  # resumed at the very end: the final checkpoint exists already
+        save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
+                        keep=recipe.checkpoint.keep)
+
+    final_dir = export_final(model, config, out / "final", tokenizer_dir, env)
+    if env.is_main:
+        (out / "data_report.json").write_text(json.dumps(batches.report(), indent=1))
+        sinks.finish()
+    return RunResult(out, final_dir, step, sinks.losses)
+
+
+@dataclass
+class StepStats:
+    counts: torch.Tensor  # float64 [3]: labelled targets, real tokens, training FLOPs; summed over ranks
+    loss_sum: float  # summed loss over every labelled token of the global batch
+    forward_s: float
+    backward_s: float
+
+
+def accumulate_gradients(model, micro: list[dict], env: ParallelEnv, config: MindVLConfig,
+                         real_tokens: int | None = None) -> StepStats:
+    """Forward/backward over this rank's micro-batches; leaves grad = d(global loss sum)/N_global in `.grad`."""
+    # [labelled targets, real tokens, FLOPs] of this rank's micro-batches, summed over ranks in one collective, before
+    # any backward: every micro-batch's loss is then scaled by the same global count.
+    if real_tokens is None:  # padding (data.pad_to_seq_len) is not counted as throughput
+        real_tokens = sum(int(b["input_ids"].numel()) for b in micro)
+    counts = torch.tensor([sum(labelled_targets(b) for b in micro), real_tokens,
+                           sum(pack_training_flops(config, b) for b in micro)], dtype=torch.float64)
+    counts = all_reduce_sum(counts.to(env.device), env).cpu()
+    # x world_size: FSDP averages gradients over ranks; undo the average so ranks' sums add up.
+    scale = env.world_size / max(1.0, float(counts[0]))
+    loss_total = torch.zeros((), dtype=torch.float64, device=env.device)
+    t_fwd = t_bwd = 0.0
+    for i, batch in enumerate(micro):
+        if env.distributed and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once, after the last one
+        ta = time.perf_counter()
+        loss_sum, _ = model(**batch)
+        tb = time.perf_counter()
+        (loss_sum * scale).backward()
+        t_fwd += tb - ta
+        t_bwd += time.perf_counter() - tb
+        loss_total += loss_sum.detach().double()
+    loss_total = all_reduce_sum(loss_total, env)
+    return StepStats(counts, float(loss_total.cpu()), t_fwd, t_bwd)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    if device.type == "cpu":
+        return batch
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv) -> Path | None:
+    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a MindVL.from_pretrained folder) on rank 0."""
+    from mindvl.checkpoint import save_pretrained
+
+    state = full_model_state(model)
+    if env.is_main:
+        with torch.device("meta"):
+            plain = MindVL(config)
+        plain.load_state_dict(state, assign=True)
+        save_pretrained(plain, out, overwrite=True, side_files_from=tokenizer_dir)
+    barrier(env)
+    return out if env.is_main else None
+
+
+# ----------------------------------------------------------------------------------------------- observability
+
+
+class MetricSinks:
+    """metrics.jsonl (rank 0), TensorBoard when installed, a rich progress bar, and the loss-curve PNG."""
+
+    def __init__(self, out: Path, recipe: Recipe, env: ParallelEnv, resume_step: int):
+        self.out, self.recipe, self.env = out, recipe, env
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.tb = None
+        self.progress = None
+        if not env.is_main:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1))
+        path = out / "metrics.jsonl"
+        # A resumed run continues the file; lines a killed run wrote after its last checkpoint are dropped.
+        kept = []
+        if resume_step and path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= resume_step:
+                    kept.append(line)
+                    rec = json.loads(line)
+                    self.steps.append(rec["step"])
+                    self.losses.append(rec["loss"])
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = path.open("a")
+        if recipe.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            except ImportError:  # tensorboard is optional (extra `plots`)
+                self.tb = None
+
+    def info(self, text: str) -> None:
+        if self.env.is_main:
+            print(text, flush=True)
+
+    def start(self, step: int, total: int) -> None:
+        if not (self.env.is_main and self.recipe.logging.progress):
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn(f"[bold]{self.recipe.phase.name}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+        self.task = self.progress.add_task("train", total=total, completed=step, stats="")
+        self.progress.start()
+
+    def log(self, rec: dict, show: bool) -> None:
+        if not self.env.is_main:
+            return
+        self.steps.append(rec["step"])
+        self.losses.append(rec["loss"])
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm"):
+                if rec[k] is not None:
+                    self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+        stats = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s mfu {rec['mfu']:.1%}"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=rec["step"], stats=stats)
+        elif show:
+            print(f"{self.recipe.phase.name} step {rec['step']}: {stats}", flush=True)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def finish(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.recipe.logging.plot and self.losses:
+            plot_loss(self.steps, self.losses, self.out / "loss.png", self.recipe.phase.name)
+
+
+def plot_loss(steps: list[int], losses: list[float], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # matplotlib is optional (extra `plots`)
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, losses)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean per labelled token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

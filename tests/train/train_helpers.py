@@ -1,0 +1,70 @@
+"""A very small recipe (tiny towers, short packs, few synthetic samples) shared by the training tests."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from mindvl.checkpoint.safetensors_io import TensorFolder
+
+BASE = {
+    "seed": 0,
+    "model": {"arch": {"text": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                                "mrope_section": [1, 1, 2]},
+                       "vision": {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                                  "fullatt_block_indexes": [1]}}},
+    "data": {"sources": [{"synth": {"tasks": ["ocr", "chart"], "n": 48, "seed": 5}}], "seq_len": 192,
+             "max_pixels": 16 * 28 * 28, "min_pixels": 4 * 28 * 28, "pack_buffer": 8, "default_system": None},
+    "phase": {"name": "multitask"},
+    "batch": {"global_batch_size": 2},
+    "optim": {"lr": 1e-3, "min_lr": 1e-4, "grad_clip": 1.0, "weight_decay": 0.01},
+    "budget": {"max_steps": 4},
+    "checkpoint": {"every": 1, "keep": 3},
+    "logging": {"progress": False, "tensorboard": False, "plot": False},
+}
+
+
+def raw_recipe(out: Path, cache: Path, **sections) -> dict:
+    raw = copy.deepcopy(BASE)
+    raw["output_dir"] = str(out)
+    raw["data"]["synth_cache"] = str(cache)
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw[key] = value
+    return raw
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in TensorFolder(folder).iter_tensors()}
+
+
+CLI = "import sys; from mindvl.cli import main; sys.exit(main())"
+
+
+def mindvl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", CLI, *args]
+
+
+def write_recipe(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"  # same kernels (and reduction order) in every process of a comparison
+    e["PYTHONWARNINGS"] = "ignore"
+    return e
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, **kw)
