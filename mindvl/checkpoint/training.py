@@ -48,13 +48,17 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 # ----------------------------------------------------------------------------------------------------- RNG state
@@ -97,10 +101,6 @@ def _finalize(partial: Path, final: Path, root: Path) -> None:
         shutil.rmtree(final)
     os.replace(partial, final)
     _write_json(root / LATEST, final.name)  # os.replace of a temp file: the pointer is never half-written
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager

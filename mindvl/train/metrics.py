@@ -111,12 +111,11 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048
     return _MEASURED[key]
 
 
-def pack_training_flops(config: MindVLConfig, batch: dict) -> float:
-    """Training FLOPs of one packed micro-batch (the dict of `Pack.to_torch()`), on its real tokens and patches."""
+def pack_training_flops(config: MindVLConfig, batch: dict, labelled_tokens: int) -> float:
+    """Training FLOPs of one packed micro-batch (the dict of `Pack.to_torch()`), on its real tokens and patches;
+    `labelled_tokens` is the number of loss targets (the trainer counts them exactly, once)."""
     cu = batch["cu_seqlens"].tolist()
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    labels = batch["labels"]
-    labelled = int((labels[1:] != -100).sum())  # upper bound off by <= one per sample; FLOPs need no more
     grid = batch.get("image_grid_thw")
     grid_list = grid.tolist() if grid is not None and len(grid) else None
-    return training_flops(config, lengths, labelled, grid_list)
+    return training_flops(config, lengths, labelled_tokens, grid_list)

@@ -36,14 +36,12 @@ from mindvl.config import Recipe
 from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
-from mindvl.models.loss import next_token_targets
+from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 
 from .metrics import device_peak_flops, pack_training_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
-
-IGNORE = -100
 
 
 @dataclass
@@ -123,7 +121,7 @@ class ShardedBatches:
 
 def labelled_targets(batch: dict) -> int:
     """How many tokens of this packed row the loss counts (targets after the per-sample shift)."""
-    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE).sum())
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -196,7 +194,6 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                 "tokenizer_dir": tokenizer_dir, "phase": recipe.phase.name, "total_steps": total_steps,
                 "recipe": recipe.to_dict()}
 
-    last_saved = step if ckpt is not None else -1
     every = recipe.checkpoint.every
     sinks.start(step, total_steps)
     while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
@@ -231,11 +228,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         if (every and step % every == 0) or done:
             save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
                             keep=recipe.checkpoint.keep)
-            last_saved = step
     sinks.stop()
-    if last_saved != step and step > 0:  # resumed at the very end: the final checkpoint exists already
-        save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
-                        keep=recipe.checkpoint.keep)
 
     final_dir = export_final(model, config, out / "final", tokenizer_dir, env)
     if env.is_main:
@@ -259,8 +252,9 @@ def accumulate_gradients(model, micro: list[dict], env: ParallelEnv, config: Min
     # any backward: every micro-batch's loss is then scaled by the same global count.
     if real_tokens is None:  # padding (data.pad_to_seq_len) is not counted as throughput
         real_tokens = sum(int(b["input_ids"].numel()) for b in micro)
-    counts = torch.tensor([sum(labelled_targets(b) for b in micro), real_tokens,
-                           sum(pack_training_flops(config, b) for b in micro)], dtype=torch.float64)
+    labelled = [labelled_targets(b) for b in micro]
+    flops = sum(pack_training_flops(config, b, n) for b, n in zip(micro, labelled, strict=True))
+    counts = torch.tensor([sum(labelled), real_tokens, flops], dtype=torch.float64)
     counts = all_reduce_sum(counts.to(env.device), env).cpu()
     # x world_size: FSDP averages gradients over ranks; undo the average so ranks' sums add up.
     scale = env.world_size / max(1.0, float(counts[0]))
