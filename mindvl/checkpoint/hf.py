@@ -68,8 +68,17 @@ def mindvl_name(hf_name: str) -> str | None:
     return hf_name  # unknown names pass through and are reported as unexpected by the loader
 
 
+def _is_conv_patch_embed(name: str, ndim: int) -> bool:
+    return name == "visual.patch_embed.weight" and ndim == 5
+
+
 def _convert_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    return conv3d_to_matmul(tensor) if name == "visual.patch_embed.weight" and tensor.dim() == 5 else tensor
+    return conv3d_to_matmul(tensor) if _is_conv_patch_embed(name, tensor.dim()) else tensor
+
+
+def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `_convert_tensor` will give, known from the file header alone (nothing is loaded)."""
+    return (shape[0], int(torch.Size(shape[1:]).numel())) if _is_conv_patch_embed(name, len(shape)) else tuple(shape)
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -261,12 +270,7 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: b
     renamed = {h: mindvl_name(h) for h in tensors.names()}
     expected = expected_shapes(cfg)
     hf_shapes = tensors.shapes()
-    found = {}
-    for hf, name in renamed.items():
-        if name is None:
-            continue
-        shape = hf_shapes[hf]
-        found[name] = (shape[0], int(torch.Size(shape[1:]).numel())) if name == "visual.patch_embed.weight" else shape
+    found = {name: _converted_shape(name, hf_shapes[hf]) for hf, name in renamed.items() if name is not None}
     if cfg.text.tie_word_embeddings:
         found.pop("language_model.lm_head.weight", None)  # some exports store the tied copy anyway
     check_tensors(found, expected, str(src))
@@ -325,8 +329,7 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     if text.tie_word_embeddings:
         lang_names = {h: n for h, n in lang_names.items() if n != "language_model.lm_head.weight"}
     vis_shapes, lang_shapes = vis.shapes(), lang.shapes()
-    found = {n: (vis_shapes[h][0], int(torch.Size(vis_shapes[h][1:]).numel())) if n == "visual.patch_embed.weight"
-             else vis_shapes[h] for h, n in vis_names.items()}
+    found = {n: _converted_shape(n, vis_shapes[h]) for h, n in vis_names.items()}
     found.update({n: lang_shapes[h] for h, n in lang_names.items()})
     projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
     projector.reset_parameters(torch.Generator().manual_seed(seed))
