@@ -25,3 +25,21 @@ def test_vision_flops_by_hand():
     # projector: 4 merged tokens * 2*(32*32 + 32*4) = 9216
     text_only = forward_flops(tiny_config(True), [3], 2)
     assert forward_flops(tiny_config(True), [3], 2, [[1, 4, 4]]) - text_only == 301056 + 40960 + 16384 + 9216
+
+
+def test_frozen_modules_cost_less_backward():
+    # Text-only row from test_text_flops_by_hand: weights 960 + 160 (head), attention 96.
+    cfg = tiny_config(True)
+    grid = [[1, 4, 4]]
+    full = training_flops(cfg, [3], 2, grid)
+    assert full == 3 * forward_flops(cfg, [3], 2, grid)
+    # Warm-up: the vision tower (before the projector) has no backward; the projector trains (2x); the frozen LLM
+    # passes activation gradients: 1x its weights, 2x its attention.
+    vision = 301056 + 40960 + 16384
+    projector = 9216
+    llm_weights, llm_attention = 960 + 160, 96
+    warmup = training_flops(cfg, [3], 2, grid, trainable=["projector"])
+    assert warmup == vision + 3 * projector + 2 * llm_weights + 3 * llm_attention
+    # Training only the LLM: nothing before it is differentiated.
+    assert training_flops(cfg, [3], 2, grid, trainable=["language_model"]) == (
+        vision + projector + 3 * (llm_weights + llm_attention))

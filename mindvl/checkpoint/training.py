@@ -141,7 +141,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 def prune(root: Path, keep: int | None) -> None:
     """Delete all but the newest `keep` complete checkpoints, and stale partial folders of older steps."""
     latest = read_latest(root)
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL))
+    complete = complete_checkpoints(root)
     if keep is not None:
         for p in complete[:-keep]:
             if latest is None or p != latest:
@@ -149,6 +149,12 @@ def prune(root: Path, keep: int | None) -> None:
     for p in root.glob(f"step_*{PARTIAL}"):
         if latest is not None and p.name < latest.name:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders under `root`, oldest first (a folder only gets its final name once complete)."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL)
+                  and (p / TRAIN_STATE).is_file())
 
 
 def read_latest(root: str | Path) -> Path | None:
@@ -159,7 +165,13 @@ def read_latest(root: str | Path) -> Path | None:
         return None
     path = root / json.loads(pointer.read_text())
     if not (path / TRAIN_STATE).is_file():
-        raise ValueError(f"{pointer} points at {path.name}, which is not a complete checkpoint")
+        # Only possible after a crash while an existing step folder was being re-saved (a run resumed from an older
+        # checkpoint): every folder with a final name is complete, so the newest of them is the right one.
+        found = complete_checkpoints(root)
+        if not found:
+            raise ValueError(f"{pointer} points at {path.name}, which is missing, and no complete checkpoint exists")
+        warnings.warn(f"{pointer} points at missing {path.name}; using {found[-1].name}", stacklevel=2)
+        return found[-1]
     return path
 
 

@@ -13,7 +13,8 @@ from typing import Any
 from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from .template import DEFAULT_SYSTEM
 
-SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")
+SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
+SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits")  # digits: short digit strings, the quickstart's learnable OCR task
 
 
 def _check_keys(d: Any, cls: type, where: str) -> dict:
@@ -58,10 +59,10 @@ class SynthConfig:
         if isinstance(tasks, str):
             tasks = [t.strip() for t in tasks.split(",") if t.strip()]
         if not isinstance(tasks, list) or not tasks:
-            raise ValueError(f"{where}.tasks: must be a non-empty list of {list(SYNTH_TASKS)}")
+            raise ValueError(f"{where}.tasks: must be a non-empty list of {list(SYNTH_KNOWN_TASKS)}")
         for t in tasks:
-            if t not in SYNTH_TASKS:
-                raise ValueError(f"{where}.tasks: unknown task {t!r} (known: {', '.join(SYNTH_TASKS)})")
+            if t not in SYNTH_KNOWN_TASKS:
+                raise ValueError(f"{where}.tasks: unknown task {t!r} (known: {', '.join(SYNTH_KNOWN_TASKS)})")
         return cls(tasks=list(tasks), n=_positive(d.get("n", 1000), f"{where}.n"),
                    seed=_typed(d.get("seed", 0), (int,), f"{where}.seed"))
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-TASKS = ("ocr", "chart", "grounding", "doc")
+TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix; GENERATORS also has "digits"
 SYNTH_VERSION = 1  # bump when the generator's output changes, so cached sets are regenerated
 
 WORDS = (
@@ -67,6 +67,22 @@ def _ocr(rng: random.Random) -> tuple[Image.Image, str, str]:
     x = rng.randint(0, max(0, w - (right - left) - 1)) - left
     y = rng.randint(0, max(0, h - (bottom - top) - 1)) - top
     draw.text((x, y), text, fill=fg, font=font, stroke_width=stroke, stroke_fill=fg)
+    q = rng.choice(("What text is written in the image?", "Read the text in the image.", "OCR this image."))
+    return img, q, text
+
+
+def _digits(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A 3-5 digit string on a 28 x 112 strip: the OCR task a tiny model learns in minutes (the quickstart's)."""
+    w, h = 112, 28
+    bg, fg = _bg_fg(rng)
+    img = Image.new("RGB", (w, h), bg)
+    draw = ImageDraw.Draw(img)
+    text = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 5)))
+    font = ImageFont.load_default(size=rng.randint(18, 22))
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    x = rng.randint(0, max(0, w - (right - left) - 1)) - left
+    y = rng.randint(0, max(0, h - (bottom - top) - 1)) - top
+    draw.text((x, y), text, fill=fg, font=font)
     q = rng.choice(("What text is written in the image?", "Read the text in the image.", "OCR this image."))
     return img, q, text
 
@@ -171,7 +187,7 @@ def _doc(rng: random.Random) -> tuple[Image.Image, str, str]:
 
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[Image.Image, str, str]]] = {
-    "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc,
+    "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc, "digits": _digits,
 }
 
 
@@ -189,7 +205,7 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[
     """Write n samples to out_dir/data.jsonl and out_dir/images/; returns the JSONL path."""
     for t in tasks:
         if t not in GENERATORS:
-            raise ValueError(f"unknown synth task {t!r} (known: {', '.join(TASKS)})")
+            raise ValueError(f"unknown synth task {t!r} (known: {', '.join(GENERATORS)})")
     if n <= 0:
         raise ValueError(f"--n must be > 0, got {n}")
     out = Path(out_dir)

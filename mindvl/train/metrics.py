@@ -2,13 +2,19 @@
 
 FLOPs are matmul FLOPs (2 per multiply-add) of the vision tower, projector and language model; attention is counted
 exactly per sequence (causal: L(L+1)/2 query-key pairs; vision: full squares per window or frame). The vocabulary
-projection is counted for labelled tokens only, because that is all mindvl computes (chunked loss). A training step
-costs 3x the forward (forward + backward for activations and weights).
+projection is counted for labelled tokens only, because that is all mindvl computes (chunked loss).
+
+Backward cost depends on what trains (a warm-up trains only the projector): a trainable module's backward is 2x its
+forward (gradients of activations and of weights); a frozen module that the gradient must still cross (the LLM
+between the projector and the loss) costs 1x its weight matmuls (activation gradients only) plus 2x its attention
+(dQ, dK, dV have no weights to skip); a frozen module before every trainable one (the vision tower in the warm-up)
+has no backward at all. With everything trainable this is the usual 3x the forward.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -26,20 +32,24 @@ PEAK_TFLOPS_BF16 = {
     "910B": 376.0,
 }
 
+# The towers in data-flow order: the gradient flows from the language model back to the first trainable module.
+MODULE_ORDER = ("visual", "projector", "language_model")
+
 
 def _seq_pairs(lengths: list[int], causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
 
 
-def forward_flops(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,
-                  grid_thw: list[list[int]] | None = None) -> float:
-    """Forward matmul FLOPs for one packed row: sample lengths, labelled-token count and image grids (t, h, w)."""
+def flops_by_module(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,
+                    grid_thw: list[list[int]] | None = None) -> dict[str, tuple[float, float]]:
+    """Forward FLOPs per module as (weight matmuls, attention score/value matmuls) for one packed row."""
     t = config.text
     tokens = sum(text_lengths)
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     per_token = 2 * (t.hidden_size * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size)
-    attn = 2 * 2 * q * _seq_pairs(text_lengths, causal=True)  # QK^T and AV
-    flops = t.num_hidden_layers * (tokens * per_token + attn) + 2 * labelled_tokens * t.hidden_size * t.vocab_size
+    text_weights = t.num_hidden_layers * tokens * per_token + 2 * labelled_tokens * t.hidden_size * t.vocab_size
+    text_attention = t.num_hidden_layers * 2 * 2 * q * _seq_pairs(text_lengths, causal=True)  # QK^T and AV
+    out = {"language_model": (float(text_weights), float(text_attention))}
     if config.vision is not None and grid_thw:
         v = config.vision
         d, merge = v.hidden_size, v.spatial_merge_size
@@ -54,17 +64,36 @@ def forward_flops(config: MindVLConfig, text_lengths: list[int], labelled_tokens
             window_pairs += gt * sum((r * c) ** 2 for r in rows for c in cols)
         per_patch = 2 * (4 * d * d + 3 * d * v.intermediate_size)
         n_full = len(v.fullatt_block_indexes)
-        attn_v = 2 * 2 * d * (n_full * frame_pairs + (v.depth - n_full) * window_pairs)
+        vision_attention = 2 * 2 * d * (n_full * frame_pairs + (v.depth - n_full) * window_pairs)
         merged = patches // (merge * merge)
         inner = d * merge * merge
-        flops += (2 * patches * v.patch_dim * d + v.depth * patches * per_patch + attn_v
-                  + 2 * merged * (inner * inner + inner * t.hidden_size))
-    return float(flops)
+        out["visual"] = (float(2 * patches * v.patch_dim * d + v.depth * patches * per_patch),
+                         float(vision_attention))
+        out["projector"] = (float(2 * merged * (inner * inner + inner * t.hidden_size)), 0.0)
+    return out
 
 
-def training_flops(*args, **kwargs) -> float:
-    """Forward + backward: 3x the forward FLOPs."""
-    return 3.0 * forward_flops(*args, **kwargs)
+def forward_flops(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,
+                  grid_thw: list[list[int]] | None = None) -> float:
+    """Forward matmul FLOPs for one packed row: sample lengths, labelled-token count and image grids (t, h, w)."""
+    parts = flops_by_module(config, text_lengths, labelled_tokens, grid_thw)
+    return sum(w + a for w, a in parts.values())
+
+
+def training_flops(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,
+                   grid_thw: list[list[int]] | None = None, trainable: Sequence[str] = MODULE_ORDER) -> float:
+    """Forward + backward FLOPs when the modules in `trainable` train (see the module docstring)."""
+    unknown = set(trainable) - set(MODULE_ORDER)
+    if unknown:
+        raise ValueError(f"trainable: unknown module(s) {sorted(unknown)} (known: {MODULE_ORDER})")
+    first = min((MODULE_ORDER.index(m) for m in trainable), default=len(MODULE_ORDER))
+    total = 0.0
+    for name, (weights, attention) in flops_by_module(config, text_lengths, labelled_tokens, grid_thw).items():
+        total += weights + attention
+        if MODULE_ORDER.index(name) < first:
+            continue  # no gradient reaches it
+        total += (2.0 if name in trainable else 1.0) * weights + 2.0 * attention
+    return total
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[float, str]:
@@ -111,11 +140,12 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048
     return _MEASURED[key]
 
 
-def pack_training_flops(config: MindVLConfig, batch: dict, labelled_tokens: int) -> float:
+def pack_training_flops(config: MindVLConfig, batch: dict, labelled_tokens: int,
+                        trainable: Sequence[str] = MODULE_ORDER) -> float:
     """Training FLOPs of one packed micro-batch (the dict of `Pack.to_torch()`), on its real tokens and patches;
     `labelled_tokens` is the number of loss targets (the trainer counts them exactly, once)."""
     cu = batch["cu_seqlens"].tolist()
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     grid = batch.get("image_grid_thw")
     grid_list = grid.tolist() if grid is not None and len(grid) else None
-    return training_flops(config, lengths, labelled_tokens, grid_list)
+    return training_flops(config, lengths, labelled_tokens, grid_list, trainable)

@@ -21,9 +21,9 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     if not decay and not no_decay:
         raise ValueError("phase.trainable: nothing to train (every parameter is frozen)")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: one code path on every device, so CPU reference runs and resumed runs take the same kernels.
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             foreach=False)
+    # torch's default implementation per device (multi-tensor on accelerators, per-parameter on CPU): a resumed run
+    # on the same device type takes the same kernels, so resume stays exact.
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def lr_at(step: int, total_steps: int, max_lr: float, min_lr: float, warmup_ratio: float, decay: str) -> float:

@@ -15,8 +15,8 @@ PHASE_FILES = ("warmup", "multitask", "sft")
 
 
 def default_recipe_dir() -> Path:
-    """`recipes/tiny` of a source checkout (the recipes are not package data)."""
-    return Path(__file__).resolve().parents[2] / "recipes" / "tiny"
+    """The tiny recipes, shipped inside the package (`recipes/tiny` of a checkout links to them)."""
+    return Path(__file__).resolve().parents[1] / "recipes" / "tiny"
 
 
 def quickstart(out: str | Path, recipe_dir: str | Path | None = None, overrides: list[str] | None = None) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,11 @@ from mindvl.checkpoint.training import (
 from mindvl.config import Recipe
 from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
-from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 
-from .metrics import device_peak_flops, pack_training_flops
+from .materialize import build_model
+from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
@@ -50,38 +52,6 @@ class RunResult:
     final_dir: Path | None
     steps: int
     losses: list[float]
-
-
-# ------------------------------------------------------------------------------------------------------- model
-
-
-def build_model(recipe: Recipe, tok, env: ParallelEnv) -> MindVL:
-    """Seeded random weights from `model.arch`, a mindvl folder (`init_from`) or an HF composition, in fp32 (the
-    master weights; FSDP's policy casts to bf16 for compute on accelerators)."""
-    m = recipe.model
-    if m.arch is not None:
-        sp = tok.special
-        text = TextConfig(**{"vocab_size": tok.vocab_size, **m.arch.get("text", {})})
-        vision = VisionConfig(**m.arch["vision"]) if m.arch.get("vision") else None
-        config = MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
-                              vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end)
-        model = MindVL(config)
-        model.init_weights(seed=m.init_seed)
-    else:
-        folder = m.init_from
-        if m.compose is not None:
-            from mindvl.checkpoint import compose
-
-            folder = str(Path(recipe.output_dir) / "composed")
-            if env.is_main and not (Path(folder) / "config.json").is_file():
-                compose(m.compose["vision"], m.compose["language"], folder, seed=m.init_seed)
-            barrier(env)
-        if not (Path(folder) / "config.json").is_file():
-            raise FileNotFoundError(f"model.init_from: {folder} is not a mindvl model folder (no config.json)")
-        model = MindVL.from_pretrained(folder, dtype=torch.float32)
-    if m.attention_backend != "auto":
-        model.set_attention_backend(m.attention_backend)
-    return model.to(env.device).train()
 
 
 # -------------------------------------------------------------------------------------------------------- data
@@ -160,10 +130,14 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                          f"global_batch_size / world size = {accum}")
     total_steps = plan_steps(recipe, data_cfg.seq_len)
 
-    model = build_model(recipe, tok, env)
+    trainable: dict[str, int] = {}
+
+    def prepare(meta_model):  # on the meta device: freeze, then checkpointing/compile/FSDP, before any allocation
+        trainable.update(apply_phase(meta_model, recipe.trainable_modules))
+        return parallelize(meta_model, env, recipe.parallel)
+
+    model = build_model(recipe, tok, env, prepare)
     config = model.config
-    trainable = apply_phase(model, recipe.trainable_modules)
-    model = parallelize(model, env, recipe.parallel)
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, total_steps, recipe.optim, recipe.schedule)
     batches = ShardedBatches(data_cfg, tok, env, shards)
@@ -201,7 +175,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         packs = [batches.next() for _ in range(accum)]
         micro = [to_device(p.to_torch(), env.device) for p in packs]
         t_data = time.perf_counter() - t0
-        stats = accumulate_gradients(model, micro, env, config, sum(p.num_real_tokens for p in packs))
+        stats = accumulate_gradients(model, micro, env, config, sum(p.num_real_tokens for p in packs),
+                                     recipe.trainable_modules)
         counts, loss_total, t_fwd, t_bwd = stats.counts, stats.loss_sum, stats.forward_s, stats.backward_s
         n_global = max(1.0, float(counts[0]))
         tc = time.perf_counter()
@@ -246,14 +221,14 @@ class StepStats:
 
 
 def accumulate_gradients(model, micro: list[dict], env: ParallelEnv, config: MindVLConfig,
-                         real_tokens: int | None = None) -> StepStats:
+                         real_tokens: int | None = None, trainable: Sequence[str] = MODULE_ORDER) -> StepStats:
     """Forward/backward over this rank's micro-batches; leaves grad = d(global loss sum)/N_global in `.grad`."""
     # [labelled targets, real tokens, FLOPs] of this rank's micro-batches, summed over ranks in one collective, before
     # any backward: every micro-batch's loss is then scaled by the same global count.
     if real_tokens is None:  # padding (data.pad_to_seq_len) is not counted as throughput
         real_tokens = sum(int(b["input_ids"].numel()) for b in micro)
     labelled = [labelled_targets(b) for b in micro]
-    flops = sum(pack_training_flops(config, b, n) for b, n in zip(micro, labelled, strict=True))
+    flops = sum(pack_training_flops(config, b, n, trainable) for b, n in zip(micro, labelled, strict=True))
     counts = torch.tensor([sum(labelled), real_tokens, flops], dtype=torch.float64)
     counts = all_reduce_sum(counts.to(env.device), env).cpu()
     # x world_size: FSDP averages gradients over ranks; undo the average so ranks' sums add up.

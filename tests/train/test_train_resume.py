@@ -87,3 +87,16 @@ def test_save_interrupted_mid_way_leaves_previous_checkpoint(tmp_path, monkeypat
     ours, ref = load_weights(tmp_path / "run" / "final"), load_weights(tmp_path / "ref" / "final")
     assert all(torch.equal(ours[n], ref[n]) for n in ref)
     assert not (root / "step_00000002.partial").exists()  # cleaned by the next save
+
+
+def test_latest_pointing_at_a_missing_folder_falls_back_to_the_newest_complete(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step, complete in ((1, True), (2, True), (3, False)):
+        folder = root / training.step_name(step)
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / training.TRAIN_STATE).write_text("{}")
+    (root / "step_00000004.partial").mkdir()
+    (root / training.LATEST).write_text('"step_00000005"')  # its folder was being re-saved when the run died
+    with pytest.warns(UserWarning, match="missing step_00000005"):
+        assert read_latest(root).name == "step_00000002"

@@ -10,10 +10,11 @@ from train_helpers import load_weights, raw_recipe
 
 from mindvl.config import load_recipe
 from mindvl.data import DataConfig, build_loader, load_tokenizer
+from mindvl.train.materialize import build_model
 from mindvl.train.optim import build_optimizer
 from mindvl.train.parallel import ParallelEnv
 from mindvl.train.phases import apply_phase
-from mindvl.train.trainer import accumulate_gradients, build_model, labelled_targets, train
+from mindvl.train.trainer import accumulate_gradients, labelled_targets, train
 
 ENV = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
 
