@@ -71,6 +71,9 @@ class OptimSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float | None = 1.0
+    # MoE language models: DeepSeek-V3's auxiliary-loss-free balancing moves each router's correction bias by this
+    # much per optimizer step against its experts' load (0 disables; only while the language model trains).
+    router_bias_rate: float = 1e-3
 
 
 @dataclass
@@ -138,6 +141,7 @@ class Recipe:
         _check(0 <= self.optim.min_lr <= self.optim.lr, "optim.min_lr", "must lie in [0, optim.lr]")
         _check(len(self.optim.betas) == 2, "optim.betas", "must be two numbers")
         _check(self.optim.grad_clip is None or self.optim.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
+        _check(self.optim.router_bias_rate >= 0, "optim.router_bias_rate", "must be >= 0")
         _check(0 <= self.schedule.warmup_ratio < 1, "schedule.warmup_ratio", "must lie in [0, 1)")
         _check(self.schedule.decay in ("cosine", "linear", "constant"), "schedule.decay",
                f"must be cosine, linear or constant, got {self.schedule.decay!r}")

@@ -104,3 +104,71 @@ def multimodal_ids(pieces: list, seed: int = 0) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---------------------------------------------------------------------------------------------------- MoE models
+
+DEEPSEEK_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                   n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                   kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=256,
+                   rope_theta=10000.0, rope_interleave=True, tie_word_embeddings=False)
+
+
+@torch.no_grad()
+def randomise_router_bias(model: torch.nn.Module, seed: int, std: float = 0.05) -> torch.nn.Module:
+    """DeepSeek's e_score_correction_bias is a buffer (zero at init); small values keep -inf vs 0.0 masking moot."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(std * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def deepseek_v3(folder: Path | None = None, seed: int = 0, **overrides):
+    """A tiny DeepSeek-V3 (MLA, 1 dense + 2 MoE layers, 8 experts in 4 groups, top-2 of 2 groups, 1 shared expert);
+    `overrides` change DEEPSEEK_KW (e.g. q_lora_rank=None, rope_scaling={...yarn...}). Saved if `folder`."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(**{**DEEPSEEK_KW, **overrides}, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = randomise_router_bias(randomise(DeepseekV3ForCausalLM(cfg), seed), seed).eval()
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model
+
+
+# Tiny configs of transformers' other MoE families (router: softmax top-k); the keys each config class takes.
+MOE_FAMILIES = {
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True,
+                       head_dim=8)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=6, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2)),
+}
+
+
+def moe_lm(family: str, folder: Path | None = None, seed: int = 0):
+    """A tiny random `family` MoE causal LM (3 layers, hidden 32); saved if `folder`. DeepSeek-V3 via deepseek_v3."""
+    import transformers
+
+    if family == "deepseek_v3":
+        return deepseek_v3(folder, seed)
+    cfg_name, model_name, moe = MOE_FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        attn_implementation="eager", **moe)
+    torch.manual_seed(seed)
+    model = randomise(getattr(transformers, model_name)(cfg), seed).eval()
+    with torch.no_grad():  # routers at 0.05 std give near-uniform softmax; sharpen so top-k is decisive
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model

@@ -43,3 +43,16 @@ def test_frozen_modules_cost_less_backward():
     # Training only the LLM: nothing before it is differentiated.
     assert training_flops(cfg, [3], 2, grid, trainable=["language_model"]) == (
         vision + projector + 3 * (llm_weights + llm_attention))
+
+
+def test_deepseek_flops_by_hand():
+    # H=8, 2 heads, nope 4 + rope 2 (qk 6), v 4, kv_lora 4, q_lora 3, E=4 top-2 + 1 shared of width 2, 1 dense layer
+    # (I=6) of 2. Per token: attention 2*(q 8*3+3*2*6 + kv 8*(4+2)+4*2*(4+4) + o 2*4*8) = 2*(60+112+64) = 472 per
+    # layer; dense MLP 2*3*8*6 = 288; MoE MLP 2*(8*4 + 3*3*8*2) = 352. One token: 2*472 + 288 + 352 = 1584,
+    # attention 1 pair * 2 layers * 2 * 2 heads * (6 + 4) = 80; logits 2*8*10 = 160 for one labelled token.
+    text = TextConfig(family="deepseek_v3", vocab_size=10, hidden_size=8, intermediate_size=6, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=2, moe_intermediate_size=2,
+                      n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                      q_lora_rank=3, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+    cfg = MindVLConfig(text=text, vision=None)
+    assert forward_flops(cfg, [1], labelled_tokens=1) == 1584 + 80 + 160

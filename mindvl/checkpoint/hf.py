@@ -3,6 +3,11 @@
 Supported sources (detected from config.json `model_type`):
 - `qwen2_5_vl`: a Qwen2.5-VL model; its merger becomes the projector, its Qwen2 LLM the language model (M-RoPE).
 - `qwen3` / `qwen2`: a causal LM, imported as a text-only model (no vision tower).
+- `deepseek_v3`: a DeepSeek-V3-architecture MoE causal LM (MLA + DeepSeek-MoE), text-only. Routed experts are
+  stored per expert on the hub (`mlp.experts.{e}.{gate,up,down}_proj.weight`, also what transformers 5.x's
+  save_pretrained writes) or fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, transformers 5.x's
+  in-memory form); both are read and stacked into mindvl's `mlp.experts.{gate,up,down}_proj [E, ...]`. Multi-token
+  prediction layers (index >= num_hidden_layers) are dropped; FP8 checkpoints are refused (dequantize them first).
 - `mindvl`: already ours.
 
 A MindVL *composition* takes the vision tower of a Qwen2.5-VL checkpoint and the language model of another
@@ -19,6 +24,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -81,6 +87,78 @@ def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], int(torch.Size(shape[1:]).numel())) if _is_conv_patch_embed(name, len(shape)) else tuple(shape)
 
 
+_EXPERT_PIECE = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_GATE_UP = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.gate_up_proj$")
+_LAYER_INDEX = re.compile(r"^language_model\.layers\.(\d+)\.")
+
+
+class TensorPlan:
+    """How the tensors of a HF folder become mindvl tensors, known from the headers before anything is loaded.
+
+    `names` maps HF names to mindvl names (`mindvl_name`, already filtered). Most tensors are renamed (and the
+    patch embedding reshaped); for a deepseek_v3 LLM, per-expert tensors are stacked into `experts.{proj}_proj
+    [E, ...]`, a fused `experts.gate_up_proj [E, 2I, H]` (gate rows first) is split in two, and multi-token
+    prediction layers past `num_hidden_layers` are dropped. `tensors()` streams the results; a stack is held only
+    until its last expert has been read.
+    """
+
+    def __init__(self, folder: TensorFolder, names: dict[str, str], text: TextConfig) -> None:
+        fp8 = [h for h in names if h.endswith("weight_scale_inv")]
+        if fp8:
+            raise ValueError(f"{folder.folder}: an FP8 checkpoint ({fp8[0]} ...); dequantize it to bf16 first")
+        self.folder, self.num_experts = folder, text.n_routed_experts
+        self.direct: dict[str, str] = {}
+        self.stacks: dict[str, dict[int, str]] = {}  # mindvl name -> {expert: HF name}
+        self.splits: dict[str, tuple[str, str]] = {}  # HF fused gate_up -> (mindvl gate, mindvl up)
+        for hf, name in names.items():
+            layer = _LAYER_INDEX.match(name)
+            if text.is_moe and layer and int(layer.group(1)) >= text.num_hidden_layers:
+                continue  # DeepSeek-V3's MTP module (model.layers.61 on the hub); transformers ignores it too
+            piece = _EXPERT_PIECE.match(name) if text.is_moe else None
+            fused = _FUSED_GATE_UP.match(name) if text.is_moe else None
+            if piece:
+                self.stacks.setdefault(f"{piece.group(1)}.{piece.group(3)}_proj", {})[int(piece.group(2))] = hf
+            elif fused:
+                self.splits[hf] = (f"{fused.group(1)}.gate_proj", f"{fused.group(1)}.up_proj")
+            else:
+                self.direct[hf] = name
+        for name, pieces in self.stacks.items():
+            absent = sorted(set(range(self.num_experts)) - set(pieces))
+            extra = sorted(set(pieces) - set(range(self.num_experts)))
+            if absent or extra:
+                raise ValueError(f"{folder.folder}: {name} has experts {sorted(pieces)[:8]}... but the config has "
+                                 f"{self.num_experts} (missing {absent[:8]}, unexpected {extra[:8]})")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        hf = self.folder.shapes()
+        out = {name: _converted_shape(name, hf[h]) for h, name in self.direct.items()}
+        for name, pieces in self.stacks.items():
+            out[name] = (len(pieces), *hf[pieces[0]])
+        for h, (gate, up) in self.splits.items():
+            e, two_i, hidden = hf[h]
+            out[gate] = out[up] = (e, two_i // 2, hidden)
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        owner = {h: name for name, pieces in self.stacks.items() for h in pieces.values()}
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        wanted = [*self.direct, *owner, *self.splits]
+        for h, tensor in self.folder.iter_tensors(wanted):
+            if h in self.direct:
+                yield self.direct[h], _convert_tensor(self.direct[h], tensor)
+            elif h in self.splits:
+                gate, up = tensor.chunk(2, dim=1)
+                yield self.splits[h][0], gate.contiguous()
+                yield self.splits[h][1], up.contiguous()
+            else:
+                name = owner[h]
+                got = pending.setdefault(name, {})
+                got[h] = tensor
+                if len(got) == self.num_experts:
+                    yield name, torch.stack([got[self.stacks[name][e]] for e in range(self.num_experts)])
+                    del pending[name]
+
+
 # ---------------------------------------------------------------------------------------------------- configs
 
 
@@ -108,6 +186,8 @@ def _rope(text: dict) -> tuple[float, list[int] | None]:
 def text_config_from_hf(config: dict, family: str) -> TextConfig:
     # transformers >= 5 nests the LLM under text_config; hub configs keep it flat. Top-level keys are the fallback.
     text = {**config, **(config.get("text_config") or {})}
+    if family == "deepseek_v3":
+        return deepseek_text_config_from_hf(text, config)
     theta, section = _rope(text)
     heads = text["num_attention_heads"]
     return TextConfig(
@@ -125,6 +205,56 @@ def text_config_from_hf(config: dict, family: str) -> TextConfig:
         max_position_embeddings=text.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         hidden_act=text.get("hidden_act", "silu"),
+    )
+
+
+_DEEPSEEK_KEYS = (
+    "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+    "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+)
+# transformers' DeepseekV3Config defaults, for keys a config.json may leave out (its class fills them the same way).
+_DEEPSEEK_HF_DEFAULTS = {"n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+                         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 1536}
+
+
+def deepseek_text_config_from_hf(text: dict, config: dict) -> TextConfig:
+    """DeepseekV3Config (hub `rope_scaling` + `rope_theta`, or transformers 5's `rope_parameters`) -> TextConfig."""
+    params = dict(text.get("rope_parameters") or {})
+    scaling = dict(text.get("rope_scaling") or {}) or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"deepseek_v3 rope scaling type {kind!r} is not supported (default RoPE and yarn are)")
+    rope_scaling = None
+    if kind == "yarn":
+        rope_scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+        rope_scaling["rope_type"] = "yarn"
+    # Hub configs name the routing scheme (read by DeepSeek's own modeling code); mindvl implements V3's.
+    for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if text.get(key, supported) != supported:
+            raise ValueError(f"deepseek_v3 config.json: {key}={text[key]!r} is not supported (only {supported!r})")
+    missing = [k for k in _DEEPSEEK_KEYS if k not in text and k not in _DEEPSEEK_HF_DEFAULTS]
+    if missing:
+        raise ValueError(f"deepseek_v3 config.json lacks {missing}")
+    moe = {k: text.get(k, _DEEPSEEK_HF_DEFAULTS.get(k)) for k in _DEEPSEEK_KEYS}
+    heads = text["num_attention_heads"]
+    return TextConfig(
+        family="deepseek_v3",
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        num_hidden_layers=text["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=float(text.get("rope_theta", params.get("rope_theta", 10000.0))),
+        max_position_embeddings=text.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        hidden_act=text.get("hidden_act", "silu"),
+        rope_interleave=bool(text.get("rope_interleave", True)),
+        rope_scaling=rope_scaling,
+        attention_bias=bool(text.get("attention_bias", False)),
+        **moe,
     )
 
 
@@ -149,10 +279,11 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
 
 def detect_family(config: dict, where: str) -> str:
     kind = config.get("model_type")
-    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "mindvl"):
+    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl"):
         return kind
     raise ValueError(
-        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl (vision+LLM), qwen3 and qwen2 (LLM)"
+        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl (vision+LLM), qwen3, qwen2 and "
+        "deepseek_v3 (LLM)"
     )
 
 
@@ -224,10 +355,19 @@ def load_pretrained(folder: str | os.PathLike, dtype: torch.dtype | None = None,
         model = MindVL(cfg)
     state = {}
     for name, tensor in tensors.iter_tensors():
-        cast = dtype if dtype is not None and tensor.is_floating_point() else None
+        cast = dtype if dtype is not None and tensor.is_floating_point() and not _keep_fp32(name) else None
         state[name] = tensor.to(device=device, dtype=cast)
     model.load_state_dict(state, assign=True, strict=True)
+    for module in model.modules():  # non-persistent buffers (an MoE router's load counts) are not saved: zeros
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[key] = torch.zeros_like(buf, device=device)
     return model.eval()
+
+
+def _keep_fp32(name: str) -> bool:
+    """Tensors loaded in float32 whatever dtype is asked: the MoE routers' correction bias (as transformers does)."""
+    return name.endswith("e_score_correction_bias")
 
 
 def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = False,
@@ -268,16 +408,15 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: b
     cfg = mindvl_config_from_hf(read_config(src), src)
     tensors = TensorFolder(src)
     renamed = {h: mindvl_name(h) for h in tensors.names()}
-    expected = expected_shapes(cfg)
-    hf_shapes = tensors.shapes()
-    found = {name: _converted_shape(name, hf_shapes[hf]) for hf, name in renamed.items() if name is not None}
-    if cfg.text.tie_word_embeddings:
-        found.pop("language_model.lm_head.weight", None)  # some exports store the tied copy anyway
-    check_tensors(found, expected, str(src))
+    renamed = {h: n for h, n in renamed.items() if n is not None}
+    if cfg.text.tie_word_embeddings:  # some exports store the tied copy anyway
+        renamed = {h: n for h, n in renamed.items() if n != "language_model.lm_head.weight"}
+    plan = TensorPlan(tensors, renamed, cfg.text)
+    check_tensors(plan.shapes(), expected_shapes(cfg), str(src))
     with atomic_output_folder(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
-        for hf, tensor in tensors.iter_tensors([h for h, n in renamed.items() if n in found]):
-            writer.add(renamed[hf], _convert_tensor(renamed[hf], tensor))
+        for name, tensor in plan.tensors():
+            writer.add(name, tensor)
         writer.close()
         _write_config(tmp, cfg)
         copy_side_files(src, tmp)
@@ -307,8 +446,9 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
         raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL checkpoint (model_type qwen2_5_vl)")
     lcfg_raw = read_config(language_from)
     lang_family = detect_family(lcfg_raw, str(language_from / CONFIG_NAME))
-    if lang_family not in ("qwen3", "qwen2"):
-        raise ValueError(f"{language_from}: --language-from must be a qwen3 or qwen2 causal LM, not {lang_family!r}")
+    if lang_family not in ("qwen3", "qwen2", "deepseek_v3"):
+        raise ValueError(f"{language_from}: --language-from must be a qwen3, qwen2 or deepseek_v3 causal LM, "
+                         f"not {lang_family!r}")
     if position_encoding not in ("mrope", "rope"):
         raise ValueError(f"position_encoding must be 'mrope' or 'rope', not {position_encoding!r}")
     text = text_config_from_hf(lcfg_raw, lang_family)
@@ -328,9 +468,10 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     lang_names = {h: n for h, n in lang_names.items() if n is not None}
     if text.tie_word_embeddings:
         lang_names = {h: n for h, n in lang_names.items() if n != "language_model.lm_head.weight"}
-    vis_shapes, lang_shapes = vis.shapes(), lang.shapes()
+    vis_shapes = vis.shapes()
+    lang_plan = TensorPlan(lang, lang_names, text)
     found = {n: _converted_shape(n, vis_shapes[h]) for h, n in vis_names.items()}
-    found.update({n: lang_shapes[h] for h, n in lang_names.items()})
+    found.update(lang_plan.shapes())
     projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
     projector.reset_parameters(torch.Generator().manual_seed(seed))
     proj_state = {f"projector.{k}": v for k, v in projector.state_dict().items()}
@@ -342,9 +483,10 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
         for h, tensor in vis.iter_tensors(list(vis_names)):
             writer.add(vis_names[h], _convert_tensor(vis_names[h], tensor))
         dtype = None
-        for h, tensor in lang.iter_tensors(list(lang_names)):
-            dtype = dtype or tensor.dtype
-            writer.add(lang_names[h], tensor)
+        for name, tensor in lang_plan.tensors():
+            if not _keep_fp32(name):
+                dtype = dtype or tensor.dtype
+            writer.add(name, tensor)
         for name, tensor in proj_state.items():
             writer.add(name, tensor.to(dtype or torch.float32))
         writer.close()

@@ -2,6 +2,8 @@
 
 - vision + Qwen2 LLM with M-RoPE (a converted or fine-tuned Qwen2.5-VL) -> `Qwen2_5_VLForConditionalGeneration`;
 - text-only Qwen3 / Qwen2 -> `Qwen3ForCausalLM` / `Qwen2ForCausalLM`.
+- text-only DeepSeek-V3 -> `DeepseekV3ForCausalLM`, routed experts written per expert as on the hub
+  (`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers 4.51+ and 5.x both load.
 A MindVL composition (Qwen2.5-VL vision tower + Qwen3 LLM) has no transformers class, so it is refused with a
 clear message rather than written in a layout nothing can load.
 
@@ -40,6 +42,29 @@ def hf_name(name: str) -> str:
     raise ValueError(f"no transformers name for tensor {name!r}")
 
 
+_STACKED_EXPERTS = re.compile(r"^language_model\.(layers\.\d+\.mlp\.experts)\.(gate|up|down)_proj$")
+
+
+def hf_tensors(name: str, tensor):
+    """(HF name, tensor) pairs for one mindvl tensor: stacked experts [E, ...] become E per-expert weights."""
+    stacked = _STACKED_EXPERTS.match(name)
+    if stacked:
+        for e, piece in enumerate(tensor.unbind(0)):
+            yield f"model.{stacked.group(1)}.{e}.{stacked.group(2)}_proj.weight", piece
+    else:
+        yield hf_name(name), tensor
+
+
+def _deepseek_config(t) -> dict:
+    keys = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+            "topk_group", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "attention_bias")
+    extra = {k: getattr(t, k) for k in keys}
+    if t.rope_scaling is not None:
+        extra["rope_scaling"] = {**t.rope_scaling, "type": t.rope_scaling.get("rope_type", "yarn")}
+    return extra
+
+
 def hf_config(cfg: MindVLConfig) -> dict:
     t = cfg.text
     text = {
@@ -50,8 +75,11 @@ def hf_config(cfg: MindVLConfig) -> dict:
         "hidden_act": t.hidden_act,
     }
     if cfg.vision is None:
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[t.family]
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+        arch = arch[t.family]
         extra = {"head_dim": t.head_dim, "attention_bias": False} if t.family == "qwen3" else {}
+        if t.family == "deepseek_v3":
+            extra = _deepseek_config(t)
         return {"architectures": [arch], "model_type": t.family, **text, **extra}
     if t.family != "qwen2" or t.mrope_section is None or t.head_dim * t.num_attention_heads != t.hidden_size:
         raise ValueError(
@@ -84,13 +112,14 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     with atomic_output_folder(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, tensor in tensors.iter_tensors():
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and not name.endswith("e_score_correction_bias"):  # that one stays fp32
                 # transformers >= 5 loads in the dtype the config names (4.x reads torch_dtype): state the real one.
                 config["torch_dtype"] = config["dtype"] = str(tensor.dtype).removeprefix("torch.")
             if name == "visual.patch_embed.weight":
                 v = cfg.vision
                 tensor = matmul_to_conv3d(tensor, v.in_channels, v.temporal_patch_size, v.patch_size)
-            writer.add(hf_name(name), tensor)
+            for hf, piece in hf_tensors(name, tensor):
+                writer.add(hf, piece)
         writer.close()
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(src, tmp)

@@ -21,6 +21,13 @@ from safetensors.torch import save_file
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
+# torch dtype <-> the dtype tags of safetensors headers (the format's spec lists them).
+_DTYPE_TAGS: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+_TAG_DTYPES = {tag: dtype for dtype, tag in _DTYPE_TAGS.items()}
 
 
 class TensorFolder:
@@ -58,6 +65,18 @@ class TensorFolder:
             with safe_open(path, framework="pt") as f:
                 for name in names:
                     out[name] = tuple(f.get_slice(name).get_shape())
+        return out
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Tensor dtypes from the file headers; nothing is loaded."""
+        out: dict[str, torch.dtype] = {}
+        for path, names in self._by_file().items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    tag = f.get_slice(name).get_dtype()
+                    if tag not in _TAG_DTYPES:
+                        raise ValueError(f"{path}: tensor {name!r} has dtype {tag}, which mindvl does not read")
+                    out[name] = _TAG_DTYPES[tag]
         return out
 
     def get(self, name: str) -> torch.Tensor:
@@ -124,6 +143,112 @@ class ShardedWriter:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
         return names
+
+
+class StreamingShardWriter:
+    """Writes a tensor list known in advance straight to disk, holding no tensor after `add` returns.
+
+    `ShardedWriter` buffers a whole shard (up to `max_shard_bytes`) because safetensors' `save_file` wants every
+    tensor of a file at once. When the names, dtypes and shapes are known beforehand (e.g. from input headers, as
+    in a merge), each shard's header can be written first and the tensors appended one by one in `plan` order, so
+    memory stays at one tensor. The shards, their names and the index are the same as `ShardedWriter`'s. Use it as
+    a context manager so an error closes the open file.
+    """
+
+    def __init__(self, folder: str | os.PathLike, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        if not plan:
+            raise ValueError("no tensors to write")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._shards = _plan_shards(plan, max_shard_bytes)
+        self._queue = [(shard_i, name, dtype, shape) for shard_i, shard in enumerate(self._shards)
+                       for name, dtype, shape in shard]
+        self._next = 0
+        self._file = None
+        self.total_bytes = 0
+
+    def __enter__(self) -> StreamingShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next planned tensor; its name, dtype and shape must be the plan's."""
+        if self._next >= len(self._queue):
+            raise ValueError(f"tensor {name!r} is not in the plan (all {len(self._queue)} tensors were written)")
+        shard_i, want, dtype, shape = self._queue[self._next]
+        if (name, tensor.dtype, tuple(tensor.shape)) != (want, dtype, tuple(shape)):
+            raise ValueError(f"expected tensor {want!r} {dtype} {tuple(shape)} next, got {name!r} {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+        if self._file is None:
+            self._file = open(self.folder / f"shard-{shard_i:05d}.tmp", "wb")  # noqa: SIM115 (closed below)
+            self._file.write(_header_bytes(self._shards[shard_i]))
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        # A uint8 view of the same memory, written as is: safetensors stores little-endian, like x86/ARM hosts.
+        self._file.write(flat.view(torch.uint8).numpy().data)
+        self.total_bytes += flat.numel() * flat.element_size()
+        self._next += 1
+        last_of_shard = self._next == len(self._queue) or self._queue[self._next][0] != shard_i
+        if last_of_shard:
+            self._file.close()
+            self._file = None
+
+    def close(self) -> list[str]:
+        """Check every planned tensor arrived, name the shards and write the index; returns the shard file names."""
+        if self._next != len(self._queue):
+            missing = self._queue[self._next][1]
+            raise ValueError(f"only {self._next} of {len(self._queue)} planned tensors were written "
+                             f"(next missing: {missing!r})")
+        n = len(self._shards)
+        names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, final in enumerate(names):
+            os.replace(self.folder / f"shard-{i:05d}.tmp", self.folder / final)
+        if n > 1:
+            weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t, _, _ in shard}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        return names
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def _plan_shards(plan: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int) -> list[list]:
+    """Split the plan into shards the way `ShardedWriter` does: a new shard when the next tensor would overflow."""
+    shards: list[list] = [[]]
+    size = 0
+    seen: set[str] = set()
+    for name, dtype, shape in plan:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} planned twice")
+        if dtype not in _DTYPE_TAGS:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors")
+        seen.add(name)
+        nbytes = _nbytes(dtype, shape)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dtype, tuple(shape)))
+        size += nbytes
+    return shards
+
+
+def _header_bytes(shard: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The safetensors preamble: u64 little-endian header length, then the JSON header padded to 8 bytes."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in shard:
+        end = offset + _nbytes(dtype, shape)
+        header[name] = {"dtype": _DTYPE_TAGS[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the tensor data then starts 8-byte aligned, as safetensors itself writes
+    return len(text).to_bytes(8, "little") + text
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ import importlib
 import sys
 
 # Sub-command modules, in the order `mindvl --help` lists them.
-COMMAND_MODULES = ("quickstart", "train", "export", "convert", "data")
+COMMAND_MODULES = ("quickstart", "train", "export", "convert", "merge", "chat", "eval", "search_resolution", "data",
+                   "moe_analyze")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,9 +68,27 @@ class VisionConfig:
         return self.spatial_merge_size**2
 
 
+# DeepSeek-V3 fields: (neutral default filled in for family "deepseek_v3", or None when the key is required there).
+_DEEPSEEK_DEFAULTS: dict[str, Any] = {
+    "moe_intermediate_size": None, "n_routed_experts": None, "num_experts_per_tok": None, "kv_lora_rank": None,
+    "qk_nope_head_dim": None, "qk_rope_head_dim": None, "v_head_dim": None,
+    "n_shared_experts": 0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True, "rope_interleave": True,
+}
+# Keys that are meaningful only for deepseek_v3 (a dense config that sets one is a mistake worth naming).
+_DEEPSEEK_ONLY = (*_DEEPSEEK_DEFAULTS, "q_lora_rank", "rope_scaling")
+
+
 @dataclass
 class TextConfig:
-    """Dense decoder: `qwen3` (q/k RMSNorm, no bias) or `qwen2` (qkv bias; Qwen2.5-VL's LLM)."""
+    """Decoder LLM: dense `qwen3` (q/k RMSNorm, no bias) or `qwen2` (qkv bias; Qwen2.5-VL's LLM), or `deepseek_v3`
+    (MLA attention + DeepSeek-MoE with sigmoid, bias-corrected, group-limited routing; mindvl.models.moe).
+
+    For `deepseek_v3`, `intermediate_size` is the width of the first `first_k_dense_replace` dense MLP layers, and
+    (as in transformers' DeepseekV3Config) `head_dim` is derived = `qk_rope_head_dim` (the rotary width, which
+    `mrope_section` splits) and `num_key_value_heads` = `num_attention_heads` (MLA expands its latent into one key
+    and value per head). The DeepSeek keys stay None for the dense families, so older config.json files load.
+    """
 
     family: str = "qwen3"
     vocab_size: int = 151936
@@ -86,12 +104,37 @@ class TextConfig:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    # ---- deepseek_v3 only (see _DEEPSEEK_DEFAULTS for what is required and what defaults)
+    moe_intermediate_size: int | None = None  # width of each routed expert (shared experts: x n_shared_experts)
+    n_routed_experts: int | None = None
+    n_shared_experts: int | None = None
+    num_experts_per_tok: int | None = None  # top-k
+    n_group: int | None = None  # experts are split into n_group groups; tokens may use only topk_group of them
+    topk_group: int | None = None
+    first_k_dense_replace: int | None = None  # layers [0, k) use a dense MLP, the rest MoE
+    routed_scaling_factor: float | None = None  # multiplies the (normalised) routing weights
+    norm_topk_prob: bool | None = None  # normalise the top-k weights to sum to 1
+    q_lora_rank: int | None = None  # None -> a plain q_proj (DeepSeek-V2-Lite style); set -> q_a/q_b low-rank
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool | None = None  # rotary pairs stored interleaved (x0,x1),(x2,x3)... as in the checkpoints
+    rope_scaling: dict[str, Any] | None = None  # None (plain RoPE) or transformers' yarn parameters
+    attention_bias: bool = False  # bias on q_a/q/kv_a/o projections (deepseek_v3; False in released models)
 
-    FAMILIES = ("qwen3", "qwen2")
+    FAMILIES = ("qwen3", "qwen2", "deepseek_v3")
 
     def __post_init__(self) -> None:
         w = "text"
         _require(self.family in self.FAMILIES, w, f"family {self.family!r} is not one of {self.FAMILIES}")
+        if self.is_moe:
+            self._check_deepseek(w)
+        else:
+            for key in _DEEPSEEK_ONLY:
+                _require(getattr(self, key) is None, w, f"{key} is only used by family 'deepseek_v3', not "
+                         f"{self.family!r}; remove it")
+            _require(not self.attention_bias, w, "attention_bias is only used by family 'deepseek_v3'")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, w,
                  "num_attention_heads must be a multiple of num_key_value_heads")
         _require(self.head_dim % 2 == 0, w, "head_dim must be even")
@@ -100,6 +143,49 @@ class TextConfig:
             _require(len(self.mrope_section) == 3 and sum(self.mrope_section) == self.head_dim // 2, w,
                      f"mrope_section {self.mrope_section} must have 3 parts summing to head_dim/2 "
                      f"= {self.head_dim // 2}")
+
+    def _check_deepseek(self, w: str) -> None:
+        for key, default in _DEEPSEEK_DEFAULTS.items():
+            if getattr(self, key) is None:
+                _require(default is not None, w, f"family 'deepseek_v3' requires {key}")
+                setattr(self, key, default)
+
+        def positive(*keys: str) -> None:
+            for key in keys:
+                _require(int(getattr(self, key)) > 0, w, f"{key} must be positive, got {getattr(self, key)}")
+
+        positive("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
+                 "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")
+        _require(self.qk_nope_head_dim >= 0, w, "qk_nope_head_dim must be >= 0")
+        _require(self.n_shared_experts >= 0, w, "n_shared_experts must be >= 0")
+        _require(self.q_lora_rank is None or self.q_lora_rank > 0, w, "q_lora_rank must be positive or null")
+        _require(self.qk_rope_head_dim % 2 == 0, w, "qk_rope_head_dim must be even")
+        _require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, w,
+                 f"first_k_dense_replace must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
+        e, g = self.n_routed_experts, self.n_group
+        _require(e % g == 0, w, f"n_routed_experts ({e}) must be divisible by n_group ({g})")
+        _require(g == 1 or e // g >= 2, w, "n_group > 1 needs at least 2 experts per group (groups score by top-2)")
+        _require(self.topk_group <= g, w, f"topk_group ({self.topk_group}) must be <= n_group ({g})")
+        _require(self.num_experts_per_tok <= self.topk_group * (e // g), w,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group "
+                 f"({self.topk_group}) groups of {e // g}")
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            _require(kind in ("yarn", "default"), w,
+                     f"rope_scaling type {kind!r} is not supported for deepseek_v3 (yarn or none)")
+            if kind == "default":
+                self.rope_scaling = None
+            else:
+                for key in ("factor", "original_max_position_embeddings"):
+                    _require(self.rope_scaling.get(key) is not None, w, f"rope_scaling (yarn) requires {key}")
+        # Derived, as transformers' DeepseekV3Config does (see the class docstring).
+        self.head_dim = self.qk_rope_head_dim
+        self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family == "deepseek_v3"
 
     @property
     def qkv_bias(self) -> bool:

@@ -8,6 +8,9 @@ Two call forms share one forward:
   pixel_values=[P, 1176], image_grid_thw=[N, 3])` returns `LossOutput(loss_sum, num_tokens)`; without labels it
   returns `MindVLOutput(logits=[T, V])`.
 
+Generation (mindvl.infer) uses `new_kv_cache`, `prefill` (B packed prompts -> last-token logits and next positions)
+and `decode_step` (one token per sequence).
+
 Image features replace the image-pad token embeddings in order. A micro-batch without images still runs the
 vision tower and projector on zero patches (and ties them into the graph with a zero), so that under FSDP every
 rank runs the same collectives every step.
@@ -24,8 +27,10 @@ from torch import nn
 from .attention import check_backend_name
 from .config import MindVLConfig
 from .loss import chunked_cross_entropy, next_token_targets
+from .moe import MoETextModel
 from .projector import Projector
-from .text import TextModel
+from .random_init import seeded_init_tensors
+from .text import KVCache, TextModel
 from .vision import VisionTransformer
 
 
@@ -93,7 +98,7 @@ class MindVL(nn.Module):
             self.projector = Projector(config.vision.hidden_size, config.text.hidden_size, config.vision.merge_unit)
         else:
             self.visual, self.projector = None, None
-        self.language_model = TextModel(config.text)
+        self.language_model = MoETextModel(config.text) if config.text.is_moe else TextModel(config.text)
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -114,14 +119,9 @@ class MindVL(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Seeded random weights: normal linear/embedding weights, zero biases, unit norms (the tiny default)."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:  # norm weights
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+        params = dict(self.named_parameters())
+        for name, value in seeded_init_tensors(((n, p.shape) for n, p in params.items()), seed, std):
+            params[name].copy_(value)
 
     # ---------------------------------------------------------------------------------------------- pieces
 
@@ -206,3 +206,45 @@ class MindVL(nn.Module):
         logits = self.language_model.logits(hidden)
         return MindVLOutput(logits=logits[None] if batched else logits)
 
+    # ------------------------------------------------------------------------------------------- generation
+
+    def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for `batch` sequences of up to `capacity` tokens each (prompt + generated)."""
+        if not isinstance(self.language_model, TextModel):
+            raise NotImplementedError(
+                f"KV-cache generation supports the dense qwen3/qwen2 language models; the "
+                f"{self.config.text.family!r} family ({type(self.language_model).__name__}) has no cache yet"
+            )
+        return KVCache(len(self.language_model.layers), batch, capacity)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cache: KVCache,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """B prompts packed in one row: input_ids [T], cu_seqlens [B+1] (images in prompt order) ->
+        (logits of each prompt's last token [B, V], each prompt's next text position [B] int64).
+
+        The next position is the prompt's largest position + 1 on every M-RoPE axis: text after an image resumes
+        at max + 1 (transformers' rope_deltas), and generated text only ever advances all three axes together.
+        """
+        embeds = self.embed(input_ids, pixel_values, image_grid_thw)
+        position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache)  # [T, H]
+        last = cu_seqlens[1:].long() - 1
+        logits = self.language_model.logits(hidden[last])  # [B, V]
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device), lengths)
+        top = position_ids.reshape(-1, position_ids.shape[-1]).amax(0)  # [T]: max over the M-RoPE axes
+        next_pos = torch.full_like(lengths, -1).scatter_reduce(0, seq, top, "amax") + 1
+        return logits, next_pos
+
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One new token per cached sequence: input_ids [B], positions [B] -> next-token logits [B, V]."""
+        embeds = self.language_model.embed_tokens(input_ids)  # generated ids are text, even an image-pad id
+        position_ids = positions.expand(3, -1) if self.config.uses_mrope else positions
+        hidden = self.language_model(embeds, position_ids, None, 1, cache=cache)
+        return self.language_model.logits(hidden)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mindvl.models.config import MindVLConfig
+from mindvl.models.config import MindVLConfig, TextConfig
 
 # Dense bf16 tensor-core peaks in TFLOP/s (vendor datasheets; Ascend from the MindVL paper's Table 10).
 PEAK_TFLOPS_BF16 = {
@@ -40,15 +40,38 @@ def _seq_pairs(lengths: list[int], causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
 
 
+def _text_layer_flops(t: TextConfig) -> tuple[int, int]:
+    """(weight FLOPs per token, attention FLOPs per causal query-key pair), summed over all decoder layers.
+
+    Dense: q/k/v/o projections and a gated MLP. DeepSeek-V3: MLA's low-rank projections, attention over
+    (nope + rope)-wide keys and v_head_dim-wide values, a dense gated MLP in the first `first_k_dense_replace`
+    layers and, in the others, the router plus the experts a token actually uses (top-k routed + shared): MoE
+    FLOPs count activated parameters, not all experts."""
+    h = t.hidden_size
+    if not t.is_moe:
+        q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+        per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * t.intermediate_size)
+        return t.num_hidden_layers * per_token, t.num_hidden_layers * 2 * 2 * q  # QK^T and AV
+    heads, qk = t.num_attention_heads, t.qk_nope_head_dim + t.qk_rope_head_dim
+    q_proj = h * heads * qk if t.q_lora_rank is None else h * t.q_lora_rank + t.q_lora_rank * heads * qk
+    kv_proj = h * (t.kv_lora_rank + t.qk_rope_head_dim) + t.kv_lora_rank * heads * (t.qk_nope_head_dim + t.v_head_dim)
+    attention = 2 * (q_proj + kv_proj + heads * t.v_head_dim * h)
+    dense_mlp = 2 * 3 * h * t.intermediate_size
+    active_experts = t.num_experts_per_tok + t.n_shared_experts
+    moe_mlp = 2 * (h * t.n_routed_experts + active_experts * 3 * h * t.moe_intermediate_size)
+    dense = t.first_k_dense_replace
+    per_token = t.num_hidden_layers * attention + dense * dense_mlp + (t.num_hidden_layers - dense) * moe_mlp
+    return per_token, t.num_hidden_layers * 2 * heads * (qk + t.v_head_dim)
+
+
 def flops_by_module(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,
                     grid_thw: list[list[int]] | None = None) -> dict[str, tuple[float, float]]:
     """Forward FLOPs per module as (weight matmuls, attention score/value matmuls) for one packed row."""
     t = config.text
     tokens = sum(text_lengths)
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    per_token = 2 * (t.hidden_size * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size)
-    text_weights = t.num_hidden_layers * tokens * per_token + 2 * labelled_tokens * t.hidden_size * t.vocab_size
-    text_attention = t.num_hidden_layers * 2 * 2 * q * _seq_pairs(text_lengths, causal=True)  # QK^T and AV
+    per_token, per_pair = _text_layer_flops(t)
+    text_weights = tokens * per_token + 2 * labelled_tokens * t.hidden_size * t.vocab_size
+    text_attention = per_pair * _seq_pairs(text_lengths, causal=True)
     out = {"language_model": (float(text_weights), float(text_attention))}
     if config.vision is not None and grid_thw:
         v = config.vision

@@ -38,6 +38,7 @@ from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
+from mindvl.models.moe import update_router_bias
 
 from .materialize import build_model
 from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
@@ -168,6 +169,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                 "tokenizer_dir": tokenizer_dir, "phase": recipe.phase.name, "total_steps": total_steps,
                 "recipe": recipe.to_dict()}
 
+    balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
+                       and recipe.optim.router_bias_rate > 0)
     every = recipe.checkpoint.every
     sinks.start(step, total_steps)
     while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
@@ -189,6 +192,10 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        moe_violation = None
+        if balance_routers:  # after the step, from the loads this step's forwards counted
+            moe_violation = update_router_bias(model, recipe.optim.router_bias_rate,
+                                               all_reduce=lambda loads: all_reduce_sum(loads, env))
         t_opt = time.perf_counter() - tc
         loss = loss_total / n_global
         step += 1
@@ -198,6 +205,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                   "mfu": float(counts[2]) / (dt * peak * env.world_size), "grad_norm": grad_norm,
                   "tokens": tokens_seen, "labelled_tokens": int(n_global), "step_time_s": dt, "data_s": t_data,
                   "forward_s": t_fwd, "backward_s": t_bwd, "optimizer_s": t_opt}
+        if moe_violation is not None:
+            record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
         sinks.log(record, step % recipe.logging.every == 0 or step == total_steps)
         done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
         if (every and step % every == 0) or done:
@@ -327,8 +336,8 @@ class MetricSinks:
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm"):
-                if rec[k] is not None:
+            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm", "moe_max_violation"):
+                if rec.get(k) is not None:
                     self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
         stats = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s mfu {rec['mfu']:.1%}"
         if self.progress is not None:

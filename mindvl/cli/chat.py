@@ -1,0 +1,60 @@
+"""`mindvl chat MODEL --image FILE --prompt TEXT`: ask a model folder about images and print the answer.
+
+Without --prompt: an interactive conversation when stdin is a terminal (an empty line or EOF ends it), otherwise
+the whole of stdin is the prompt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="ask a model folder about images (KV-cache generation)")
+    p.add_argument("model", help="a mindvl model folder (mindvl export / convert / a run's final/)")
+    p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image; repeat for several")
+    p.add_argument("--prompt", help="the question; omit it for an interactive chat (or to read stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, help="seed for sampling (reproducible answers)")
+    p.add_argument("--min-pixels", type=int, help="smallest resized image area (default: the folder's "
+                   "preprocessor_config.json, else 3136)")
+    p.add_argument("--max-pixels", type=int, help="largest resized image area (default: the folder's "
+                   "preprocessor_config.json, else 1003520)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder or tokenizer.json (default: the model's)")
+    p.add_argument("--system", help="system prompt (default: Qwen's 'You are a helpful assistant.')")
+    p.add_argument("--no-system", action="store_true", help="no system turn (as recipes with default_system: null)")
+    p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mindvl.data.template import DEFAULT_SYSTEM
+    from mindvl.infer.chat import ChatSession, load_for_chat, pixel_limits
+
+    model, tok = load_for_chat(args.model, args.tokenizer, device=args.device)
+    min_pixels, max_pixels = pixel_limits(args.model)
+    system = None if args.no_system else (DEFAULT_SYSTEM if args.system is None else args.system)
+    session = ChatSession(
+        model, tok, args.image, system=system,
+        min_pixels=min_pixels if args.min_pixels is None else args.min_pixels,
+        max_pixels=max_pixels if args.max_pixels is None else args.max_pixels,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed,
+    )
+    if args.prompt is not None:
+        print(session.ask(args.prompt))
+    elif not sys.stdin.isatty():
+        print(session.ask(sys.stdin.read().strip()))
+    else:
+        while True:
+            try:
+                text = input("> ").strip()
+            except EOFError:
+                break
+            if not text:
+                break
+            print(session.ask(text))
+    return 0

@@ -1,0 +1,210 @@
+"""Evaluate a model on local benchmark files: generate, score with the toolkit's rules, write predictions, summarise.
+
+    settings = EvalSettings(min_pixels=4 * 28 * 28, max_pixels=1280 * 28 * 28)
+    summary = evaluate_benchmark(model, tok, "ocrbench", "/data/OCRBench", settings, "out/ocrbench.jsonl")
+
+Predictions are written one JSON line per item as soon as its batch is scored (flushed), so a crash loses at most
+one batch: a rerun with the same file reads the finished items back and generates only the rest. The settings the
+predictions were made with are stored beside them (`*.settings.json`); resuming with different settings is an
+error rather than a silent mix. A torn last line (a crash mid-write) is dropped and its item redone.
+
+Every row also carries `exact_match` (the stripped prediction equals one of the answers, case-sensitive): the
+toolkits' rules are lenient in different ways (OCRBench counts an answer *contained* in the prediction), and exact
+match is the plain measure a small model's progress is reported in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from mindvl.data.template import DEFAULT_SYSTEM
+
+from .benchmarks import BENCHMARKS, BenchItem
+from .scorers import check_toolkit
+
+# VLMEvalKit leaves the answer length to the model class; this is the budget used when neither side sets one.
+FALLBACK_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class EvalSettings:
+    """How items are turned into model inputs. None pixel limits mean the model folder's (or Qwen2-VL's) own."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    toolkit: str = "lmms-eval"
+    system: str | None = DEFAULT_SYSTEM  # the system turn the model was trained with (None: no system turn)
+    batch_size: int = 8
+    limit: int | None = None  # evaluate only the first `limit` items
+    max_new_tokens: int | None = None  # None: the benchmark's own (lmms-eval task YAML), else 128
+
+    def __post_init__(self) -> None:
+        self.toolkit = check_toolkit(self.toolkit)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        lo, hi = self.min_pixels, self.max_pixels
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"min_pixels ({lo}) must not exceed max_pixels ({hi})")
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> bool:
+    return prediction.strip() in {a.strip() for a in answers}
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Cut the text at the first stop string, as the toolkits' `until` does."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+# ---------------------------------------------------------------------------------------------- predictions file
+
+
+def read_predictions(path: Path) -> list[dict[str, Any]]:
+    """Finished rows of an earlier (possibly crashed) run; a torn last line is dropped from the file."""
+    if not path.is_file():
+        return []
+    rows, good_bytes = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # only the last line can be torn: everything before it was flushed whole
+            good_bytes += len(line)
+    if good_bytes != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    return rows
+
+
+def _check_settings(meta_path: Path, settings: dict[str, Any], resuming: bool) -> None:
+    if resuming and meta_path.is_file():
+        before = json.loads(meta_path.read_text())
+        if before != settings:
+            diff = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+            raise ValueError(f"{meta_path.parent}: the predictions there were made with other settings ({diff}); "
+                             "write to another output folder or delete them")
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=1))
+    os.replace(tmp, meta_path)
+
+
+# ----------------------------------------------------------------------------------------------------- evaluate
+
+
+def _batches(items: Iterator[BenchItem], size: int) -> Iterator[list[BenchItem]]:
+    while batch := list(islice(items, size)):
+        yield batch
+
+
+def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings: EvalSettings,
+                       predictions: str | os.PathLike, pixel_defaults: tuple[int, int] | None = None,
+                       progress=None) -> dict[str, Any]:
+    """Generate and score every item of benchmark `name` at `path`; returns the toolkit's summary plus `n`,
+    `exact_match`, `skipped` (bad rows by reason) and the pixel limits used. `progress(done, total)` is called
+    after each batch when given."""
+    from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+    from mindvl.infer.chat import conversation_prompt, process_images, stop_ids, user_message
+    from mindvl.infer.generate import generate
+
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r} (known: {', '.join(BENCHMARKS)})")
+    bench = BENCHMARKS[name]
+    lo, hi = pixel_defaults or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    lo = settings.min_pixels if settings.min_pixels is not None else lo
+    hi = settings.max_pixels if settings.max_pixels is not None else hi
+    if lo > hi:
+        raise ValueError(f"min_pixels ({lo}) exceeds max_pixels ({hi})")
+    gen = bench.generation(settings.toolkit)
+    max_new = settings.max_new_tokens or gen.max_new_tokens or FALLBACK_MAX_NEW_TOKENS
+
+    out = Path(predictions)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {**asdict(settings), "benchmark": name, "path": str(path), "min_pixels": lo, "max_pixels": hi,
+              "max_new_tokens": max_new}
+    rows = read_predictions(out)
+    _check_settings(out.with_name(out.name + ".settings.json"), record, resuming=bool(rows))
+    done = {r["id"] for r in rows}
+
+    reader = bench.load(path, settings.toolkit)
+    items = islice(reader, settings.limit) if settings.limit else reader
+    total = min(filter(None, (reader.expected_rows, settings.limit)), default=None)
+    stops = stop_ids(tok)
+    with open(out, "a") as f:
+        for batch in _batches((it for it in items if it.id not in done), settings.batch_size):
+            prompts = []
+            for item in batch:
+                pixels, grids = process_images(item.images, lo, hi)
+                message = user_message(item.prompt, len(item.images))
+                prompts.append(conversation_prompt(tok, [message], pixels, grids, settings.system))
+            outputs = generate(model, prompts, max_new, stop_token_ids=stops)
+            for item, ids in zip(batch, outputs, strict=True):
+                text = truncate_at_stop(tok.decode([i for i in ids if i not in stops], skip_special_tokens=True),
+                                        gen.stop)
+                row = bench.score_item(text, item, settings.toolkit)
+                row["id"] = item.id
+                row["exact_match"] = float(exact_match(text, item.answers))
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                rows.append(row)
+            f.flush()
+            if progress is not None:
+                progress(len(rows), total)
+    summary = bench.summarise(rows, settings.toolkit)
+    summary.update(n=len(rows), exact_match=sum(r["exact_match"] for r in rows) / max(1, len(rows)),
+                   headline=bench.headline(settings.toolkit), skipped=reader.skipped, min_pixels=lo, max_pixels=hi)
+    return summary
+
+
+def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | os.PathLike,
+             settings: EvalSettings, tokenizer: str | os.PathLike | None = None, device: str | None = None,
+             log=print) -> dict[str, dict[str, Any]]:
+    """`mindvl eval`: every benchmark of `benches` for one model folder; writes OUT/<bench>/predictions.jsonl,
+    OUT/summary.json and OUT/summary.md; returns {bench: summary}."""
+    from mindvl.infer.chat import load_for_chat, pixel_limits
+
+    model, tok = load_for_chat(model_dir, tokenizer, device)
+    out = Path(out)
+    summaries = {}
+    for name, path in benches.items():
+        summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
+                                     pixel_limits(model_dir))
+        summaries[name] = summary
+        log(f"{name}: {summary['headline']} = {summary[summary['headline']]:.4g}, exact match "
+            f"{summary['exact_match']:.1%} over {summary['n']} items")
+    write_json(out / "summary.json", {"model": str(model_dir), "settings": asdict(settings), "results": summaries})
+    (out / "summary.md").write_text(summary_table({str(model_dir): summaries}))
+    return summaries
+
+
+def summary_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Markdown: one row per model, one column per benchmark's headline metric (and its exact match)."""
+    benches = sorted({b for per in results.values() for b in per})
+    head = "| model | " + " | ".join(f"{b} ({_headline(results, b)}) | {b} exact" for b in benches) + " |"
+    lines = [head, "|" + " --- |" * (1 + 2 * len(benches))]
+    for model, per in results.items():
+        cells = []
+        for b in benches:
+            s = per.get(b)
+            cells += [f"{s[s['headline']]:.4g}", f"{s['exact_match']:.1%}"] if s else ["", ""]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _headline(results: dict[str, dict[str, dict[str, Any]]], bench: str) -> str:
+    return next(per[bench]["headline"] for per in results.values() if bench in per)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    os.replace(tmp, path)

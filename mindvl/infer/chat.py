@@ -1,0 +1,160 @@
+"""Chat with a mindvl model folder: images + text -> the assistant's answer.
+
+The prompt is rendered by `mindvl.data.template.encode_conversation` (Qwen2-VL's ChatML, image pads expanded to
+t*h*w/4, a default system turn) followed by the generation prompt `<|im_start|>assistant\\n`, which is what Qwen2-VL's
+chat template adds with `add_generation_prompt=True`. `encode_conversation` renders finished turns only, so the
+generation prompt is appended here: its ids are `<|im_start|>` + encode("assistant\\n"), exactly what tokenizing the
+rendered string gives, since special tokens are hard split points. Images go through `mindvl.data.image.preprocess`
+(smart_resize within min/max pixels, transformers' Qwen2-VL patch layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
+from mindvl.data.schema import IMAGE_PLACEHOLDER, Message
+from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
+from mindvl.data.tokenizer import TextTokenizer, load_tokenizer
+from mindvl.models import MindVL
+
+from .generate import Prompt, check_sampling, generate
+
+ImageInput = str | os.PathLike | bytes | Image.Image
+
+
+def generation_prompt_ids(tok: TextTokenizer) -> list[int]:
+    """`<|im_start|>assistant\\n`: the assistant header the model continues from."""
+    return [tok.special.im_start, *tok.encode("assistant\n")]
+
+
+def user_message(text: str, num_images: int) -> Message:
+    """A user turn; without `<image>` placeholders in the text, the images go first (as in Qwen's examples)."""
+    placed = text.count(IMAGE_PLACEHOLDER)
+    if placed == 0:
+        return Message("user", IMAGE_PLACEHOLDER * num_images + text)
+    if placed != num_images:
+        raise ValueError(f"the prompt has {placed} {IMAGE_PLACEHOLDER} placeholders but {num_images} images were given")
+    return Message("user", text)
+
+
+def process_images(images: Sequence[ImageInput], min_pixels: int = DEFAULT_MIN_PIXELS,
+                   max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
+    """Paths, bytes or PIL images -> (pixel rows [P, 1176] float32 or None, grids (t, h, w) per image)."""
+    if min_pixels > max_pixels:
+        raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
+    rows, grids = [], []
+    for image in images:
+        pixels, grid = preprocess(image, min_pixels, max_pixels)
+        rows.append(torch.from_numpy(pixels))
+        grids.append(grid)
+    return (torch.cat(rows) if rows else None), grids
+
+
+def conversation_prompt(tok: TextTokenizer, messages: Sequence[Message], pixel_values: torch.Tensor | None,
+                        grids: Sequence[tuple[int, int, int]], system: str | None = DEFAULT_SYSTEM) -> Prompt:
+    """Render a conversation that ends with a user turn, plus the generation prompt, as a `Prompt`."""
+    enc = encode_conversation(tok, messages, grids, default_system=system)
+    ids = torch.tensor([*enc.input_ids.tolist(), *generation_prompt_ids(tok)], dtype=torch.long)
+    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
+    return Prompt(ids, pixel_values, grid)
+
+
+def stop_ids(tok: TextTokenizer) -> list[int]:
+    return [tok.special.im_end, tok.special.endoftext]
+
+
+class ChatSession:
+    """A multi-turn conversation about fixed images (placed in the first user turn); each turn re-encodes the
+    whole conversation, so answers are exactly what a fresh prompt with that history would give."""
+
+    def __init__(self, model: MindVL, tokenizer: TextTokenizer, images: Sequence[ImageInput] = (),
+                 system: str | None = DEFAULT_SYSTEM, min_pixels: int = DEFAULT_MIN_PIXELS,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> None:
+        check_sampling(temperature, top_p, top_k)
+        if images and model.visual is None:
+            raise ValueError("this is a text-only model (no vision tower); it cannot take images")
+        self.model, self.tok, self.system = model, tokenizer, system
+        self.pixel_values, self.grids = process_images(images, min_pixels, max_pixels)
+        self.messages: list[Message] = []
+        self.gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+    def ask(self, text: str) -> str:
+        message = user_message(text, 0 if self.messages else len(self.grids))
+        prompt = conversation_prompt(self.tok, [*self.messages, message], self.pixel_values, self.grids, self.system)
+        ids = generate(self.model, [prompt], stop_token_ids=stop_ids(self.tok), **self.gen)[0]
+        if ids and ids[-1] in stop_ids(self.tok):
+            ids = ids[:-1]
+        answer = self.tok.decode(ids, skip_special_tokens=True)
+        self.messages += [message, Message("assistant", answer)]
+        return answer
+
+
+def chat(model: MindVL, tokenizer: TextTokenizer, text: str, images: Sequence[ImageInput] = (), **kwargs) -> str:
+    """One question about `images` -> the answer (kwargs: see ChatSession)."""
+    return ChatSession(model, tokenizer, images, **kwargs).ask(text)
+
+
+# -------------------------------------------------------------------------------------------------- loading
+
+
+def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> TextTokenizer:
+    """An explicit tokenizer path wins; otherwise the model folder's own tokenizer.json (what `mindvl export`,
+    the trainer's final export and `mindvl convert` copy there)."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        return load_tokenizer(model_dir)
+    raise FileNotFoundError(f"{model_dir} has no tokenizer.json; pass the tokenizer folder the model was trained "
+                            "with (--tokenizer DIR)")
+
+
+def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:
+    """The tokenizer must be the model's: same vision token ids, a vocabulary that fits the embedding."""
+    cfg = model.config
+    if tok.vocab_size > cfg.text.vocab_size:
+        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocabulary holds "
+                         f"{cfg.text.vocab_size}; is it the model's tokenizer?")
+    if cfg.vision is not None:
+        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
+                 "vision_end_token_id": tok.special.vision_end}
+        wrong = [f"{k}: model {getattr(cfg, k)} vs tokenizer {v}" for k, v in pairs.items() if getattr(cfg, k) != v]
+        if wrong:
+            raise ValueError(f"tokenizer {tok.name} does not match the model ({'; '.join(wrong)})")
+
+
+def pixel_limits(model_dir: str | os.PathLike) -> tuple[int, int]:
+    """(min_pixels, max_pixels) from the folder's preprocessor_config.json when it has one, else Qwen2-VL's
+    defaults. Both transformers layouts are read: top-level min/max_pixels and size.shortest/longest_edge."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    lo, hi = DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        size = cfg.get("size") or {}
+        lo = int(cfg.get("min_pixels") or size.get("shortest_edge") or lo)
+        hi = int(cfg.get("max_pixels") or size.get("longest_edge") or hi)
+    return lo, hi
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_for_chat(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
+                  device: str | torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[MindVL, TextTokenizer]:
+    """A model folder (+ its tokenizer) ready to generate: eval mode, bf16 on accelerators, fp32 on CPU."""
+    device = torch.device(device) if device is not None else default_device()
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    tok = resolve_tokenizer(model_dir, tokenizer)
+    model = MindVL.from_pretrained(model_dir, dtype=dtype, device=device).eval()
+    check_tokenizer(model, tok)
+    return model, tok

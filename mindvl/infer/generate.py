@@ -1,0 +1,135 @@
+"""Batched autoregressive generation with a KV cache.
+
+    generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=())
+        -> one list of generated ids per prompt
+
+All prompts are prefilled together as one packed row (varlen attention, no padding: each prompt's numerics are
+those of its own full forward), then every decode step feeds one token per unfinished sequence. A sequence stops
+at its first stop token (kept in its output, as transformers does) or after its max_new_tokens; finished sequences
+leave the cache so later steps do not compute them. `temperature == 0` is greedy (argmax); otherwise tokens are
+sampled after temperature, top-k and top-p filtering (in that order, like transformers' logits warpers) from a
+generator seeded by `seed`, so a seeded run is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mindvl.models import MindVL
+
+
+@dataclass
+class Prompt:
+    """One prompt: input_ids [L] (image pads already expanded) and its images' pixel rows [P, 1176] + grids [N, 3]."""
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+
+def pack_prompts(prompts: Sequence[Prompt], device: torch.device) -> dict[str, torch.Tensor | None]:
+    """Concatenate prompts into one packed row: input_ids [T], cu_seqlens [B+1] int32, pixel rows and grids."""
+    ids = [torch.as_tensor(p.input_ids, dtype=torch.long).reshape(-1) for p in prompts]
+    lengths = torch.tensor([len(x) for x in ids])
+    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    with_images = [p for p in prompts if p.pixel_values is not None and p.pixel_values.numel()]
+    for p in with_images:
+        if p.image_grid_thw is None:
+            raise ValueError("a prompt has pixel_values but no image_grid_thw")
+    pixels = torch.cat([p.pixel_values for p in with_images]).to(device) if with_images else None
+    grids = torch.cat([torch.as_tensor(p.image_grid_thw).reshape(-1, 3) for p in with_images]) if with_images else None
+    return {"input_ids": torch.cat(ids).to(device), "cu_seqlens": cu.to(device), "pixel_values": pixels,
+            "image_grid_thw": grids.to(device) if grids is not None else None}
+
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """logits [B, V] -> float32 scores / temperature with tokens outside the top-k and the top-p nucleus at -inf."""
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]: argmax when temperature == 0, else a sample from the filtered scores."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, temperature, top_p, top_k).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+
+
+@torch.inference_mode()
+def generate(
+    model: MindVL,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int | Sequence[int],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+) -> list[list[int]]:
+    """Generate up to max_new_tokens (one int, or one per prompt) for each prompt; see the module docstring."""
+    if not prompts:
+        return []
+    check_sampling(temperature, top_p, top_k)
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts) or min(budgets) < 1:
+        raise ValueError("max_new_tokens must be >= 1, given once or once per prompt")
+    device = model.language_model.embed_tokens.weight.device
+    packed = pack_prompts(prompts, device)
+    lengths = (packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).tolist()
+    # The last generated token is never fed back, so a sequence needs prompt + budget - 1 slots.
+    cache = model.new_kv_cache(len(prompts), max(n + b - 1 for n, b in zip(lengths, budgets, strict=True)))
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()  # non-deterministic, without touching torch's global RNG
+        else:
+            generator.manual_seed(seed)
+    stops = set(stop_token_ids)
+
+    logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache,
+                                      packed["pixel_values"], packed["image_grid_thw"])
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))  # prompt index of each cache row
+    while True:
+        tokens = next_tokens(logits, temperature, top_p, top_k, generator)
+        keep = []
+        for row, token in enumerate(tokens.tolist()):
+            out = outputs[active[row]]
+            out.append(token)
+            if token not in stops and len(out) < budgets[active[row]]:
+                keep.append(row)
+        if not keep:
+            return outputs
+        if len(keep) < len(active):
+            cache.keep(keep)
+            index = torch.tensor(keep, device=device)
+            tokens, positions = tokens[index], positions[index]
+            active = [active[r] for r in keep]
+        logits = model.decode_step(tokens, positions, cache)
+        positions = positions + 1
