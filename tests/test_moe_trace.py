@@ -115,3 +115,19 @@ def test_trace_errors_are_clear():
         trace_corpus(H.moe_lm("mixtral"), [[1, 2], []])
     with pytest.raises(ValueError, match="has no MoE routers"):
         trace_corpus(H.qwen3(), [[1, 2]])
+
+
+def test_trace_then_analyze_from_the_command_line(tmp_path):
+    from mindvl.cli import main
+
+    H.deepseek_v3(tmp_path / "hf", seed=8)
+    _word_tokenizer(tmp_path / "hf")
+    lines = [{"text": "the cat sat on a mat and the dog ran far"}, {"text": "a mat on the cat"}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert main(["moe-trace", str(tmp_path / "hf"), "--corpus", str(tmp_path / "c.jsonl"),
+                 "--out", str(tmp_path / "t.npz")]) == 0
+    trace = load_trace(tmp_path / "t.npz")
+    assert trace.seq_offsets.tolist() == [0, 11, 16]
+    assert main(["moe-analyze", str(tmp_path / "t.npz"), "--segments", "2,4", "--cache-ratios", "1,2",
+                 "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "moe_analysis.json").is_file()

@@ -29,7 +29,8 @@ expert is served without being cached).
 
 **Cache sizes** are ratios ρ of slots to active experts: ρ·k slots per layer, ρ·L·k for the pooled cache, which
 one cache serves for all layers (expert ids offset by layer·E, a token's accesses are layer 0's top-k, then layer
-1's, ...). Rows of slots beyond the number of experts are simply never needed.
+1's, ...). `round(ρ·k)` (half up) gives the slots actually used, which the results report. A cache with more
+slots than experts behaves like one holding every expert.
 
 **Implementation.** The policies are stack-free per-size simulations, vectorised across every independent cache
 at once (sequences × layers × cache sizes), looping only over token positions and the k (or L·k) accesses of a

@@ -1,0 +1,216 @@
+"""The quickstart: the paper's whole pipeline at toy scale, on this machine, in one call.
+
+    synthetic data -> warm-up (projector) -> multitask (all) -> SFT at three sequence lengths with their max_pixels
+    -> merge of the three SFT models -> test-time resolution search -> evaluation on synthetic OCRBench / ChartQA /
+    DocVQA files -> OUT/report.md with PNG plots (loss curves, scores per checkpoint, resolution box plots)
+
+Each phase starts from the previous phase's exported weights with a fresh optimizer (paper section 5.2); the three
+SFT runs all start from the multitask model, like the paper's 2K/4K/8K variants. The recipes are the tiny ones
+shipped in `mindvl/recipes/tiny`; the SFT variants are `sft.yaml` with `data.seq_len` and `data.max_pixels`
+overridden. The untrained model (the warm-up's random initial weights) is evaluated too, as the floor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindvl.config import load_recipe
+from mindvl.train.trainer import RunResult, train
+
+PX = 28 * 28
+# name -> (data.seq_len, data.max_pixels in 28x28 units): the paper's 2K/4K/8K SFT with 1280/3072/4096 x 28 x 28,
+# scaled to the tiny model.
+SFT_VARIANTS: dict[str, tuple[int, int]] = {"sft-512": (512, 16), "sft-1024": (1024, 48), "sft-2048": (2048, 64)}
+QUICK_GRID = "4,16:16,64"  # min {4,16} x max {16,64} (x 28 x 28): a 2x2 corner of the paper's grid, scaled down
+DEFAULT_SETTING = "min4_max64"  # the training recipes' own limits (min_pixels 3136, max_pixels 50176)
+BENCH_ITEMS = 100
+BENCH_SEED = 1000  # benchmark images come from their own random stream (mindvl.eval.synth_bench), never trained on
+
+
+def recipe_dir() -> Path:
+    """The tiny recipes, shipped inside the package (`recipes/tiny` of a checkout links to them)."""
+    return Path(__file__).resolve().parent / "recipes" / "tiny"
+
+
+def _phase(path: Path, out: Path, cache: Path, init: Path | None, extra: list[str]) -> RunResult:
+    items = [f"output_dir={out}", f"data.synth_cache={cache}", *extra]
+    if init is not None:
+        items.append(f"init_from={init}")
+    return train(load_recipe(path, items))
+
+
+def train_phases(out: Path, recipes: Path, overrides: list[str], log=print) -> dict[str, Any]:
+    """Warm-up -> multitask -> three SFT variants; returns {phase: summary} with each phase's `final` folder."""
+    cache = out / "synth"
+    phases: dict[str, Any] = {}
+
+    def run(name: str, recipe: str, init: Path | None, extra: list[str]) -> Path:
+        t0 = time.perf_counter()
+        result = _phase(recipes / recipe, out / name, cache, init, [*extra, *overrides])
+        phases[name] = {"steps": result.steps, "first_loss": result.losses[0], "last_loss": result.losses[-1],
+                        "seconds": round(time.perf_counter() - t0, 1), "final": str(result.final_dir)}
+        log(f"{name:>9}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {result.steps} steps "
+            f"({phases[name]['seconds']} s)")
+        return result.final_dir
+
+    warm = run("warmup", "warmup.yaml", None, [])
+    multi = run("multitask", "multitask.yaml", warm, [])
+    for name, (seq_len, max_px) in SFT_VARIANTS.items():
+        run(name, "sft.yaml", multi, [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"])
+    return phases
+
+
+def save_untrained(out: Path, recipes: Path) -> Path:
+    """The warm-up's initial weights (seeded random) as a model folder: the floor every score is compared with."""
+    from mindvl.checkpoint import save_pretrained
+    from mindvl.data import DataConfig, load_tokenizer
+    from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
+    from mindvl.train.materialize import build_model
+    from mindvl.train.parallel import ParallelEnv
+
+    recipe = load_recipe(recipes / "warmup.yaml", [f"output_dir={out / 'untrained'}"])
+    data = DataConfig.from_dict(recipe.data)
+    tok = load_tokenizer(data.tokenizer)
+    model = build_model(recipe, tok, ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+    return save_pretrained(model, out / "untrained", overwrite=True,
+                           side_files_from=data.tokenizer or DEFAULT_TOKENIZER_PATH.parent)
+
+
+def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,
+               bench_items: int = BENCH_ITEMS, grid: str = QUICK_GRID, log=print) -> dict[str, Any]:
+    from mindvl.checkpoint.merge import merge_checkpoints
+    from mindvl.eval.resolution_search import parse_grid, search_resolution
+    from mindvl.eval.runner import EvalSettings, write_json
+    from mindvl.eval.synth_bench import write_synthetic_benchmarks
+
+    out = Path(out)
+    recipes = Path(recipes) if recipes else recipe_dir()
+    start = time.perf_counter()
+    summary: dict[str, Any] = {"phases": train_phases(out, recipes, list(overrides or []), log)}
+
+    t0 = time.perf_counter()
+    sft = [Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS]
+    merged = merge_checkpoints(sft, out / "merged", overwrite=True).out
+    summary["merge_seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"   merged: {len(sft)} SFT models -> {merged}")
+
+    t0 = time.perf_counter()
+    benches = write_synthetic_benchmarks(out / "bench", n=bench_items, seed=BENCH_SEED, ocr_task="digits")
+    checkpoints = {"untrained": save_untrained(out, recipes),
+                   **{name: Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS}, "merged": merged}
+    # The tiny recipes train without a system turn; answers are short, so 16 new tokens bound every generation.
+    settings = EvalSettings(system=None, max_new_tokens=16, batch_size=16)
+    search = search_resolution(checkpoints, benches, parse_grid(grid), out / "search", settings, device="cpu",
+                               log=lambda line: None)
+    summary["search_seconds"] = round(time.perf_counter() - t0, 1)
+    summary["evaluation"] = {label: {bench: {"score": per[DEFAULT_SETTING],
+                                             "exact_match": search["exact_match"][label][bench][DEFAULT_SETTING]}
+                                     for bench, per in benches_scores.items()}
+                             for label, benches_scores in search["scores"].items()}
+    summary["best"] = search["best"]
+    summary["headlines"] = search["headlines"]
+    summary["seconds"] = round(time.perf_counter() - start, 1)
+    write_json(out / "quickstart.json", summary)
+    report = write_report(out, summary)
+    ocr = summary["evaluation"]["merged"]["ocrbench"]["exact_match"]
+    floor = summary["evaluation"]["untrained"]["ocrbench"]["exact_match"]
+    log(f"OCR exact match on {bench_items} held-out images: merged model {ocr:.1%} (untrained {floor:.1%})")
+    log(f"quickstart done in {summary['seconds']} s; report: {report}")
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+
+def write_report(out: Path, summary: dict[str, Any]) -> Path:
+    """OUT/report.md plus loss_curves.png and scores.png (the resolution box plots come from the search)."""
+    plots = [p for p in (plot_losses(out, list(summary["phases"])), plot_scores(out, summary)) if p is not None]
+    lines = ["# mindvl quickstart report", "",
+             f"Whole pipeline in {summary['seconds']} s on this machine "
+             f"(merge {summary['merge_seconds']} s, resolution search + evaluation {summary['search_seconds']} s).",
+             "", "## Training", "", "| phase | steps | first loss | last loss | seconds |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, p in summary["phases"].items():
+        lines.append(f"| {name} | {p['steps']} | {p['first_loss']:.3f} | {p['last_loss']:.3f} | {p['seconds']} |")
+    lines += ["", "## Evaluation at the training resolution "
+              f"({DEFAULT_SETTING.replace('_', ', ')} x 28 x 28 pixels)", ""]
+    benches = list(next(iter(summary["evaluation"].values())))
+    lines.append("| checkpoint | " + " | ".join(f"{b} {summary['headlines'][b]} | {b} exact match" for b in benches)
+                 + " |")
+    lines.append("|" + " --- |" * (1 + 2 * len(benches)))
+    for label, per in summary["evaluation"].items():
+        cells = [f"{per[b]['score']:.4g} | {per[b]['exact_match']:.1%}" for b in benches]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | "
+              "max_pixels | score |", "| --- | --- | --- | --- | --- |"]
+    for bench, b in summary["best"]["overall"].items():
+        lines.append(f"| {bench} | {b['checkpoint']} | {b['min_pixels']} | {b['max_pixels']} | {b['score']:.4g} |")
+    lines += ["", "Full grid: `search/results.md`; per-item predictions: `search/<checkpoint>/<benchmark>/`.", ""]
+    lines += [f"![{p.stem}]({p.relative_to(out)})" for p in [*plots, *sorted((out / "search").glob("boxplot_*.png"))]]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # matplotlib is optional (extra `plots`)
+        return None
+    return plt
+
+
+def plot_losses(out: Path, phases: list[str]) -> Path | None:
+    """Every phase's loss against the cumulative optimizer step, one colour per phase (SFT variants overlap)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    offset = 0
+    for name in phases:
+        records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [offset + r["step"] for r in records]
+        ax.plot(steps, [r["loss"] for r in records], label=name)
+        if not name.startswith("sft"):  # the SFT variants all continue from the multitask model
+            offset = steps[-1]
+    ax.set_xlabel("optimizer step (cumulative)")
+    ax.set_ylabel("loss per labelled token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / "loss_curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_scores(out: Path, summary: dict[str, Any]) -> Path | None:
+    """Exact match per benchmark and checkpoint at the training resolution (grouped bars)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    labels = list(summary["evaluation"])
+    benches = list(summary["evaluation"][labels[0]])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [summary["evaluation"][label][b]["exact_match"] for b in benches]
+        ax.bar([j + i * width for j in range(len(benches))], values, width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(benches))], benches)
+    ax.set_ylabel("exact match")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = out / "scores.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
