@@ -146,7 +146,9 @@ def write_report(out: Path, summary: dict[str, Any]) -> Path:
     for label, per in summary["evaluation"].items():
         cells = [f"{per[b]['score']:.4g} | {per[b]['exact_match']:.1%}" for b in benches]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | "
+    lines += ["", "Scores are each toolkit's headline metric as lmms-eval reports it; OCRBench's is hits / 1000 "
+              "whatever the item count, so the exact-match column is the accuracy to read.",
+              "", "## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | "
               "max_pixels | score |", "| --- | --- | --- | --- | --- |"]
     for bench, b in summary["best"]["overall"].items():
         lines.append(f"| {bench} | {b['checkpoint']} | {b['min_pixels']} | {b['max_pixels']} | {b['score']:.4g} |")

@@ -72,17 +72,18 @@ def _ocr(rng: random.Random) -> tuple[Image.Image, str, str]:
 
 
 def _digits(rng: random.Random) -> tuple[Image.Image, str, str]:
-    """A 3-5 digit string on a 28 x 112 strip: the OCR task a tiny model learns in minutes (the quickstart's)."""
+    """3-5 dark digits, left-aligned and vertically centred on a light 28 x 112 strip: OCR a tiny model learns from
+    scratch in a few minutes on 2 cores (about 1,000 steps of 1K-token packs; the `ocr` task's free placement,
+    dark backgrounds and mixed words stay near 0% exact match over the same budget). The quickstart's task."""
     w, h = 112, 28
-    bg, fg = _bg_fg(rng)
-    img = Image.new("RGB", (w, h), bg)
+    bg = tuple(rng.randint(200, 255) for _ in range(3))
+    fg = tuple(rng.randint(0, 90) for _ in range(3))
+    img = Image.new("RGB", (w, h), bg)  # type: ignore[arg-type]
     draw = ImageDraw.Draw(img)
     text = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 5)))
-    font = ImageFont.load_default(size=rng.randint(18, 22))
+    font = ImageFont.load_default(size=rng.randint(19, 21))
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    x = rng.randint(0, max(0, w - (right - left) - 1)) - left
-    y = rng.randint(0, max(0, h - (bottom - top) - 1)) - top
-    draw.text((x, y), text, fill=fg, font=font)
+    draw.text((rng.randint(1, 4) - left, (h - (bottom - top)) // 2 - top), text, fill=fg, font=font)  # type: ignore[arg-type]
     q = rng.choice(("What text is written in the image?", "Read the text in the image.", "OCR this image."))
     return img, q, text
 
