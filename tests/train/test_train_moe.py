@@ -59,3 +59,38 @@ def test_moe_language_model_trains_balances_and_resumes(tmp_path, monkeypatch):
     train(load_recipe(raw=b, overrides=["resume=auto"]))
     resumed = load_weights(tmp_path / "b" / "final")
     assert all(torch.equal(resumed[n], weights[n]) for n in weights)
+
+
+@pytest.mark.slow
+def test_moe_two_processes_fsdp_match_one_process(tmp_path):
+    """Experts live inside the decoder blocks, so FSDP2 shards them with the block; 2 ranks = 1 process."""
+    import socket
+    import sys
+
+    from train_helpers import CLI, run, write_recipe
+
+    cache = tmp_path / "cache"
+    script = tmp_path / "cli.py"
+    script.write_text(CLI + "\n")
+    one = write_recipe(tmp_path / "one.yaml", moe_raw(tmp_path / "one", cache, budget={"max_steps": 3},
+                                                      batch={"global_batch_size": 2, "data_shards": 2}))
+    two = write_recipe(tmp_path / "two.yaml", moe_raw(tmp_path / "two", cache, budget={"max_steps": 3},
+                                                      batch={"global_batch_size": 2}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r1 = run([sys.executable, str(script), "train", str(one), "parallel.fsdp=off"], timeout=300)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+              str(script), "train", str(two)], timeout=300)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+
+    def records(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+    assert [r["moe_max_violation"] for r in a] == pytest.approx([r["moe_max_violation"] for r in b], rel=1e-6)
+    w1, w2 = load_weights(tmp_path / "one" / "final"), load_weights(tmp_path / "two" / "final")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=name)
