@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_mindvl import tiny_model_folder
 
 from mindvl.checkpoint import convert_from_hf, save_pretrained
 from mindvl.cli import main as cli_main
@@ -14,7 +15,7 @@ from mindvl.data.image import preprocess
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, QWEN2_VL_CHAT_TEMPLATE, load_tokenizer
 from mindvl.infer import Prompt, generate
 from mindvl.infer.generate import filter_logits, pack_prompts
-from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+from mindvl.models import MindVL
 
 TOL = 1e-4  # relative error vs transformers, as in test_model_alignment (measured ~3e-7)
 
@@ -190,15 +191,7 @@ def test_moe_language_model_has_no_cache_yet(models):
 def chat_folder(tmp_path_factory):
     """A tiny random MindVL on mindvl's default tokenizer, saved with it as `mindvl export` does, and a PNG."""
     root = tmp_path_factory.mktemp("chat")
-    tok = load_tokenizer(None)
-    sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[2, 3, 3])
-    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
-    model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
-                                vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
-    model.init_weights(seed=3, std=0.1)
-    save_pretrained(model, root / "model", side_files_from=DEFAULT_TOKENIZER_PATH.parent)
+    tiny_model_folder(root / "model")
     pixels = np.random.default_rng(0).integers(0, 256, (70, 100, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(root / "image.png")
     return root

@@ -7,40 +7,25 @@ import importlib
 import json
 
 import pytest
+from tiny_mindvl import tiny_model_folder
 
 from mindvl.cli import main as cli_main
-from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from mindvl.eval.benchmarks import BENCHMARKS
 from mindvl.eval.resolution_search import best_settings, parse_grid
 from mindvl.eval.runner import EvalSettings, evaluate_benchmark, read_predictions, truncate_at_stop
 from mindvl.eval.synth_bench import write_synthetic_benchmarks
 from mindvl.infer import chat, load_for_chat
-from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 PX = 28 * 28
 # The module (mindvl.infer re-exports a function of the same name); the runner looks `generate` up at call time.
 generate_module = importlib.import_module("mindvl.infer.generate")
 
 
-def tiny_folder(path, seed: int):
-    from mindvl.checkpoint import save_pretrained
-
-    tok = load_tokenizer(None)
-    sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[2, 3, 3])
-    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
-    model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
-                                vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
-    model.init_weights(seed=seed, std=0.1)
-    return save_pretrained(model, path, side_files_from=DEFAULT_TOKENIZER_PATH.parent)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("runner")
     benches = write_synthetic_benchmarks(root / "bench", n=5, seed=1, ocr_task="digits")
-    return root, tiny_folder(root / "a", 1), tiny_folder(root / "b", 2), benches
+    return root, tiny_model_folder(root / "a", 1), tiny_model_folder(root / "b", 2), benches
 
 
 SETTINGS = dict(min_pixels=4 * PX, max_pixels=16 * PX, system=None, batch_size=2, max_new_tokens=6)

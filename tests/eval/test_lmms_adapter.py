@@ -19,13 +19,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_mindvl import tiny_model_folder
 
 import mindvl.eval.lmms_adapter as adapter
-from mindvl.checkpoint import save_pretrained
 from mindvl.data.template import DEFAULT_SYSTEM
-from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from mindvl.infer.chat import chat, conversation_prompt, process_images, user_message
-from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 PIXELS = dict(min_pixels=3136, max_pixels=50176)
 REPO = Path(__file__).resolve().parents[2]
@@ -113,17 +111,7 @@ def lmms_eval():
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """A tiny random MindVL on mindvl's default tokenizer, saved with it as `mindvl export` does."""
-    root = tmp_path_factory.mktemp("lmms")
-    tok = load_tokenizer(None)
-    sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[2, 3, 3])
-    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
-    model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
-                                vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
-    model.init_weights(seed=3, std=0.1)
-    save_pretrained(model, root / "model", side_files_from=DEFAULT_TOKENIZER_PATH.parent)
-    return root / "model"
+    return tiny_model_folder(tmp_path_factory.mktemp("lmms") / "model")
 
 
 def image(seed: int, size: tuple[int, int]) -> Image.Image:
