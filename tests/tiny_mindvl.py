@@ -11,8 +11,9 @@ from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 
 def tiny_model_folder(path: Path, seed: int = 3, std: float = 0.1) -> Path:
-    sp = load_tokenizer(None).special
-    text = TextConfig(vocab_size=load_tokenizer(None).vocab_size, hidden_size=64, intermediate_size=96,
+    tok = load_tokenizer(None)
+    sp = tok.special
+    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       mrope_section=[2, 3, 3])
     vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])

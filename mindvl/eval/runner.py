@@ -93,9 +93,7 @@ def _check_settings(meta_path: Path, settings: dict[str, Any], resuming: bool) -
             diff = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
             raise ValueError(f"{meta_path.parent}: the predictions there were made with other settings ({diff}); "
                              "write to another output folder or delete them")
-    tmp = meta_path.with_name(meta_path.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=1))
-    os.replace(tmp, meta_path)
+    write_json(meta_path, settings)
 
 
 # ----------------------------------------------------------------------------------------------------- evaluate

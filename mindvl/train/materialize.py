@@ -38,21 +38,20 @@ class WeightSource:
 
     def tensors(self, config: MindVLConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every entry of the model's state dict, one tensor in memory at a time."""
-        with torch.device("meta"):
-            reference = MindVL(config)
         if self.folder is None:
+            with torch.device("meta"):
+                reference = MindVL(config)
             yield from seeded_init_tensors(((n, p.shape) for n, p in reference.named_parameters()), self.seed)
             saved = reference.state_dict()
             for name, buffer in reference.named_buffers():
                 if name in saved:  # persistent buffers (e.g. a router's correction bias) start at zero
                     yield name, torch.zeros(buffer.shape, dtype=buffer.dtype)
             return
-        from mindvl.checkpoint.hf import check_tensors
+        from mindvl.checkpoint.hf import check_tensors, expected_shapes
         from mindvl.checkpoint.safetensors_io import TensorFolder
 
         folder = TensorFolder(self.folder)
-        expected = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-        check_tensors(folder.shapes(), expected, str(self.folder))
+        check_tensors(folder.shapes(), expected_shapes(config), str(self.folder))
         yield from folder.iter_tensors()
 
 
