@@ -11,7 +11,14 @@ or in-process, without the registry (e.g. from a training script):
     simple_evaluate(model=MindVLLMM(pretrained="/ckpt/export"), tasks=["ocrbench"])
 
 `--model mindvl` resolves through the `lmms_eval.models` entry point that mindvl's pyproject declares: its payload is
-`manifest()`, which names `MindVLLMM` as the chat implementation (`is_simple = False`).
+`manifest()`, which names two implementations over the same code:
+- `MindVLLMM`, the chat class (`is_simple = False`), used by default: lmms-eval builds chat tasks, which give
+  messages, and runs their generate_until requests. lmms-eval builds no loglikelihood request for chat tasks.
+- `MindVLSimple`, the simple class (`is_simple = True`), used with `--force_simple`: lmms-eval then builds its
+  classic tasks (doc_to_visual + doc_to_text), so loglikelihood (multiple-choice, e.g. `seedbench_ppl`) tasks run,
+  and so do generation tasks, prompted with the task's text after the images:
+
+    lmms-eval --model mindvl --force_simple --tasks seedbench_ppl --model_args pretrained=/ckpt/export
 
 Model args (lmms-eval's `k=v,k2=v2` string; values cannot contain commas):
     pretrained      the model folder (`mindvl export`/`convert` layout); required
@@ -67,13 +74,14 @@ from mindvl.infer.chat import (
 from mindvl.infer.generate import Prompt, generate, pack_prompts
 
 # MindVLLMM is provided by the module __getattr__ below (built on first access).
-__all__ = ["MindVLLMM", "Sampling",  # noqa: F822
+__all__ = ["MindVLLMM", "MindVLSimple", "Sampling",  # noqa: F822
            "manifest", "messages_to_conversation", "sampling_from_gen_kwargs"]
 
 log = logging.getLogger(__name__)
 
 MODEL_ID = "mindvl"
 CLASS_PATH = f"{__name__}.MindVLLMM"
+SIMPLE_CLASS_PATH = f"{__name__}.MindVLSimple"
 INSTALL_HINT = "pip install lmms-eval (or pip install 'mindvl[lmms]')"
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -84,10 +92,11 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 
 
 def manifest():
-    """The payload of the `lmms_eval.models` entry point: `--model mindvl` -> `MindVLLMM` (chat type)."""
+    """The payload of the `lmms_eval.models` entry point: `--model mindvl` -> `MindVLLMM` (chat type), and with
+    `--force_simple` -> `MindVLSimple` (simple type, for loglikelihood tasks)."""
     from lmms_eval.models.registry_v2 import ModelManifest  # lmms-eval calls this, so it is importable here
 
-    return ModelManifest(model_id=MODEL_ID, chat_class_path=CLASS_PATH)
+    return ModelManifest(model_id=MODEL_ID, chat_class_path=CLASS_PATH, simple_class_path=SIMPLE_CLASS_PATH)
 
 
 def _lmms_base() -> type:
@@ -98,46 +107,49 @@ def _lmms_base() -> type:
     return lmms
 
 
-# One adapter class per base class object: a test (or a re-installed lmms-eval) that swaps the package gets a class
-# that subclasses the `lmms` it will be validated against.
-_CLASSES: dict[type, type] = {}
+# One adapter class per (base class object, name): a test (or a re-installed lmms-eval) that swaps the package gets a
+# class that subclasses the `lmms` it will be validated against.
+_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _adapter_class() -> type:
+def _adapter_class(name: str = "MindVLLMM") -> type:
     base = _lmms_base()
-    cls = _CLASSES.get(base)
+    cls = _CLASSES.get((base, name))
     if cls is None:
-
-        class MindVLLMM(_MindVLLMMImpl, base):  # the implementation first, so its methods fill lmms' abstract ones
-            is_simple = False
-
-        MindVLLMM.__module__, MindVLLMM.__qualname__, MindVLLMM.__doc__ = __name__, "MindVLLMM", _MindVLLMMImpl.__doc__
-        _CLASSES[base] = cls = MindVLLMM
+        impl = _IMPLEMENTATIONS[name]
+        # The implementation first, so its methods fill lmms' abstract ones.
+        cls = type(name, (impl, base), {"is_simple": impl.is_simple, "__module__": __name__, "__doc__": impl.__doc__})
+        cls.__qualname__ = name
+        _CLASSES[(base, name)] = cls
     return cls
 
 
-class _MindVLLMMUnavailable:
-    """Stands in for `MindVLLMM` where lmms-eval is not importable: constructing it raises ImportError with the
+def _unavailable(name: str) -> type:
+    """Stands in for an adapter class where lmms-eval is not importable: constructing it raises ImportError with the
     install command (or, if lmms-eval has become importable since, builds the real adapter)."""
 
-    is_simple = False
+    class Unavailable:
+        is_simple = _IMPLEMENTATIONS[name].is_simple
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        return _adapter_class()(*args, **kwargs)
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            return _adapter_class(name)(*args, **kwargs)
 
-    @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> Any:
-        return _adapter_class().create_from_arg_string(arg_string, additional_config)
+        @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> Any:
+            return _adapter_class(name).create_from_arg_string(arg_string, additional_config)
+
+    Unavailable.__name__ = Unavailable.__qualname__ = f"{name}Unavailable"
+    return Unavailable
 
 
 def __getattr__(name: str) -> Any:
-    # `MindVLLMM` is built lazily so that importing this module (and lmms-eval loading the entry point) never needs
-    # lmms-eval's base class before it exists.
-    if name == "MindVLLMM":
+    # The adapter classes are built lazily so that importing this module (and lmms-eval loading the entry point)
+    # never needs lmms-eval's base class before it exists.
+    if name in ("MindVLLMM", "MindVLSimple"):
         try:
-            return _adapter_class()
+            return _adapter_class(name)
         except ImportError:
-            return _MindVLLMMUnavailable
+            return _unavailable(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -201,6 +213,14 @@ def _flatten_visuals(visuals: Any) -> list[Any]:
     if not isinstance(visuals, list | tuple):
         return [visuals]
     return [image for v in visuals for image in _flatten_visuals(v)]
+
+
+def _user_turn(context: str, n_images: int) -> Message:
+    """A classic task's context -> the user turn: its `<image>` marks hold the images when they count them all
+    (some tasks write them for LLaVA-style models); otherwise the marks are dropped and the images go first."""
+    if context.count(IMAGE_PLACEHOLDER) != n_images:
+        context = context.replace(IMAGE_PLACEHOLDER, "")
+    return user_message(context, n_images)
 
 
 @dataclass(frozen=True)
@@ -314,6 +334,17 @@ class _MindVLLMMImpl:
         if images and self.model.visual is None:
             raise ValueError("this is a text-only model (no vision tower); it cannot take the task's images")
 
+    @staticmethod
+    def _gen_kwargs(args: tuple) -> dict[str, Any] | None:
+        return args[2]  # a chat task's generate_until: (ctx, doc_to_messages, gen_kwargs, doc_id, task, split)
+
+    def _visual_inputs(self, doc_to_visual: Any, doc: Any) -> tuple[torch.Tensor | None, list, int]:
+        """A simple task's doc_to_visual -> (pixel rows, grids, number of images)."""
+        images = _flatten_visuals(doc_to_visual(doc) if callable(doc_to_visual) else None)
+        self._check_images(images)
+        pixels, grids = process_images(images, self.min_pixels, self.max_pixels)
+        return pixels, grids, len(images)
+
     def _chat_prompt(self, args: tuple) -> Prompt:
         """A generate_until request -> the prompt `mindvl.infer.chat` would build for its messages."""
         _ctx, doc_to_messages, _gen_kwargs, doc_id, task, split = args
@@ -338,10 +369,8 @@ class _MindVLLMMImpl:
         if not isinstance(continuation, str):
             raise TypeError(f"loglikelihood needs a string continuation, got {type(continuation).__name__}")
         context = contexts[0] if isinstance(contexts, list | tuple) else contexts
-        images = _flatten_visuals(doc_to_visual(doc) if callable(doc_to_visual) else None)
-        self._check_images(images)
-        pixels, grids = process_images(images, self.min_pixels, self.max_pixels)
-        messages = [user_message(context, len(images)), Message("assistant", continuation)]
+        pixels, grids, n_images = self._visual_inputs(doc_to_visual, doc)
+        messages = [_user_turn(context, n_images), Message("assistant", continuation)]
         enc = encode_conversation(self.tokenizer, messages, grids, default_system=self.system)
         labelled = np.flatnonzero(enc.labels != IGNORE_INDEX)
         start, end = int(labelled[0]), int(labelled[-1])  # labelled[-1] is the answer's <|im_end|>
@@ -365,11 +394,11 @@ class _MindVLLMMImpl:
         answers: list[str] = [""] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
-            groups.setdefault(_group_key(request.args[2]), []).append(i)
+            groups.setdefault(_group_key(self._gen_kwargs(request.args)), []).append(i)
         bar = _progress(len(requests), getattr(self, "rank", 0) != 0, "mindvl generate_until")
         batch_index = 0
         for indices in groups.values():
-            gen_kwargs = requests[indices[0]].args[2]
+            gen_kwargs = self._gen_kwargs(requests[indices[0]].args)
             sampling = sampling_from_gen_kwargs(gen_kwargs, self.max_new_tokens)
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
@@ -419,3 +448,24 @@ class _MindVLLMMImpl:
     def generate_until_multi_round(self, requests: Iterable[Any]) -> list[str]:
         raise NotImplementedError("mindvl's lmms-eval adapter does not implement generate_until_multi_round "
                                   "(multi-round tasks); it evaluates generate_until and loglikelihood tasks")
+
+
+class _MindVLSimpleImpl(_MindVLLMMImpl):
+    """lmms-eval simple model over a mindvl model folder (`--force_simple`): the chat class's model, generation and
+    scoring, fed by classic tasks: generate_until requests carry (context, gen_kwargs, doc_to_visual, doc_id, task,
+    split) and are prompted as one user turn, the images first, then the context."""
+
+    is_simple = True
+
+    @staticmethod
+    def _gen_kwargs(args: tuple) -> dict[str, Any] | None:
+        return args[1]
+
+    def _chat_prompt(self, args: tuple) -> Prompt:
+        contexts, _gen_kwargs, doc_to_visual, doc_id, task, split = args
+        context = contexts[0] if isinstance(contexts, list | tuple) else contexts
+        pixels, grids, n_images = self._visual_inputs(doc_to_visual, self._doc(task, split, doc_id))
+        return conversation_prompt(self.tokenizer, [_user_turn(context, n_images)], pixels, grids, self.system)
+
+
+_IMPLEMENTATIONS: dict[str, type] = {"MindVLLMM": _MindVLLMMImpl, "MindVLSimple": _MindVLSimpleImpl}

@@ -22,7 +22,7 @@ from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
 from mindvl.data.schema import IMAGE_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
 from mindvl.data.tokenizer import TextTokenizer, load_tokenizer
-from mindvl.models import MindVL
+from mindvl.models import MindVL, MindVLConfig
 
 from .generate import Prompt, check_sampling, generate
 
@@ -116,18 +116,25 @@ def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike
                             "with (--tokenizer DIR)")
 
 
+def tokenizer_mismatches(config: MindVLConfig, tok: TextTokenizer) -> list[str]:
+    """How `tok` disagrees with the model `config` (empty when it fits): vocabulary size, vision token ids."""
+    wrong = []
+    if tok.vocab_size > config.text.vocab_size:
+        wrong.append(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary holds {config.text.vocab_size}")
+    if config.vision is not None:
+        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
+                 "vision_end_token_id": tok.special.vision_end, "video_token_id": tok.special.video_pad}
+        wrong += [f"{k}: model {getattr(config, k)} vs tokenizer {v}" for k, v in pairs.items()
+                  if v is not None and getattr(config, k) != v]
+    return wrong
+
+
 def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:
     """The tokenizer must be the model's: same vision token ids, a vocabulary that fits the embedding."""
-    cfg = model.config
-    if tok.vocab_size > cfg.text.vocab_size:
-        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocabulary holds "
-                         f"{cfg.text.vocab_size}; is it the model's tokenizer?")
-    if cfg.vision is not None:
-        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
-                 "vision_end_token_id": tok.special.vision_end}
-        wrong = [f"{k}: model {getattr(cfg, k)} vs tokenizer {v}" for k, v in pairs.items() if getattr(cfg, k) != v]
-        if wrong:
-            raise ValueError(f"tokenizer {tok.name} does not match the model ({'; '.join(wrong)})")
+    wrong = tokenizer_mismatches(model.config, tok)
+    if wrong:
+        raise ValueError(f"tokenizer {tok.name} does not match the model ({'; '.join(wrong)}); is it the model's "
+                         "tokenizer?")
 
 
 def pixel_limits(model_dir: str | os.PathLike) -> tuple[int, int]:

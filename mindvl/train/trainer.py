@@ -45,6 +45,7 @@ from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
+from .preflight import check_inputs, start_folder, tokenizer_source
 
 
 @dataclass
@@ -117,8 +118,13 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
     ckpt_root = out / "checkpoints"
     torch.manual_seed(recipe.seed + env.rank)
     data_cfg = DataConfig.from_dict(recipe.data)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    tokenizer_dir = data_cfg.tokenizer or str(DEFAULT_TOKENIZER_PATH.parent)
+    tokenizer_dir = tokenizer_source(recipe)  # data.tokenizer, else the init/compose model's own (preflight.py)
+    tok = load_tokenizer(tokenizer_dir)
+    check_inputs(recipe, tok)
+    tokenizer_dir = tokenizer_dir or str(DEFAULT_TOKENIZER_PATH.parent)
+    # The side files of final/ and of `mindvl export`: the start model's configs, the resolution trained here.
+    start = start_folder(recipe)
+    side_files = {"from": [str(start)] if start else [], "pixels": [data_cfg.min_pixels, data_cfg.max_pixels]}
 
     shards = recipe.batch.data_shards or env.world_size
     gb = recipe.batch.global_batch_size
@@ -166,7 +172,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
 
     def train_state() -> dict:
         return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
-                "tokenizer_dir": tokenizer_dir, "phase": recipe.phase.name, "total_steps": total_steps,
+                "tokenizer_dir": tokenizer_dir, "side_files": side_files, "phase": recipe.phase.name,
+                "total_steps": total_steps,
                 "recipe": recipe.to_dict()}
 
     balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
@@ -214,7 +221,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                             keep=recipe.checkpoint.keep)
     sinks.stop()
 
-    final_dir = export_final(model, config, out / "final", tokenizer_dir, env)
+    final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files)
     if env.is_main:
         (out / "data_report.json").write_text(json.dumps(batches.report(), indent=1))
         sinks.finish()
@@ -264,8 +271,10 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv) -> Path | None:
-    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a MindVL.from_pretrained folder) on rank 0."""
+def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv,
+                 side_files: dict | None = None) -> Path | None:
+    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a MindVL.from_pretrained folder, with the
+    side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0."""
     from mindvl.checkpoint import save_pretrained
 
     state = full_model_state(model)
@@ -273,7 +282,9 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
         with torch.device("meta"):
             plain = MindVL(config)
         plain.load_state_dict(state, assign=True)
-        save_pretrained(plain, out, overwrite=True, side_files_from=tokenizer_dir)
+        side = side_files or {}
+        save_pretrained(plain, out, overwrite=True, side_files_from=side.get("from") or [],
+                        pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
     barrier(env)
     return out if env.is_main else None
 
