@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mindvl.checkpoint.hf import CONFIG_NAME, compose_token_ids, read_config
+from mindvl.checkpoint.safetensors_io import TensorFolder
 from mindvl.checkpoint.side_files import processor_pixels
 from mindvl.config import Recipe
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
@@ -55,6 +56,7 @@ def check_inputs(recipe: Recipe, tok: TextTokenizer) -> None:
         where = Path(m.init_from) / CONFIG_NAME
         if not where.is_file():
             raise FileNotFoundError(f"model.init_from: {m.init_from} is not a mindvl model folder (no {CONFIG_NAME})")
+        TensorFolder(m.init_from)  # a folder without weights fails here, naming it, not after the model is built
         _check_tokenizer(MindVLConfig.from_dict(read_config(m.init_from)), tok, str(where))
         _check_pixels(recipe, Path(m.init_from))
     elif m.compose is not None:
