@@ -35,10 +35,13 @@ Model args (lmms-eval's `k=v,k2=v2` string; values cannot contain commas):
 
 Prompts are exactly those of `mindvl.infer.chat`: Qwen2-VL's ChatML with each image's pad run expanded, images
 resized by `smart_resize` within [min_pixels, max_pixels], `<|im_start|>assistant\\n` as the generation prompt.
-`loglikelihood` scores a continuation as the assistant's answer to the context (the user turn, images first): the
-sum of its tokens' log-probabilities from one teacher-forced forward, tokenized as training tokenizes an answer, the
-closing `<|im_end|>` not included. `batch_size` requests share one packed forward, which materialises the logits of
-every token of every packed request ([T, vocab]): lower batch_size if that runs out of memory.
+`loglikelihood` scores a continuation as the assistant's answer to the context (the user turn, images first), from
+one teacher-forced forward, tokenized as training tokenizes an answer, the closing `<|im_end|>` not included. It
+returns what lmms-eval's own models return and its scoring expects: the mean negative log-likelihood per
+continuation token (a loss: lmms-eval's multiple-choice picks the option with the *smallest* value, its
+`perplexity` metric reads it as is), and whether greedy decoding would produce the continuation. `batch_size`
+requests share one packed forward, which materialises the logits of every token of every packed request
+([T, vocab]): lower batch_size if that runs out of memory.
 
 lmms-eval is an optional dependency. This module imports without it; `MindVLLMM` is built on first access as a
 subclass of `lmms_eval.api.model.lmms` (what lmms-eval's registry checks), and where lmms-eval is missing the name
@@ -261,6 +264,22 @@ def sampling_from_gen_kwargs(gen_kwargs: dict[str, Any] | None, default_max_new_
                     list(until))
 
 
+def _through_lmms_evaluator(pairs: list[tuple[float, bool]]) -> list[Any]:
+    """(log-likelihood, greedy) pairs in a form lmms-eval's evaluator hands to the task's scoring unchanged.
+
+    lmms-eval 0.7 passes every model output through `unwrap_generation_output`, which keeps text and turns anything
+    else into its str(): the pairs would reach multiple-choice scoring as strings ("too many values to unpack").
+    Its `GenerationResult` wrapper is unwrapped as is, so where plain pairs do not survive they travel in one.
+    """
+    try:
+        from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
+    except ImportError:  # lmms-eval before 0.7 (or a stand-in): outputs are used as returned
+        return pairs
+    if unwrap_generation_output((0.0, True))[0] == (0.0, True):
+        return pairs
+    return [GenerationResult(text=pair) for pair in pairs]  # type: ignore[arg-type]
+
+
 def _group_key(gen_kwargs: dict[str, Any] | None) -> str:
     # gen_kwargs hold lists (`until`), so they are compared by a canonical dump rather than hashed.
     return json.dumps(gen_kwargs or {}, sort_keys=True, default=repr)
@@ -416,8 +435,9 @@ class _MindVLLMMImpl:
 
     @torch.inference_mode()
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
-        """(sum of the continuation tokens' log-probabilities given the context, whether greedy decoding would
-        produce exactly those tokens) per request. `batch_size` requests share one packed forward."""
+        """(mean negative log-likelihood of the continuation tokens given the context, whether greedy decoding
+        would produce exactly those tokens) per request, as lmms-eval's models return it (see the module
+        docstring). `batch_size` requests share one packed forward."""
         results: list[tuple[float, bool]] = []
         bar = _progress(len(requests), getattr(self, "rank", 0) != 0, "mindvl loglikelihood")
         for first in range(0, len(requests), self.batch_size):
@@ -433,17 +453,17 @@ class _MindVLLMMImpl:
                     # Position p predicts token p + 1: the continuation [start, end) is scored by rows [start-1, end-1).
                     scores = logits[offset + start - 1:offset + end - 1].float()
                     targets = prompt.input_ids[start:end].to(self.device)
-                    logprob = float(scores.log_softmax(-1).gather(-1, targets[:, None]).sum())
+                    loss = -float(scores.log_softmax(-1).gather(-1, targets[:, None]).sum()) / (end - start)
                     greedy = bool((scores.argmax(-1) == targets).all())
                 else:  # an empty continuation: probability 1, trivially greedy
-                    logprob, greedy = 0.0, True
-                results.append((logprob, greedy))
+                    loss, greedy = 0.0, True
+                results.append((loss, greedy))
                 offset += len(prompt.input_ids)
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        return results
+        return _through_lmms_evaluator(results)
 
     def generate_until_multi_round(self, requests: Iterable[Any]) -> list[str]:
         raise NotImplementedError("mindvl's lmms-eval adapter does not implement generate_until_multi_round "

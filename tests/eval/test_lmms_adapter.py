@@ -265,7 +265,8 @@ def test_generate_until_without_system_turn(lmms_eval, folder, lm):
 
 
 def hand_loglikelihood(lm, context: str, continuation: str, images: list) -> tuple[float, bool]:
-    """log P(continuation | chat prompt of context) from one full [1, T] forward, summed over its tokens."""
+    """-log P(continuation | chat prompt of context) per continuation token (lmms-eval's loss convention) from one
+    full [1, T] forward."""
     pixels, grids = process_images(images, **PIXELS)
     prompt = conversation_prompt(lm.tokenizer, [user_message(context, len(images))], pixels, grids, DEFAULT_SYSTEM)
     cont = lm.tokenizer.encode(continuation)
@@ -275,7 +276,7 @@ def hand_loglikelihood(lm, context: str, continuation: str, images: list) -> tup
     n = len(prompt.input_ids)
     rows = logits[n - 1:len(ids) - 1].log_softmax(-1)
     target = torch.tensor(cont)
-    return float(rows[torch.arange(len(cont)), target].sum()), bool((rows.argmax(-1) == target).all())
+    return -float(rows[torch.arange(len(cont)), target].mean()), bool((rows.argmax(-1) == target).all())
 
 
 def greedy_continuation(lm, context: str, images: list, n: int = 2) -> str:
@@ -313,7 +314,7 @@ def test_loglikelihood_equals_a_full_forward(lm):
         assert logprob == pytest.approx(ref_logprob, rel=1e-5, abs=1e-4)
         assert is_greedy is ref_greedy
     assert [g for _, g in got] == [False, False, True, False, True]
-    assert all(lp < 0 for lp, _ in got[:4])
+    assert all(loss > 0 for loss, _ in got[:4])
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +342,7 @@ def test_simple_class_generates_what_chat_does(simple_lm):
     assert got[1] == marked
 
 
-def test_simple_class_scores_multiple_choice_options(simple_lm):
+def test_simple_class_scores_multiple_choice_options(simple_lm):  # lmms-eval picks the smallest loss
     doc = DOCS[0]
     options = [" A", " B", " stop"]
     got = simple_lm.loglikelihood([Instance((doc["question"], o, doc_to_visual, 0, "toy", "test")) for o in options])
