@@ -95,13 +95,15 @@ def processor_pixels(folder: Path) -> Pixels | None:
 # ------------------------------------------------------------------------------------------------ builders
 
 
-def tokenizer_config(existing: dict[str, Any] | None, multimodal: bool) -> dict[str, Any]:
-    """The source's tokenizer_config.json (or a fresh one) with Qwen's special tokens and a chat template."""
+def tokenizer_config(existing: dict[str, Any] | None, multimodal: bool, template: str | None = None) -> dict[str, Any]:
+    """The source's tokenizer_config.json (or a fresh one) with Qwen's special tokens and a chat template: the
+    source's (`template`, or the config's own) unless it is missing or, for a multimodal model, renders no images."""
     cfg = dict(existing or {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072})
     cfg["eos_token"] = cfg.get("eos_token") or EOS_TOKEN
     cfg["pad_token"] = cfg.get("pad_token") or PAD_TOKEN
     cfg.setdefault("bos_token", None)  # Qwen tokenizers add no BOS
-    template = cfg.get("chat_template")
+    template = cfg.get("chat_template") or template
+    cfg["chat_template"] = template
     if not isinstance(template, str) or (multimodal and "<|image_pad|>" not in template):
         cfg["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
     return cfg
@@ -180,7 +182,7 @@ def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[st
             if (tok_src / name).is_file():
                 shutil.copy2(tok_src / name, out / name)
         existing = read_json(tok_src / TOKENIZER_CONFIG) if (tok_src / TOKENIZER_CONFIG).is_file() else None
-        tok_cfg = tokenizer_config(existing, multimodal)
+        tok_cfg = tokenizer_config(existing, multimodal, _template_file(tok_src))
         _write_json(out / TOKENIZER_CONFIG, tok_cfg)
         _sync_template_files(out, tok_cfg["chat_template"])
         written += [n for n in (*TOKENIZER_FILES, TOKENIZER_CONFIG, *TEMPLATE_FILES) if (out / n).is_file()]
@@ -199,6 +201,15 @@ def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[st
             _write_json(out / name, build(read_json(src / name) if src else None, trained))
             written.append(name)
     return written
+
+
+def _template_file(folder: Path) -> str | None:
+    """A chat template kept outside tokenizer_config.json (transformers >= 4.43 saves it there), or None."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return read_json(folder / "chat_template.json").get("chat_template")
+    return None
 
 
 def _sync_template_files(out: Path, template: str) -> None:
