@@ -133,7 +133,7 @@ class DataConfig:
     seed: int = 0
     strict: bool = False  # fail on the first bad sample instead of skipping it
     num_workers: int = 0  # loader worker processes per rank
-    tokenizer: str | None = None  # HF tokenizer folder; None = mindvl's default
+    tokenizer: str | None = None  # HF tokenizer folder; None: the model folder's (train.preflight), else mindvl's
     default_system: str | None = DEFAULT_SYSTEM  # system turn added when a conversation has none (None: none)
     train_on_prompt: bool = False
     synth_cache: str | None = None  # where synthetic sources are generated (default ~/.cache/mindvl/synth)

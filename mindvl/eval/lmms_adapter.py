@@ -1,6 +1,7 @@
-"""Evaluate a mindvl model folder with lmms-eval (eval-scoring.md §10): a chat-type model adapter.
+"""Evaluate a mindvl model folder with lmms-eval (eval-scoring.md §10): chat-type and simple-type model adapters.
 
-    pip install lmms-eval                      # or: pip install 'mindvl[lmms]'
+    pip install "torch==<yours>" lmms-eval     # or 'mindvl[lmms]'; keeps your torch (README: Compatibility)
+    pip uninstall -y torchvision               # unless it matches your torch build (PyPI's does not match a CPU one)
     lmms-eval --model mindvl --tasks ocrbench,chartqa --batch_size 8 \\
         --model_args pretrained=/ckpt/export,max_pixels=1003520
 
@@ -85,7 +86,8 @@ log = logging.getLogger(__name__)
 MODEL_ID = "mindvl"
 CLASS_PATH = f"{__name__}.MindVLLMM"
 SIMPLE_CLASS_PATH = f"{__name__}.MindVLSimple"
-INSTALL_HINT = "pip install lmms-eval (or pip install 'mindvl[lmms]')"
+INSTALL_HINT = ("pip install lmms-eval \"torch==<your torch version>\" (or 'mindvl[lmms]'), then remove a torchvision "
+                "that does not match your torch (README: Compatibility)")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
