@@ -215,15 +215,23 @@ def test_transformers_generate_equals_mindvl_chat(folders, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == tok.decode(ours[:-1], skip_special_tokens=True).strip()
 
 
-def test_auto_processor_loads_the_exported_folder(folders):
-    pytest.importorskip("torchvision", reason="transformers' Qwen2.5-VL processor needs torchvision (a CPU build)")
-    processor = transformers.AutoProcessor.from_pretrained(folders["to-hf"])
+@pytest.mark.parametrize("use_fast", [False, True])
+def test_auto_processor_loads_the_exported_folder(folders, use_fast):
+    """Needs a torchvision that matches torch (Qwen2.5-VL's processor builds a video processor): skipped in CI; run by
+    hand in a venv with one (README, Compatibility)."""
+    pytest.importorskip("torchvision", reason="transformers' Qwen2.5-VL processor needs torchvision")
+    processor = transformers.AutoProcessor.from_pretrained(folders["to-hf"], use_fast=use_fast)
     messages = [Message("user", f"<image>{QUESTION}")]
     text = processor.apply_chat_template(hf_messages(messages), add_generation_prompt=True)
     got = processor(text=[text], images=[picture()], return_tensors="pt")
     ref = image_prompt(load_tokenizer(folders["to-hf"]))
     assert got["input_ids"][0].tolist() == ref.input_ids.tolist()
-    assert torch.equal(got["pixel_values"], ref.pixel_values)
+    assert got["image_grid_thw"].tolist() == ref.image_grid_thw.tolist()
+    assert got["pixel_values"].shape == ref.pixel_values.shape
+    if not use_fast:  # the PIL processor, which mindvl.data.image reproduces bit for bit
+        assert torch.equal(got["pixel_values"], ref.pixel_values)
+    # The fast (torchvision) processor resizes with another bicubic kernel, so its pixels are not PIL's: on this
+    # noise image 31% of values differ, by 0.37 uint8 levels on average (14 at most); see README, Compatibility.
 
 
 def test_mindvl_loads_what_it_exported(folders):

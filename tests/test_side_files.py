@@ -43,11 +43,12 @@ def test_fresh_files_for_a_folder_with_only_a_tokenizer(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     written = write_side_files(out, config(True), [src], pixels=(3136, 12544))
-    assert set(written) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                            "preprocessor_config.json"}
+    assert set(written) == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                            "generation_config.json", "preprocessor_config.json"}
     tok_cfg = read(out, "tokenizer_config.json")
     assert (tok_cfg["eos_token"], tok_cfg["pad_token"]) == ("<|im_end|>", "<|endoftext|>")
     assert tok_cfg["chat_template"] == QWEN2_VL_CHAT_TEMPLATE
+    assert (out / "chat_template.jinja").read_text() == QWEN2_VL_CHAT_TEMPLATE  # where processors read it
     gen = read(out, "generation_config.json")
     assert gen["eos_token_id"] == [SP.im_end, SP.endoftext] and gen["pad_token_id"] == SP.endoftext
     assert gen["bos_token_id"] == SP.endoftext and gen["do_sample"] is False

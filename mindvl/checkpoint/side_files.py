@@ -8,6 +8,7 @@ Every folder mindvl writes for a model (a run's `final/`, `mindvl export`, `conv
 - `tokenizer_config.json`: the source's, or a fresh one, completed with the special tokens (eos `<|im_end|>`, pad
   `<|endoftext|>`) and a chat template. A model with a vision tower is trained on mindvl's ChatML rendering
   (Qwen2-VL's template), so a source template that cannot render images (a Qwen3 LLM's) is replaced by Qwen2-VL's;
+  it also goes to `chat_template.jinja`, where transformers' processors look for it;
 - `generation_config.json`: the source's (sampling defaults kept), with `<|im_end|>` added to its eos ids so
   `generate` stops where `mindvl chat` does, and bos/pad ids from the tokenizer;
 - the processor configs of a model with a vision tower (`PROCESSOR_CONFIGS`: today the image processor's
@@ -184,6 +185,9 @@ def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[st
         existing = read_json(tok_src / TOKENIZER_CONFIG) if (tok_src / TOKENIZER_CONFIG).is_file() else None
         tok_cfg = tokenizer_config(existing, multimodal, _template_file(tok_src))
         _write_json(out / TOKENIZER_CONFIG, tok_cfg)
+        if multimodal and not any((out / name).is_file() for name in TEMPLATE_FILES):
+            # transformers' processors (AutoProcessor) read the template from here, not from tokenizer_config.json
+            (out / "chat_template.jinja").write_text(tok_cfg["chat_template"])
         _sync_template_files(out, tok_cfg["chat_template"])
         written += [n for n in (*TOKENIZER_FILES, TOKENIZER_CONFIG, *TEMPLATE_FILES) if (out / n).is_file()]
     ids = added_token_ids(out)
