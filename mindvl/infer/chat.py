@@ -10,7 +10,6 @@ rendered string gives, since special tokens are hard split points. Images go thr
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,16 +137,11 @@ def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:
 
 
 def pixel_limits(model_dir: str | os.PathLike) -> tuple[int, int]:
-    """(min_pixels, max_pixels) from the folder's preprocessor_config.json when it has one, else Qwen2-VL's
-    defaults. Both transformers layouts are read: top-level min/max_pixels and size.shortest/longest_edge."""
-    path = Path(model_dir) / "preprocessor_config.json"
-    lo, hi = DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
-    if path.is_file():
-        cfg = json.loads(path.read_text())
-        size = cfg.get("size") or {}
-        lo = int(cfg.get("min_pixels") or size.get("shortest_edge") or lo)
-        hi = int(cfg.get("max_pixels") or size.get("longest_edge") or hi)
-    return lo, hi
+    """(min_pixels, max_pixels) from the folder's preprocessor_config.json when it has one (both transformers
+    layouts; a file contradicting itself is an error naming it), else Qwen2-VL's defaults."""
+    from mindvl.checkpoint.side_files import processor_pixels  # the one reader of processor configs
+
+    return processor_pixels(Path(model_dir)) or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
 
 
 def default_device() -> torch.device:

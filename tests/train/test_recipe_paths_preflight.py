@@ -139,7 +139,7 @@ def test_resolution_left_unset_while_the_model_was_trained_at_another(start, tmp
     check_inputs(load_recipe(raw=raw, overrides=["data.min_pixels=3136", "data.max_pixels=200704"]), tok)
 
 
-def test_a_processor_config_that_contradicts_itself(start, tmp_path):
+def test_a_processor_config_that_contradicts_itself(start, tmp_path, capsys):
     bad = tmp_path / "bad"
     shutil.copytree(start, bad)
     cfg = json.loads((bad / "preprocessor_config.json").read_text())
@@ -148,3 +148,7 @@ def test_a_processor_config_that_contradicts_itself(start, tmp_path):
     with pytest.raises(ValueError, match=r"preprocessor_config.json: max_pixels 50176 disagrees with "
                                          r"size.longest_edge 100352"):
         check_inputs(recipe_from(bad, tmp_path), load_tokenizer(bad))
+    # chat, eval and the lmms-eval adapter read the same file through the same reader
+    assert main(["chat", str(bad), "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{bad / 'preprocessor_config.json'}: max_pixels 50176 disagrees" in err
