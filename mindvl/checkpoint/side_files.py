@@ -98,12 +98,13 @@ def processor_pixels(folder: Path) -> Pixels | None:
 
 def tokenizer_config(existing: dict[str, Any] | None, multimodal: bool, template: str | None = None) -> dict[str, Any]:
     """The source's tokenizer_config.json (or a fresh one) with Qwen's special tokens and a chat template: the
-    source's (`template`, or the config's own) unless it is missing or, for a multimodal model, renders no images."""
+    source's (`template`, from a chat_template file, which transformers prefers; else the config's own) unless it is
+    missing or, for a multimodal model, renders no images."""
     cfg = dict(existing or {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072})
     cfg["eos_token"] = cfg.get("eos_token") or EOS_TOKEN
     cfg["pad_token"] = cfg.get("pad_token") or PAD_TOKEN
     cfg.setdefault("bos_token", None)  # Qwen tokenizers add no BOS
-    template = cfg.get("chat_template") or template
+    template = template or cfg.get("chat_template")
     cfg["chat_template"] = template
     if not isinstance(template, str) or (multimodal and "<|image_pad|>" not in template):
         cfg["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
