@@ -1,5 +1,6 @@
 """What a run reads, decided and checked before anything is built: the tokenizer and the model folder it starts from.
 
+    tok, tokenizer_dir, side_files = preflight(recipe, data_cfg)     # what trainer.py calls; in steps:
     tokenizer_dir = tokenizer_source(recipe)       # data.tokenizer, else the init_from / compose language folder's
     tok = load_tokenizer(tokenizer_dir)
     check_inputs(recipe, tok)                       # one-line errors naming both files when they disagree
@@ -12,15 +13,28 @@ model was trained with changes what the run learns. Both are caught here, before
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mindvl.checkpoint.hf import CONFIG_NAME, compose_token_ids, read_config
 from mindvl.checkpoint.safetensors_io import TensorFolder
 from mindvl.checkpoint.side_files import processor_pixels
 from mindvl.config import Recipe
+from mindvl.data import DataConfig
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from mindvl.data.tokenizer import TextTokenizer
+from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, TextTokenizer, load_tokenizer
 from mindvl.infer.chat import tokenizer_mismatches
 from mindvl.models import MindVLConfig
+
+
+def preflight(recipe: Recipe, data_cfg: DataConfig) -> tuple[TextTokenizer, str, dict[str, Any]]:
+    """(the run's tokenizer, its folder, the side files of its exports) after `check_inputs`. The side files are
+    {"from": [the start model's folder], "pixels": [min, max] trained}, what `final/` and `mindvl export` write."""
+    tokenizer_dir = tokenizer_source(recipe)
+    tok = load_tokenizer(tokenizer_dir)
+    check_inputs(recipe, tok)
+    start = start_folder(recipe)
+    side_files = {"from": [str(start)] if start else [], "pixels": [data_cfg.min_pixels, data_cfg.max_pixels]}
+    return tok, tokenizer_dir or str(DEFAULT_TOKENIZER_PATH.parent), side_files
 
 
 def start_folder(recipe: Recipe) -> Path | None:

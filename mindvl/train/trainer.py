@@ -34,8 +34,7 @@ from mindvl.checkpoint.training import (
     save_checkpoint,
 )
 from mindvl.config import Recipe
-from mindvl.data import DataConfig, build_loader, load_tokenizer
-from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from mindvl.data import DataConfig, build_loader
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 from mindvl.models.moe import update_router_bias
@@ -45,7 +44,7 @@ from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
-from .preflight import check_inputs, start_folder, tokenizer_source
+from .preflight import preflight
 
 
 @dataclass
@@ -118,13 +117,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
     ckpt_root = out / "checkpoints"
     torch.manual_seed(recipe.seed + env.rank)
     data_cfg = DataConfig.from_dict(recipe.data)
-    tokenizer_dir = tokenizer_source(recipe)  # data.tokenizer, else the init/compose model's own (preflight.py)
-    tok = load_tokenizer(tokenizer_dir)
-    check_inputs(recipe, tok)
-    tokenizer_dir = tokenizer_dir or str(DEFAULT_TOKENIZER_PATH.parent)
-    # The side files of final/ and of `mindvl export`: the start model's configs, the resolution trained here.
-    start = start_folder(recipe)
-    side_files = {"from": [str(start)] if start else [], "pixels": [data_cfg.min_pixels, data_cfg.max_pixels]}
+    # data.tokenizer, else the init/compose model's own; checked against the model before anything is built
+    tok, tokenizer_dir, side_files = preflight(recipe, data_cfg)
 
     shards = recipe.batch.data_shards or env.world_size
     gb = recipe.batch.global_batch_size
