@@ -77,7 +77,7 @@ from mindvl.infer.chat import (
 )
 from mindvl.infer.generate import Prompt, generate, pack_prompts
 
-# MindVLLMM is provided by the module __getattr__ below (built on first access).
+# MindVLLMM and MindVLSimple are provided by the module __getattr__ below (built on first access).
 __all__ = ["MindVLLMM", "MindVLSimple", "Sampling",  # noqa: F822
            "manifest", "messages_to_conversation", "sampling_from_gen_kwargs"]
 
