@@ -152,3 +152,18 @@ def test_a_processor_config_that_contradicts_itself(start, tmp_path, capsys):
     assert main(["chat", str(bad), "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{bad / 'preprocessor_config.json'}: max_pixels 50176 disagrees" in err
+
+
+@pytest.mark.slow
+def test_train_a_packaged_recipe_by_name_from_another_folder(tmp_path, monkeypatch, capsys):
+    """`mindvl train tiny/warmup` outside the checkout; its final/ is a complete folder at the recipe's resolution."""
+    monkeypatch.chdir(tmp_path)
+    data = "data.sources=[{synth: {tasks: [digits], n: 6, seed: 0}}]"
+    assert main(["train", "tiny/warmup", "max_steps=1", "output_dir=runs/w", f"data.synth_cache={tmp_path / 'c'}",
+                 data, "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]) == 0
+    final = tmp_path / "runs" / "w" / "final"
+    assert f"final model: {Path('runs/w/final')}" in capsys.readouterr().out
+    proc = json.loads((final / "preprocessor_config.json").read_text())
+    assert (proc["min_pixels"], proc["max_pixels"]) == (3136, 50176)  # the tiny recipe's
+    assert json.loads((final / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    assert (final / "generation_config.json").is_file() and (final / "chat_template.jinja").is_file()
