@@ -1,0 +1,253 @@
+"""Video as Qwen2.5-VL reads it: decode, sample frames by fps, resize under a per-video pixel budget, patch rows.
+
+    preprocess_video(source, VideoSettings()) -> VideoPatches(patches uint8 [t*h*w, 1176], grid (t, h, w),
+                                                              second_per_grid_t, sampled_fps)
+
+The rules are those of transformers' Qwen2-VL/Qwen2.5-VL video processor (`Qwen2VLVideoProcessor`, 5.x):
+
+- frames: `n = total / video_fps * fps`, clamped to [min_frames, floor(min(max_frames, total) / 2) * 2] and to
+  `total`, then floored to a multiple of the temporal patch (2); the indices are `int(k * total / n)`
+  (`arange(0, total, total / n)`); fewer than 2 decodable frames is a bad sample (`video_no_frames`);
+- size: `smart_resize` of the frame with min_pixels = 128*28*28 and max_pixels = 768*28*28 (the class defaults),
+  and with the per-video budget (`cap_pixels_per_frame`, qwen-vl-utils' rule) the max is first lowered to
+  `max(min(max_pixels, total_pixels * 2 // n), int(1.05 * min_pixels))` with total_pixels = 0.9 * 128000 tokens'
+  worth of pixels;
+- rows: frames are resized (PIL bicubic, as mindvl's images: transformers resizes tensors with torchvision's
+  antialiased bicubic, which can differ by a level or so per pixel), padded to an even count by repeating the
+  last one, and laid out as (t, h-block, w-block, h-in-block, w-in-block) rows of (C, T=2, 14, 14) values;
+  normalisation is transformers' fused rescale+normalise, `(x - 255*mean) / (255*std)` in float32, gathered from a
+  per-level table (the same bits);
+- time: `second_per_grid_t = temporal_patch / sampled_fps` with sampled_fps = n / total * video_fps, which M-RoPE scales by
+  `tokens_per_second` (see `template.mrope_positions`).
+
+Decoding uses PyAV (`pip install 'mindvl[video]'`); `require_decoder()` fails at start with the extra's name.
+Rows stay uint8 (1176 bytes each) while samples wait in the packing buffer; `expand_video_patches` makes the
+float32 rows when a pack is built.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from .image import (
+    CHANNELS,
+    FACTOR,
+    MERGE_SIZE,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PATCH_DIM,
+    PATCH_SIZE,
+    TEMPORAL_PATCH_SIZE,
+    ImageError,
+    smart_resize,
+)
+
+# transformers' Qwen2VLVideoProcessor class defaults.
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+VIDEO_FPS = 2.0
+VIDEO_MIN_FRAMES = 4
+VIDEO_MAX_FRAMES = 768
+MAX_VIDEO_TOKENS = 128_000  # context length assumed by the per-video pixel budget (90% of it)
+VIDEO_EXTENSIONS = ("mp4", "avi", "mkv", "mov", "webm", "m4v")
+VIDEO_EXTRA = "video"
+
+
+class VideoError(ImageError):
+    """A video that cannot be used; `reason` is the skip counter's key."""
+
+
+def require_decoder() -> None:
+    """Fail at start, naming the extra, when the video decoder (PyAV) is not installed."""
+    try:
+        import av  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"video records need the PyAV decoder: pip install 'mindvl[{VIDEO_EXTRA}]' (or pip install av)"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    fps: float = VIDEO_FPS
+    min_frames: int = VIDEO_MIN_FRAMES
+    max_frames: int = VIDEO_MAX_FRAMES
+    min_pixels: int = VIDEO_MIN_PIXELS
+    max_pixels: int = VIDEO_MAX_PIXELS
+    cap_pixels_per_frame: bool = True  # the per-video total-pixel budget
+    max_video_tokens: int = MAX_VIDEO_TOKENS
+    max_decoded_frames: int = 100_000  # a longer video is refused before decoding (`video_too_long`)
+
+
+def video_settings(cfg) -> VideoSettings:
+    """VideoSettings from a DataConfig's `video` section (mindvl.data.config.VideoConfig)."""
+    return VideoSettings(cfg.fps, cfg.min_frames, cfg.max_frames, cfg.min_pixels, cfg.max_pixels,
+                         cfg.cap_pixels_per_frame, cfg.max_video_tokens, cfg.max_decoded_frames)
+
+
+@dataclass
+class DecodedVideo:
+    frames: np.ndarray  # uint8 [n, H, W, 3], the sampled frames
+    indices: list[int]  # their indices among the video's frames
+    total_frames: int
+    video_fps: float
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames per second of the sampled frames, n / total * video_fps (transformers' `metadata.sampled_fps`,
+        in its order of operations)."""
+        return len(self.indices) / self.total_frames * self.video_fps
+
+
+@dataclass
+class VideoPatches:
+    patches: np.ndarray  # uint8 [t*h*w, 1176]: (C, T, 14, 14) per row
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    second_per_grid_t: float  # temporal_patch / sampled_fps
+    sampled_fps: float
+
+
+def sample_frame_indices(total_frames: int, video_fps: float, fps: float = VIDEO_FPS,
+                         min_frames: int = VIDEO_MIN_FRAMES, max_frames: int = VIDEO_MAX_FRAMES,
+                         temporal_patch: int = TEMPORAL_PATCH_SIZE) -> list[int]:
+    """The frames transformers' Qwen2-VL video processor samples at `fps` (see the module docstring)."""
+    if total_frames <= 0 or video_fps <= 0:
+        raise VideoError("video_no_frames", f"the video has {total_frames} frames at {video_fps} fps")
+    cap = math.floor(min(max_frames, total_frames) / temporal_patch) * temporal_patch
+    n = total_frames / video_fps * fps
+    n = min(max(n, min_frames), cap, total_frames)
+    n = math.floor(n / temporal_patch) * temporal_patch
+    if n <= 0:
+        raise VideoError("video_no_frames", f"the video has {total_frames} frame(s); at least {temporal_patch} "
+                         "are needed for one temporal patch")
+    step = np.float32(total_frames / n)  # arange(0, total, total / n) in float32, as torch builds it
+    return (np.arange(n, dtype=np.float32) * step).astype(np.int64).tolist()
+
+
+def frame_size(height: int, width: int, n_frames: int, s: VideoSettings) -> tuple[int, int]:
+    """(height, width) the sampled frames are resized to: smart_resize under the per-frame and per-video budgets."""
+    max_pixels = s.max_pixels
+    if s.cap_pixels_per_frame:
+        total_pixels = int(s.max_video_tokens * FACTOR * FACTOR * 0.9)
+        max_pixels = max(min(max_pixels, total_pixels * TEMPORAL_PATCH_SIZE // n_frames), int(s.min_pixels * 1.05))
+    return smart_resize(height, width, FACTOR, s.min_pixels, max_pixels)
+
+
+def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> DecodedVideo:
+    """Decode the frames `sample_frame_indices` picks (RGB, uint8). Raises VideoError: `missing_video`,
+    `corrupt_video`, `video_no_frames`, `video_too_long`."""
+    require_decoder()
+    import av
+
+    name = "<bytes>" if isinstance(source, bytes) else os.fspath(source)
+    if not isinstance(source, bytes) and not os.path.isfile(name):
+        raise VideoError("missing_video", f"video file not found: {name}")
+    try:
+        with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
+            if not container.streams.video:
+                raise VideoError("video_no_frames", f"video {name} has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            video_fps = float(rate) if rate else 0.0
+            total = stream.frames
+            if total <= 0:  # the container does not say: count the packets (no decoding)
+                total = sum(1 for p in container.demux(stream) if p.size)
+                container.seek(0)
+            if total > s.max_decoded_frames:
+                raise VideoError("video_too_long", f"video {name} has {total} frames, over max_decoded_frames "
+                                 f"{s.max_decoded_frames}; cut it into clips")
+            indices = sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames)
+            wanted, frames, k = set(indices), {}, 0
+            for frame in container.decode(stream):
+                if k in wanted:
+                    frames[k] = frame.to_ndarray(format="rgb24")
+                k += 1
+                if k > indices[-1]:
+                    break
+    except VideoError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError) as exc:
+        raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
+    if len(frames) != len(indices):
+        raise VideoError("corrupt_video", f"video {name} declares {total} frames but only {k} decode; re-encode it")
+    return DecodedVideo(np.stack([frames[i] for i in indices]), indices, total, video_fps)
+
+
+def patchify_video_uint8(frames: np.ndarray) -> np.ndarray:
+    """[n, H, W, 3] uint8 (H, W multiples of 28) -> [t*h*w, 1176] uint8 rows (C, T, 14, 14), t = ceil(n / 2).
+
+    An odd frame count is padded by repeating the last frame (as transformers does)."""
+    if len(frames) % TEMPORAL_PATCH_SIZE:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], -len(frames) % TEMPORAL_PATCH_SIZE, 0)])
+    n, height, width, c = frames.shape
+    gt, gh, gw = n // TEMPORAL_PATCH_SIZE, height // PATCH_SIZE, width // PATCH_SIZE
+    x = frames.reshape(gt, TEMPORAL_PATCH_SIZE, gh // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE,
+                       gw // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, c)
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, bh, bw, mh, mw, C, T, ph, pw)
+    return np.ascontiguousarray(x).reshape(gt * gh * gw, PATCH_DIM)
+
+
+def _fused_table(mean, std) -> np.ndarray:
+    """[3, 256] float32: transformers' fused rescale+normalise, (level - mean*255) / (std*255) in float32."""
+    levels = np.arange(256, dtype=np.float32)
+    mean255 = np.asarray(mean, np.float32) * np.float32(255.0)
+    std255 = np.asarray(std, np.float32) * np.float32(255.0)
+    return ((levels[None, :] - mean255[:, None]) / std255[:, None]).astype(np.float32)
+
+
+_VIDEO_TABLE = _fused_table(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+
+
+def expand_video_patches(patches: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """[P, 1176] uint8 video rows -> [P, 1176] float32 normalised rows (into `out` when given)."""
+    n = patches.shape[0]
+    if out is None:
+        out = np.empty((n, PATCH_DIM), np.float32)
+    view = out.reshape(n, CHANNELS, PATCH_DIM // CHANNELS)
+    src = patches.reshape(n, CHANNELS, PATCH_DIM // CHANNELS)
+    for c in range(CHANNELS):
+        np.take(_VIDEO_TABLE[c], src[:, c], out=view[:, c], mode="clip")
+    return out
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[n, H, W, 3] uint8 -> [n, height, width, 3] uint8 with PIL bicubic (mindvl's image resize)."""
+    if frames.shape[1:3] == (height, width):
+        return frames
+    return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC)) for f in frames])
+
+
+def process_frames(decoded: DecodedVideo, s: VideoSettings = VideoSettings()) -> VideoPatches:
+    """Sampled frames -> uint8 patch rows, grid and the time per temporal patch."""
+    n, height, width, _ = decoded.frames.shape
+    rh, rw = frame_size(height, width, n, s)
+    patches = patchify_video_uint8(resize_frames(decoded.frames, rh, rw))
+    grid = (-(-n // TEMPORAL_PATCH_SIZE), rh // PATCH_SIZE, rw // PATCH_SIZE)
+    fps = decoded.sampled_fps
+    return VideoPatches(patches, grid, TEMPORAL_PATCH_SIZE / fps, fps)
+
+
+def preprocess_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> VideoPatches:
+    return process_frames(decode_video(source, s), s)
+
+
+def write_test_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> None:
+    """Write uint8 [n, H, W, 3] frames as a small video (tests and examples; even H and W)."""
+    require_decoder()
+    import av
+
+    with av.open(os.fspath(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.height, stream.width = frames.shape[1], frames.shape[2]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
