@@ -1,0 +1,143 @@
+"""Videos as Qwen2.5-VL reads them: frame sampling, frame sizes and patch rows against transformers' own video
+processor (run in a subprocess, see qwen2vl_video_reference.py), decoding of tiny videos written with PyAV, and
+bad videos skipped and counted by reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_helpers import qa, write_jsonl
+
+from mindvl.data import DataConfig, build_loader
+from mindvl.data.video import (
+    VideoError,
+    VideoSettings,
+    decode_video,
+    expand_video_patches,
+    frame_size,
+    patchify_video_uint8,
+    require_decoder,
+    sample_frame_indices,
+    write_test_video,
+)
+
+SAMPLING = [  # (total frames, video fps, sampling fps, min_frames, max_frames)
+    (9, 4.0, 2.0, None, None), (10, 30.0, 2.0, None, None), (300, 30.0, 2.0, None, None),
+    (301, 29.97, 2.0, None, None), (7, 3.0, 2.0, None, None), (100, 24.0, 1.0, 4, 10), (5000, 25.0, 2.0, None, None),
+    (33, 7.0, 3.0, 2, 768), (2, 1.0, 2.0, None, None), (11, 2.5, 1.5, None, None), (1000, 60.0, 0.5, None, None),
+]
+SIZES = [  # (frames, height, width, per-video budget)
+    (4, 56, 84, True), (16, 480, 640, True), (768, 480, 640, True), (768, 480, 640, False), (64, 1080, 1920, True),
+    (2, 20, 3000, True), (400, 360, 202, True),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("videoref")
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (5, 56, 84, 3), dtype=np.uint8)  # odd count: the last frame is repeated
+    np.save(root / "frames.npy", frames)
+    cases = {
+        "sampling": [{"total": t, "video_fps": vf, "fps": f, "min_frames": lo, "max_frames": hi}
+                     for t, vf, f, lo, hi in SAMPLING],
+        "sizes": [{"frames": n, "height": h, "width": w, "cap": cap} for n, h, w, cap in SIZES],
+        "frames_npy": str(root / "frames.npy"), "rows_npy": str(root / "rows.npy"),
+    }
+    (root / "cases.json").write_text(json.dumps(cases))
+    script = Path(__file__).with_name("qwen2vl_video_reference.py")
+    run = subprocess.run([sys.executable, str(script), str(root / "cases.json")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1]), frames, np.load(root / "rows.npy")
+
+
+def test_defaults_are_transformers(reference):
+    ref, _, _ = reference
+    s = VideoSettings()
+    assert ref["defaults"] == {"min_frames": s.min_frames, "max_frames": s.max_frames, "min_pixels": s.min_pixels,
+                               "max_pixels": s.max_pixels, "max_video_tokens": s.max_video_tokens,
+                               "temporal_patch": 2}
+
+
+def test_frame_sampling_matches_transformers(reference):
+    ref, _, _ = reference
+    for (total, vfps, fps, lo, hi), expected in zip(SAMPLING, ref["indices"], strict=True):
+        kw = {k: v for k, v in (("min_frames", lo), ("max_frames", hi)) if v is not None}
+        assert sample_frame_indices(total, vfps, fps, **kw) == expected, (total, vfps, fps)
+    # Hand-checked: 9 frames at 4 fps sampled at 2 fps -> 4.5 frames -> 4 (even) at 0, 2.25, 4.5, 6.75.
+    assert ref["indices"][0] == [0, 2, 4, 6]
+
+
+def test_frame_sizes_match_transformers_with_the_per_video_budget(reference):
+    ref, _, _ = reference
+    for (n, h, w, cap), expected in zip(SIZES, ref["sizes"], strict=True):
+        assert list(frame_size(h, w, n, VideoSettings(cap_pixels_per_frame=cap))) == expected, (n, h, w, cap)
+    # 768 frames of 480x640: the budget (0.9 * 128000 tokens of 28x28 over 384 temporal patches) lowers the size.
+    assert np.prod(ref["sizes"][2]) < np.prod(ref["sizes"][3])
+
+
+def test_patch_rows_match_transformers(reference):
+    ref, frames, rows = reference
+    ours = expand_video_patches(patchify_video_uint8(frames))
+    assert ref["grid"] == [3, 4, 6]
+    assert ours.shape == rows.shape == (3 * 4 * 6, 1176)
+    np.testing.assert_array_equal(ours, rows)  # same bits: fused rescale+normalise from a per-level table
+
+
+def _ramp_video(path: Path, n: int, fps: int = 4, h: int = 56, w: int = 84) -> np.ndarray:
+    """Frame k is a flat grey of level (10 + 20k) mod 240 (recognisable after lossy coding)."""
+    frames = np.stack([np.full((h, w, 3), (10 + 20 * k) % 240, np.uint8) for k in range(n)])
+    write_test_video(path, frames, fps=fps)
+    return frames
+
+
+def test_decode_picks_the_sampled_frames(tmp_path):
+    _ramp_video(tmp_path / "v.mp4", 12, fps=4)
+    d = decode_video(tmp_path / "v.mp4")
+    assert (d.total_frames, d.video_fps) == (12, 4.0)
+    assert d.indices == sample_frame_indices(12, 4.0) == [0, 2, 4, 6, 8, 10]  # 12 / 4 * 2 = 6 frames
+    levels = d.frames.reshape(len(d.indices), -1).mean(1)
+    np.testing.assert_allclose(levels, [10 + 20 * k for k in d.indices], atol=4)
+    assert d.sampled_fps == 2.0
+
+
+def test_bad_videos_are_skipped_and_counted(tmp_path, tok):
+    _ramp_video(tmp_path / "good.mp4", 8)
+    _ramp_video(tmp_path / "one.mp4", 1)  # one frame: not even one temporal patch
+    _ramp_video(tmp_path / "long.mp4", 40)
+    good = (tmp_path / "good.mp4").read_bytes()
+    (tmp_path / "cut.mp4").write_bytes(good[: len(good) // 3])
+    (tmp_path / "junk.mp4").write_bytes(b"\x00not a video" * 50)
+    names = ["good.mp4", "one.mp4", "long.mp4", "cut.mp4", "junk.mp4", "absent.mp4"]
+    records = [{**qa("<video>What happens?", "Grey."), "videos": [n]} for n in names]
+    records.append({**qa("<video><video>Compare.", "Same."), "videos": ["good.mp4"]})  # markers != videos
+    write_jsonl(tmp_path / "v.jsonl", records)
+    cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "v.jsonl")}], "seq_len": 2048, "pack_buffer": 4,
+                                "video": {"min_pixels": 56 * 56, "max_pixels": 56 * 84, "max_decoded_frames": 30}})
+    loader = build_loader(cfg, tok, max_epochs=1)
+    packs = list(loader)
+    assert sum(p.num_samples for p in packs) == 1
+    skipped = loader.report()["skipped"]
+    assert skipped == {"video_no_frames": 1, "video_too_long": 1, "corrupt_video": 2, "missing_video": 1,
+                       "video_count_mismatch": 1}, skipped
+
+
+def test_missing_decoder_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` now raises ImportError
+    with pytest.raises(ImportError, match=r"mindvl\[video\]"):
+        require_decoder()
+    with pytest.raises(ImportError, match=r"mindvl\[video\]"):
+        decode_video(b"anything")
+
+
+def test_sampling_edge_cases():
+    with pytest.raises(VideoError) as exc:
+        sample_frame_indices(0, 30.0)
+    assert exc.value.reason == "video_no_frames"
+    assert sample_frame_indices(3, 30.0) == [0, 1]  # fewer than min_frames: all it has, rounded down to even
