@@ -133,8 +133,9 @@ class Pack:
 
     input_ids int64 [T]; labels int64 [T], -100 where not trained, *unshifted* (HF convention: the model predicts
     labels[i+1] from position i; every sample's first label is -100 (a chat's `<|im_start|>`, a document's first
-    token: nothing predicts it), so a shift never trains one sample's last token on the next sample's first); position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0
-    per sample; text tokens have three equal rows, so row 0 is the 1-D position for non-M-RoPE LLMs);
+    token: nothing predicts it), so a shift never trains one sample's last token on the next sample's first);
+    position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0 per sample; a 1-D RoPE model numbers each
+    sample's tokens 0, 1, 2, ... itself from cu_seqlens, as generation does);
     cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, 1176] (images and videos in order of
     appearance: one stream); image_grid_thw int64 [N, 3] (their grids, in the same order; videos have t >= 1 temporal
     patches of 2 frames and fill `<|video_pad|>` slots, images fill `<|image_pad|>` slots).

@@ -17,8 +17,8 @@ The rules are those of transformers' Qwen2-VL/Qwen2.5-VL video processor (`Qwen2
   last one, and laid out as (t, h-block, w-block, h-in-block, w-in-block) rows of (C, T=2, 14, 14) values;
   normalisation is transformers' fused rescale+normalise, `(x - 255*mean) / (255*std)` in float32, gathered from a
   per-level table (the same bits);
-- time: `second_per_grid_t = temporal_patch / sampled_fps` with sampled_fps = n / total * video_fps, which M-RoPE scales by
-  `tokens_per_second` (see `template.mrope_positions`).
+- time: `second_per_grid_t = temporal_patch / sampled_fps` with sampled_fps = n / total * video_fps, which
+  M-RoPE scales by `tokens_per_second` (see `template.mrope_positions`).
 
 Decoding uses PyAV (`pip install 'mindvl[video]'`); `require_decoder()` fails at start with the extra's name.
 Rows stay uint8 (1176 bytes each) while samples wait in the packing buffer; `expand_video_patches` makes the
