@@ -139,6 +139,42 @@ def frame_size(height: int, width: int, n_frames: int, s: VideoSettings) -> tupl
     return smart_resize(height, width, FACTOR, s.min_pixels, max_pixels)
 
 
+def _stream_info(container, name: str, s: VideoSettings) -> tuple[object, int, float]:
+    """(stream, total frames, fps) from the container's headers (packets counted when it does not say)."""
+    if not container.streams.video:
+        raise VideoError("video_no_frames", f"video {name} has no video stream")
+    stream = container.streams.video[0]
+    rate = stream.average_rate or stream.guessed_rate
+    video_fps = float(rate) if rate else 0.0
+    total = stream.frames
+    if total <= 0:  # the container does not say: count the packets (no decoding)
+        total = sum(1 for p in container.demux(stream) if p.size)
+        container.seek(0)
+    if total > s.max_decoded_frames:
+        raise VideoError("video_too_long", f"video {name} has {total} frames, over max_decoded_frames "
+                         f"{s.max_decoded_frames}; cut it into clips")
+    return stream, total, video_fps
+
+
+def video_grid(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> tuple[int, int, int]:
+    """The (t, h, w) grid `preprocess_video` will produce, from the headers only (no frame is decoded)."""
+    require_decoder()
+    import av
+
+    name = "<bytes>" if isinstance(source, bytes) else os.fspath(source)
+    try:
+        with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
+            stream, total, video_fps = _stream_info(container, name, s)
+            height, width = stream.codec_context.height, stream.codec_context.width
+    except VideoError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError) as exc:
+        raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
+    n = len(sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames))
+    rh, rw = frame_size(height, width, n, s)
+    return -(-n // TEMPORAL_PATCH_SIZE), rh // PATCH_SIZE, rw // PATCH_SIZE
+
+
 def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> DecodedVideo:
     """Decode the frames `sample_frame_indices` picks (RGB, uint8). Raises VideoError: `missing_video`,
     `corrupt_video`, `video_no_frames`, `video_too_long`."""
@@ -150,18 +186,7 @@ def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSett
         raise VideoError("missing_video", f"video file not found: {name}")
     try:
         with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
-            if not container.streams.video:
-                raise VideoError("video_no_frames", f"video {name} has no video stream")
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate
-            video_fps = float(rate) if rate else 0.0
-            total = stream.frames
-            if total <= 0:  # the container does not say: count the packets (no decoding)
-                total = sum(1 for p in container.demux(stream) if p.size)
-                container.seek(0)
-            if total > s.max_decoded_frames:
-                raise VideoError("video_too_long", f"video {name} has {total} frames, over max_decoded_frames "
-                                 f"{s.max_decoded_frames}; cut it into clips")
+            stream, total, video_fps = _stream_info(container, name, s)
             indices = sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames)
             wanted, frames, k = set(indices), {}, 0
             for frame in container.decode(stream):
