@@ -1,0 +1,71 @@
+"""`mindvl chat --video`: a video prompt's greedy answer equals a full-forward greedy loop whose positions come from
+the data side's M-RoPE (time axis scaled by second_per_grid_t), and the CLI names the missing decoder extra."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tiny_mindvl import tiny_model_folder
+
+from mindvl.cli import main
+from mindvl.data.template import mrope_positions
+from mindvl.data.video import VideoSettings, write_test_video
+from mindvl.infer.chat import ChatSession, conversation_prompt, load_for_chat, process_videos, user_message
+from mindvl.infer.generate import generate, pack_prompts
+
+SETTINGS = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 84)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chatvideo")
+    folder = tiny_model_folder(root / "model")
+    rng = np.random.default_rng(0)
+    write_test_video(root / "v.mp4", rng.integers(0, 256, (8, 56, 84, 3), dtype=np.uint8), fps=8)
+    return folder, root / "v.mp4"
+
+
+def test_video_prompt_logits_equal_a_full_forward_on_data_side_positions(setup):
+    folder, video = setup
+    model, tok = load_for_chat(folder)
+    rows, grids, seconds = process_videos([video], SETTINGS)
+    # 1 s at 8 fps: 2 frames at 2 fps, raised to min_frames 4 -> frames 0, 2, 4, 6, sampled at 4 fps, so a temporal
+    # patch of 2 frames lasts 0.5 s (the default of 1 s would give other positions).
+    assert grids == [(2, 4, 6)] and seconds == [0.5]
+    prompt = conversation_prompt(tok, [user_message("What happens?", 0, 1)], None, [], video_rows=rows,
+                                 video_grids=grids, video_seconds=seconds)
+    packed = pack_prompts([prompt], torch.device("cpu"))
+    with torch.no_grad():
+        logits, next_pos = model.prefill(packed["input_ids"], packed["cu_seqlens"],
+                                         model.new_kv_cache(1, len(prompt.input_ids)), packed["pixel_values"],
+                                         packed["image_grid_thw"], packed["second_per_grid_ts"])
+        # Reference: the packed training forward, positions from the data side's M-RoPE.
+        ids = prompt.input_ids
+        pads = torch.nonzero(ids == tok.special.video_pad).flatten()
+        span = (int(pads[0]), int(pads[-1]) + 1)
+        interval = float(np.float32(model.config.tokens_per_second) * np.float32(seconds[0]))
+        pos = torch.from_numpy(mrope_positions(len(ids), [span], grids, [interval]))
+        ref = model(input_ids=ids, pixel_values=rows[0], image_grid_thw=torch.tensor(grids), position_ids=pos).logits
+    # Time index 0 and 0.5 s x 2 tokens/s for the two temporal patches.
+    assert pos[0, span[0]:span[1]].unique().tolist() == [span[0], span[0] + 1]
+    torch.testing.assert_close(logits[0], ref[-1], rtol=1e-5, atol=1e-5)
+    assert int(next_pos) == int(pos.max()) + 1
+    assert len(generate(model, [prompt], 3)[0]) == 3
+
+
+def test_chat_cli_with_a_video(setup, capsys):
+    folder, video = setup
+    session = ChatSession(*load_for_chat(folder), videos=[video], video_settings=VideoSettings(), max_new_tokens=4)
+    expected = session.ask("Describe.")
+    assert main(["chat", str(folder), "--video", str(video), "--prompt", "Describe.", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_chat_cli_names_the_missing_video_extra(setup, capsys, monkeypatch):
+    folder, video = setup
+    monkeypatch.setitem(sys.modules, "av", None)
+    assert main(["chat", str(folder), "--video", str(video), "--prompt", "x"]) == 2
+    assert "mindvl[video]" in capsys.readouterr().err
