@@ -186,6 +186,7 @@ class DataConfig:
     train_on_prompt: bool = False
     synth_cache: str | None = None  # where synthetic sources are generated (default ~/.cache/mindvl/synth)
     video: VideoConfig = field(default_factory=VideoConfig)
+    box_format: str = "qwen2.5-vl"  # boxes of records that declare `coords` become this (mindvl.data.grounding)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "data") -> DataConfig:
@@ -222,6 +223,7 @@ class DataConfig:
             train_on_prompt=_typed(d.get("train_on_prompt", False), (bool,), f"{where}.train_on_prompt"),
             synth_cache=_typed(d.get("synth_cache"), (str,), f"{where}.synth_cache", allow_none=True),
             video=VideoConfig.from_dict(d.get("video") or {}, f"{where}.video"),
+            box_format=_typed(d.get("box_format", "qwen2.5-vl"), (str,), f"{where}.box_format"),
         )
         cfg.validate(where)
         return cfg
@@ -230,6 +232,8 @@ class DataConfig:
         """Cross-field checks (also run on configs built in code)."""
         if not self.sources:
             raise ValueError(f"{where}.sources: must be a non-empty list of sources")
+        if self.box_format not in ("qwen2.5-vl", "rel1000"):
+            raise ValueError(f"{where}.box_format: must be qwen2.5-vl or rel1000, got {self.box_format!r}")
         if self.truncation not in ("truncate", "drop"):
             raise ValueError(f"{where}.truncation: must be truncate or drop, got {self.truncation!r}")
         if self.num_workers < 0:

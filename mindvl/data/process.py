@@ -8,6 +8,8 @@ tokenized as it stands with every text token trained; a caption becomes one or t
 Truncation (`truncation: truncate`) of anything longer than seq_len cuts at the last token before seq_len that is
 not inside an image's or video's `<|vision_start|> ... <|vision_end|>` block and drops the vision items after the
 cut: a long document keeps its first seq_len tokens up to an image boundary, never half an image.
+Boxes and points of a record that declares `coords` are rewritten into `box_format` once its image's size on disk and
+after smart_resize are known (mindvl.data.grounding).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .captions import caption_sample, prompt_set
-from .image import PATCH_DIM, PATCH_PIXELS, ImageError, load_image, preprocess_uint8
-from .schema import IGNORE_INDEX, BadSample, Conversation, Sample, SampleRef
+from .grounding import BoxError, convert_text
+from .image import PATCH_DIM, PATCH_PIXELS, PATCH_SIZE, ImageError, load_image, preprocess_uint8
+from .schema import IGNORE_INDEX, BadSample, Conversation, Message, Sample, SampleRef
 from .template import DEFAULT_SYSTEM, encode_conversation, encode_document, mrope_positions, safe_cut
 from .tokenizer import TextTokenizer
 from .video import VideoSettings, preprocess_video
@@ -38,9 +41,11 @@ class ProcessConfig:
     seed: int = 0
     video: VideoSettings = field(default_factory=VideoSettings)
     tokens_per_second: int = 2
+    box_format: str = "qwen2.5-vl"
 
 
-def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
+                                                              Conversation]:
     pixels, grids = [], []
     for img in conv.images:
         try:
@@ -48,9 +53,20 @@ def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], l
             pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels)
         except ImageError as exc:
             raise BadSample(exc.reason, conv.where, f"{exc}") from exc
+        if conv.coords is not None:  # boxes in the text follow the image through smart_resize
+            resized = (grid[2] * PATCH_SIZE, grid[1] * PATCH_SIZE)
+            try:
+                conv = _with_boxes(conv, image.size, resized, cfg.box_format)
+            except BoxError as exc:
+                raise BadSample(exc.reason, conv.where, f"{exc}") from exc
         pixels.append(pv)
         grids.append(grid)
-    return pixels, grids
+    return pixels, grids, conv
+
+
+def _with_boxes(conv: Conversation, size: tuple[int, int], resized: tuple[int, int], target: str) -> Conversation:
+    messages = [Message(m.role, convert_text(m.content, conv.coords, target, size, resized)) for m in conv.messages]
+    return Conversation(messages, conv.images, conv.where, conv.videos, conv.kind, conv.text, None)
 
 
 def _videos(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
@@ -73,7 +89,7 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     """Returns (sample, truncated). Raises BadSample (reasons: image/video problems, too_long, too_many_patches)."""
     if conv.kind == "caption":
         conv = caption_sample(conv, prompt_set(cfg.caption_prompts), cfg.seed)
-    pixels, grids = _images(conv, cfg)
+    pixels, grids, conv = _images(conv, cfg)
     vpixels, vgrids, intervals = _videos(conv, cfg)
 
     if conv.kind == "document":

@@ -15,6 +15,9 @@ Captions (turned into samples by the source's caption prompts): `{"image": "x.jp
 `text` beside one image name, LAION-style), and a tar key's `txt` member (or `.json` with a `caption` field)
 beside exactly one image (WebDataset caption shards).
 
+Grounding: `"coords": "abs" | "rel1000" | "rel1"` declares the convention of the boxes and points in a chat's text
+(mindvl.data.grounding rewrites them into the model's).
+
 Every problem raises `BadSample(reason, where, message)`.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .grounding import RECORD_COORDS
 from .schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, BadSample, Conversation, ImageRef, Message
 
 ROLE_ALIASES = {
@@ -179,5 +183,9 @@ def _parse_chat(record: dict, where: str, resolve_image: Callable[[str], ImageRe
     text = "".join(m.content for m in messages)
     _check_count(text, IMAGE_PLACEHOLDER, names, where)
     _check_count(text, VIDEO_PLACEHOLDER, videos, where)
+    coords = record.get("coords")
+    if coords is not None and (coords not in RECORD_COORDS or len(names) != 1):
+        raise BadSample("bad_record", where, f"`coords` must be one of {', '.join(RECORD_COORDS)} on a record with "
+                        f"exactly one image (got {coords!r} with {len(names)} image(s))")
     return Conversation(messages, [resolve_image(n) for n in names], where,
-                        videos=[resolve_image(n) for n in videos])
+                        videos=[resolve_image(n) for n in videos], coords=coords)

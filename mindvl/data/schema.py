@@ -80,6 +80,7 @@ class Conversation:
     videos: list[ImageRef] = field(default_factory=list)  # a video file or tar member, like an image
     kind: str = "chat"
     text: str = ""  # document text / caption
+    coords: str | None = None  # the convention of boxes/points in the text, when declared (mindvl.data.grounding)
 
 
 @dataclass

@@ -44,7 +44,7 @@ class PackStream:
             ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
                           cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt,
                           cfg.sources[i].caption_prompts, cfg.seed, video_settings(cfg.video),
-                          cfg.video.tokens_per_second)
+                          cfg.video.tokens_per_second, cfg.box_format)
             for i in range(len(cfg.sources))
         ]
 

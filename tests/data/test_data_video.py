@@ -128,12 +128,18 @@ def test_bad_videos_are_skipped_and_counted(tmp_path, tok):
                        "video_count_mismatch": 1}, skipped
 
 
-def test_missing_decoder_names_the_extra(monkeypatch):
+def test_missing_decoder_names_the_extra(monkeypatch, tmp_path, tok):
+    _ramp_video(tmp_path / "v.mp4", 8)
+    write_jsonl(tmp_path / "v.jsonl", [qa("text only", "fine"), {**qa("<video>What?", "Grey."), "videos": ["v.mp4"]}])
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` now raises ImportError
     with pytest.raises(ImportError, match=r"mindvl\[video\]"):
         require_decoder()
     with pytest.raises(ImportError, match=r"mindvl\[video\]"):
         decode_video(b"anything")
+    # A run stops at its first video (not a skipped sample: every video would be lost), naming the extra.
+    cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "v.jsonl")}], "seq_len": 1024})
+    with pytest.raises(ImportError, match=r"mindvl\[video\]"):
+        list(build_loader(cfg, tok, max_epochs=1))
 
 
 def test_sampling_edge_cases():
