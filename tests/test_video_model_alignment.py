@@ -7,32 +7,18 @@ import hf_tiny as H
 import pytest
 import torch
 
-from mindvl.checkpoint import convert_from_hf
-from mindvl.models import MindVL, mrope_position_ids
+from mindvl.models import mrope_position_ids
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def vl_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vlvideo")
-    hf = H.qwen25vl(root / "hf", seed=11)
-    convert_from_hf(root / "hf", root / "mindvl")
-    return hf, MindVL.from_pretrained(root / "mindvl")
+    return H.converted_qwen25vl(tmp_path_factory.mktemp("vlvideo"), seed=11)
 
 
 def mixed_ids(pieces: list, seed: int) -> torch.Tensor:
-    """pieces: ints (random text), ("image", t, h, w) or ("video", t, h, w) -> ids with vision_start/end."""
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    for piece in pieces:
-        if isinstance(piece, int):
-            ids += torch.randint(2, 140, (piece,), generator=gen).tolist()
-        else:
-            kind, t, h, w = piece
-            pad = H.IMAGE_TOKEN if kind == "image" else H.VIDEO_TOKEN
-            ids += [H.VISION_START] + [pad] * (t * h * w // 4) + [H.VISION_END]
-    return torch.tensor(ids, dtype=torch.long)
+    return H.multimodal_ids([p if isinstance(p, int) or p[0] == "video" else list(p[1:]) for p in pieces], seed)
 
 
 def mm_types(ids: torch.Tensor) -> torch.Tensor:
