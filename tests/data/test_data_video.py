@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import qa, write_jsonl
+from data_helpers import qa, write_jsonl, write_tar
 
 from mindvl.data import DataConfig, build_loader
 from mindvl.data.video import (
@@ -147,3 +147,25 @@ def test_sampling_edge_cases():
         sample_frame_indices(0, 30.0)
     assert exc.value.reason == "video_no_frames"
     assert sample_frame_indices(3, 30.0) == [0, 1]  # fewer than min_frames: all it has, rounded down to even
+
+
+def test_video_records_in_tar_shards_and_the_vision_budget(tmp_path, tok):
+    _ramp_video(tmp_path / "v.mp4", 8)
+    data = (tmp_path / "v.mp4").read_bytes()
+    record = json.dumps({**qa("<video>What?", "Grey."), "videos": ["mp4"]}).encode()
+    write_tar(tmp_path / "s.tar", [("k0", {"json": record, "mp4": data}), ("k1", {"json": record, "mp4": data})])
+    video = {"min_pixels": 56 * 56, "max_pixels": 56 * 84}  # 8 frames -> 4 sampled -> grid (2, 4, 6): 48 rows
+    cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "s.tar")}], "seq_len": 4096, "pack_buffer": 4,
+                                "max_patches_per_pack": 96, "video": video})
+    packs = list(build_loader(cfg, tok, max_epochs=1))
+    assert [p.image_grid_thw.tolist() for p in packs] == [[[2, 4, 6], [2, 4, 6]]]
+    # A pack budget of 60 rows holds one video at a time; 40 rows cannot hold any: both are skipped as
+    # too_many_patches and a source with no usable sample is an error.
+    def run(budget):
+        cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "s.tar")}], "seq_len": 4096,
+                                    "pack_buffer": 4, "max_patches_per_pack": budget, "video": video})
+        return [p.image_grid_thw.tolist() for p in build_loader(cfg, tok, max_epochs=1)]
+
+    assert run(60) == [[[2, 4, 6]], [[2, 4, 6]]]
+    with pytest.raises(ValueError, match="too_many_patches"):
+        run(40)
