@@ -12,9 +12,10 @@ The rules are those of transformers' Qwen2-VL/Qwen2.5-VL video processor (`Qwen2
   and with the per-video budget (`cap_pixels_per_frame`, qwen-vl-utils' rule) the max is first lowered to
   `max(min(max_pixels, total_pixels * 2 // n), int(1.05 * min_pixels))` with total_pixels = 0.9 * 128000 tokens'
   worth of pixels;
-- rows: frames are resized (PIL bicubic, as mindvl's images: transformers resizes tensors with torchvision's
-  antialiased bicubic, which can differ by a level or so per pixel), padded to an even count by repeating the
-  last one, and laid out as (t, h-block, w-block, h-in-block, w-in-block) rows of (C, T=2, 14, 14) values;
+- rows: frames are resized with torch's antialiased bicubic `interpolate` on uint8 (what torchvision's resize runs
+  on CPU inside transformers' processor; PIL's bicubic, used for still images, differs by up to ~8 levels), padded
+  to an even count by repeating the last one, and laid out as (t, h-block, w-block, h-in-block, w-in-block) rows
+  of (C, T=2, 14, 14) values;
   normalisation is transformers' fused rescale+normalise, `(x - 255*mean) / (255*std)` in float32, gathered from a
   per-level table (the same bits);
 - time: `second_per_grid_t = temporal_patch / sampled_fps` with sampled_fps = n / total * video_fps, which
@@ -33,7 +34,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
 
 from .image import (
     CHANNELS,
@@ -242,10 +242,16 @@ def expand_video_patches(patches: np.ndarray, out: np.ndarray | None = None) -> 
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """[n, H, W, 3] uint8 -> [n, height, width, 3] uint8 with PIL bicubic (mindvl's image resize)."""
+    """[n, H, W, 3] uint8 -> [n, height, width, 3] uint8: antialiased bicubic on uint8, as torchvision resizes the
+    frames in transformers' video processor (bit-identical; torch is imported here only, not by mindvl.data)."""
     if frames.shape[1:3] == (height, width):
         return frames
-    return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC)) for f in frames])
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [n, 3, H, W] uint8
+    y = F.interpolate(x, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
+    return y.permute(0, 2, 3, 1).contiguous().numpy()
 
 
 def process_frames(decoded: DecodedVideo, s: VideoSettings = VideoSettings()) -> VideoPatches:

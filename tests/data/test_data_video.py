@@ -90,6 +90,26 @@ def test_patch_rows_match_transformers(reference):
     np.testing.assert_array_equal(ours, rows)  # same bits: fused rescale+normalise from a per-level table
 
 
+def test_processing_equals_transformers_with_torchvision():
+    """Golden rows from transformers' processor with the real torchvision (make_qwen2vl_video_golden.py): frame
+    sampling at 2 fps, resize up (40x100 -> 28x112) and down (90x70 -> 56x28), rows: bit-identical."""
+    from make_qwen2vl_video_golden import CASES, decoded_video
+
+    from mindvl.data.video import DecodedVideo, process_frames
+
+    golden = np.load(Path(__file__).with_name("golden") / "qwen2vl_video.npz")
+    for i, (name, (total, fps, height, width, size)) in enumerate(CASES.items()):
+        video = decoded_video(total, height, width, seed=i)
+        indices = sample_frame_indices(total, fps, 2.0)
+        assert indices == golden[f"{name}_indices"].tolist()
+        decoded = DecodedVideo(video[indices], indices, total, fps)
+        assert decoded.sampled_fps == float(golden[f"{name}_sampled_fps"])
+        v = process_frames(decoded, VideoSettings(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]))
+        assert list(v.grid) == golden[f"{name}_grid"][0].tolist()
+        assert (v.grid[1] * 14, v.grid[2] * 14) != (height, width)  # the frames were resized
+        np.testing.assert_array_equal(expand_video_patches(v.patches), golden[f"{name}_rows"])
+
+
 def _ramp_video(path: Path, n: int, fps: int = 4, h: int = 56, w: int = 84) -> np.ndarray:
     """Frame k is a flat grey of level (10 + 20k) mod 240 (recognisable after lossy coding)."""
     frames = np.stack([np.full((h, w, 3), (10 + 20 * k) % 240, np.uint8) for k in range(n)])
