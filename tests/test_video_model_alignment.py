@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import hf_tiny as H
+import numpy as np
 import pytest
 import torch
 
+from mindvl.data.template import mrope_positions
 from mindvl.models import mrope_position_ids
 
 TOL = 1e-4
@@ -45,6 +47,13 @@ def test_mrope_positions_with_videos_match_get_rope_index(vl_pair):
     # mindvl's packed form: one grid stream in order of appearance gives the same positions.
     stream = torch.tensor([[4, 4, 6], [1, 8, 4], [6, 4, 4]])
     assert torch.equal(mrope_position_ids(ids, cu, stream, H.IMAGE_TOKEN, 2, H.VIDEO_TOKEN, None, seconds, tps), got)
+    # The data side's implementation (numpy, from the pad spans) gives the same positions too.
+    is_pad = ((ids == H.IMAGE_TOKEN) | (ids == H.VIDEO_TOKEN)).int()
+    starts = torch.nonzero(is_pad.diff(prepend=torch.zeros(1, dtype=torch.int)) == 1).flatten().tolist()
+    ends = torch.nonzero(is_pad.diff(append=torch.zeros(1, dtype=torch.int)) == -1).flatten().add(1).tolist()
+    intervals = [float(np.float32(tps) * np.float32(SECONDS[0])), None, float(np.float32(tps) * np.float32(SECONDS[1]))]
+    data_side = mrope_positions(len(ids), list(zip(starts, ends, strict=True)), stream.tolist(), intervals)
+    assert np.array_equal(data_side, ref[:, 0].numpy())
     # Hand-checked: the first video starts after 3 text + vision_start (position 4); its 4 temporal patches at fps 3
     # are k * 4 * (2/3) = 0, 2.67, 5.33, 8 -> 0, 2, 5, 8 (truncated), 2x3 merged tokens each.
     assert got[0, 4:28].tolist() == [4] * 6 + [6] * 6 + [9] * 6 + [12] * 6
