@@ -139,6 +139,16 @@ def frame_size(height: int, width: int, n_frames: int, s: VideoSettings) -> tupl
     return smart_resize(height, width, FACTOR, s.min_pixels, max_pixels)
 
 
+def _name(source: str | os.PathLike | bytes) -> str:
+    """The source's name for messages; a missing file is a `missing_video` bad sample."""
+    if isinstance(source, bytes):
+        return "<bytes>"
+    name = os.fspath(source)
+    if not os.path.isfile(name):
+        raise VideoError("missing_video", f"video file not found: {name}")
+    return name
+
+
 def _stream_info(container, name: str, s: VideoSettings) -> tuple[object, int, float]:
     """(stream, total frames, fps) from the container's headers (packets counted when it does not say)."""
     if not container.streams.video:
@@ -161,7 +171,7 @@ def video_grid(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettin
     require_decoder()
     import av
 
-    name = "<bytes>" if isinstance(source, bytes) else os.fspath(source)
+    name = _name(source)
     try:
         with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
             stream, total, video_fps = _stream_info(container, name, s)
@@ -181,9 +191,7 @@ def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSett
     require_decoder()
     import av
 
-    name = "<bytes>" if isinstance(source, bytes) else os.fspath(source)
-    if not isinstance(source, bytes) and not os.path.isfile(name):
-        raise VideoError("missing_video", f"video file not found: {name}")
+    name = _name(source)
     try:
         with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
             stream, total, video_fps = _stream_info(container, name, s)
