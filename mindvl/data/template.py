@@ -135,6 +135,7 @@ def encode_conversation(
 
 
 _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+_IMAGE_ONLY = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")  # documents: a literal "<video>" is just text
 
 
 class _VisionItems:
@@ -153,8 +154,9 @@ class _VisionItems:
         return t * h * w // MERGE_UNIT
 
 
-def _content(b: _Builder, content: str, items: _VisionItems, trained: bool) -> None:
-    for piece in _PLACEHOLDERS.split(content):
+def _content(b: _Builder, content: str, items: _VisionItems, trained: bool,
+             placeholders: re.Pattern = _PLACEHOLDERS) -> None:
+    for piece in placeholders.split(content):
         if piece == IMAGE_PLACEHOLDER or piece == VIDEO_PLACEHOLDER:
             b.image(items.pads(piece == VIDEO_PLACEHOLDER), video=piece == VIDEO_PLACEHOLDER)
         elif piece:
@@ -171,7 +173,7 @@ def encode_document(tok: TextTokenizer, text: str, grids: Sequence[tuple[int, in
     if text.count(IMAGE_PLACEHOLDER) != len(grids):
         raise ValueError("number of <image> placeholders differs from the number of images")
     b = _Builder(tok)
-    _content(b, text, _VisionItems(grids, ()), trained=True)
+    _content(b, text, _VisionItems(grids, ()), trained=True, placeholders=_IMAGE_ONLY)
     if end_of_text:
         b.special(tok.special.endoftext, True)
     enc = b.finish()

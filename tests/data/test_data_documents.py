@@ -92,7 +92,7 @@ def test_obelics_lists_plain_text_and_bad_documents(tmp_path, tok):
     (tmp_path / "a.png").write_bytes(png_bytes(40, 60))
     records = [
         {"texts": ["First paragraph.", None, "Second."], "images": [None, "a.png", None]},
-        {"text": "Plain text for language preservation."},
+        {"text": "Plain text for language preservation, with a literal <video> tag."},
         {"text": "Two markers <image> and <image> but one image.", "images": ["a.png"]},  # line 3
         {"text": "   "},
         {"texts": ["a", "b"], "images": [None]},
@@ -102,7 +102,7 @@ def test_obelics_lists_plain_text_and_bad_documents(tmp_path, tok):
     assert len(samples) == 2
     texts = sorted(tok.decode(ids.tolist()) for ids, _, _ in samples)
     assert texts[0].startswith("First paragraph.\n\n<|vision_start|>") and texts[0].endswith("Second.<|endoftext|>")
-    assert texts[1] == "Plain text for language preservation.<|endoftext|>"
+    assert texts[1] == "Plain text for language preservation, with a literal <video> tag.<|endoftext|>"
     assert loader.report()["skipped"] == {"bad_record": 1, "empty_document": 1, "image_count_mismatch": 1}
 
 
