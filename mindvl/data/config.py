@@ -152,6 +152,9 @@ class SourceConfig:
                 raise ValueError(f"{where}.caption_prompts: must be default, none or a list of instructions")
         elif not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ValueError(f"{where}.caption_prompts: must be default, none or a non-empty list of instructions")
+        elif any("<image>" in p or "<video>" in p for p in prompts):
+            raise ValueError(f"{where}.caption_prompts: an instruction must not contain <image>/<video> (the image "
+                             "is placed before it)")
         return cls(
             category=_typed(d.get("category", ""), (str,), f"{where}.category"),
             caption_prompts=prompts,

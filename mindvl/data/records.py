@@ -141,6 +141,9 @@ def _parse_caption(record: dict, where: str, resolve: Callable[[str], ImageRef],
     names = _names(record, "images", "image", where, image_names)
     if len(names) != 1:
         raise BadSample("image_count_mismatch", where, f"a caption record needs exactly one image, got {len(names)}")
+    if IMAGE_PLACEHOLDER in text or VIDEO_PLACEHOLDER in text:
+        raise BadSample("image_count_mismatch", where, f"the caption contains a {IMAGE_PLACEHOLDER} or "
+                        f"{VIDEO_PLACEHOLDER} placeholder; remove it")
     return Conversation([], [resolve(names[0])], where, kind="caption", text=text.strip())
 
 

@@ -137,16 +137,18 @@ def test_caption_records_jsonl_and_webdataset(tmp_path, tok):
                        "json": b'{"url": "x"}'}) for i in range(3)]
     keys.append(("empty", {"png": png_bytes(56, 56), "txt": b"  "}))
     keys.append(("two", {"0.png": png_bytes(56, 56), "1.png": png_bytes(56, 56), "txt": b"two images"}))
+    keys.append(("marker", {"png": png_bytes(56, 56), "txt": b"an <image> tag in the caption"}))
     write_tar(tmp_path / "c.tar", keys)
     loader = _loader(tmp_path, tok, tmp_path / "c.tar", source={"caption_prompts": "none"})
     samples = [s for p in loader for s in _samples(p)]
     docs = sorted(tok.decode(ids.tolist()) for ids, _, _ in samples)
     assert docs[0].startswith("<|vision_start|><|image_pad|>") and docs[0].endswith("shard caption 0<|endoftext|>")
     assert "<|im_start|>" not in docs[0]
-    assert loader.report()["skipped"] == {"empty_caption": 1, "image_count_mismatch": 1}
+    assert loader.report()["skipped"] == {"empty_caption": 1, "image_count_mismatch": 2}
 
 
-@pytest.mark.parametrize("bad", [{"caption_prompts": "some"}, {"caption_prompts": []}])
+@pytest.mark.parametrize("bad", [{"caption_prompts": "some"}, {"caption_prompts": []},
+                                 {"caption_prompts": ["<image>Describe."]}])
 def test_caption_prompt_config_errors(bad):
     with pytest.raises(ValueError, match="caption_prompts"):
         DataConfig.from_dict({"sources": [{"path": "x.jsonl", **bad}]})
