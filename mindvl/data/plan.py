@@ -171,7 +171,8 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
         raise ValueError(f"{path}: the recipe has no `data:` section")
     cfg = DataConfig.from_dict(raw["data"], "data")
     phase = _phase(raw)
-    budget = int((raw.get("budget") or {}).get("max_tokens") or PAPER_BUDGETS.get(phase, 0))
+    recipe_budget = (raw.get("budget") or {}).get("max_tokens")
+    budget = int(recipe_budget or PAPER_BUDGETS.get(phase, 0))
     if budget <= 0:
         raise ValueError(f"{path}: budget.max_tokens is not set and phase {phase!r} has no paper budget")
     total_ratio = sum(s.ratio for s in cfg.sources)
@@ -237,7 +238,7 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
         tok_sum = sum(p.tokens for p in vision_known)
         vision_share = 100 * sum(p.tokens * p.vision_per_sample / p.tokens_per_sample for p in vision_known) / tok_sum
     return {
-        "recipe": str(path), "phase": phase, "budget_tokens": budget,
+        "recipe": str(path), "phase": phase, "budget_tokens": budget, "budget_from_recipe": bool(recipe_budget),
         "paper_budget_tokens": PAPER_BUDGETS.get(phase),
         "tokens_assumed_equal_per_sample": assumed,
         "vision_token_share": vision_share,
@@ -259,7 +260,9 @@ def format_plan(plan: dict) -> str:
     out = io.StringIO()
     w = out.write
     w(f"recipe {plan['recipe']}  phase {plan['phase'] or '?'}  budget {_tokens(plan['budget_tokens'])} tokens")
-    if plan["paper_budget_tokens"] and plan["paper_budget_tokens"] != plan["budget_tokens"]:
+    if not plan["budget_from_recipe"]:
+        w(" (budget.max_tokens is unset: the paper's budget for this phase)")
+    elif plan["paper_budget_tokens"] and plan["paper_budget_tokens"] != plan["budget_tokens"]:
         w(f" (paper: {_tokens(plan['paper_budget_tokens'])})")
     w("\n")
     if plan["tokens_assumed_equal_per_sample"]:
