@@ -189,7 +189,7 @@ class MindVL(nn.Module):
                      (is_video, features[features.shape[0] - n_video :], "video")]
         else:
             features = self.image_features(pixel_values, image_grid_thw)
-            slots = [(is_image | is_video, features, "image/video")]
+            slots = [(is_image | is_video, features, "image/video" if bool(is_video.any()) else "image")]
         features = features.to(embeds.dtype)
         for mask, feats, kind in slots:
             n_pads = int(mask.sum())
