@@ -1,5 +1,7 @@
-"""Writes golden/qwen2vl_video.npz: transformers' Qwen2-VL video processor, with the real torchvision, on two small
-synthetic decoded videos (frame sampling at 2 fps, resize up and down, per-video pixel budget, patch rows).
+"""Writes golden/qwen2vl_video.npz: transformers' Qwen2-VL video processor, with the real torchvision: its class
+defaults, its frame sampling (`sample_frames`) on SAMPLING, its frame sizes with and without the per-video pixel
+budget on SIZES (the size decision of `resize`; the resize itself is skipped there), and the whole processing of
+two small synthetic decoded videos (CASES: sampling at 2 fps, resize up and down, patch rows).
 
 torchvision cannot live beside the project's torch, so this is run by hand in a separate environment:
 
@@ -17,6 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
+SAMPLING = [  # (total frames, video fps, sampling fps, min_frames, max_frames); None: the processor's default
+    (9, 4.0, 2.0, None, None), (10, 30.0, 2.0, None, None), (300, 30.0, 2.0, None, None),
+    (301, 29.97, 2.0, None, None), (7, 3.0, 2.0, None, None), (100, 24.0, 1.0, 4, 10), (5000, 25.0, 2.0, None, None),
+    (33, 7.0, 3.0, 2, 768), (2, 1.0, 2.0, None, None), (11, 2.5, 1.5, None, None), (1000, 60.0, 0.5, None, None),
+]
+SIZES = [  # (frames, height, width, per-video budget)
+    (4, 56, 84, True), (16, 480, 640, True), (768, 480, 640, True), (768, 480, 640, False), (64, 1080, 1920, True),
+    (2, 20, 3000, True), (400, 360, 202, True),
+]
 # (total frames, fps of the file, height, width, processor size overrides)
 CASES = {
     "up": (9, 4.0, 40, 100, {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 12}),
@@ -41,6 +52,20 @@ def main() -> None:
     from transformers.video_utils import VideoMetadata
 
     out = {}
+    proc = Qwen2VLVideoProcessor()
+    out["defaults"] = np.asarray([proc.min_frames, proc.max_frames, proc.size["shortest_edge"],
+                                  proc.size["longest_edge"], proc.max_video_tokens, proc.temporal_patch_size])
+    indices = [proc.sample_frames(VideoMetadata(total_num_frames=t, fps=vf), fps=f, min_frames=lo, max_frames=hi)
+               for t, vf, f, lo, hi in SAMPLING]
+    out["sampling_indices"] = np.concatenate([i.numpy() for i in indices])
+    out["sampling_lengths"] = np.asarray([len(i) for i in indices])
+    real_resize = type(proc).__mro__[1].resize
+    type(proc).__mro__[1].resize = lambda self, image, size, resample=None, **kw: (size.height, size.width)
+    out["sizes"] = np.asarray([
+        proc.resize(torch.zeros(1, 1, 3, h, w, dtype=torch.uint8).expand(1, n, 3, h, w), proc.size, None, factor=28,
+                    temporal_factor=2, cap_pixels_per_frame=cap)
+        for n, h, w, cap in SIZES])
+    type(proc).__mro__[1].resize = real_resize
     for i, (name, (total, fps, height, width, size)) in enumerate(CASES.items()):
         video = decoded_video(total, height, width, seed=i)
         proc = Qwen2VLVideoProcessor(size=size)

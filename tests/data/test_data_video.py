@@ -1,17 +1,17 @@
 """Videos as Qwen2.5-VL reads them: frame sampling, frame sizes and patch rows against transformers' own video
-processor (run in a subprocess, see qwen2vl_video_reference.py), decoding of tiny videos written with PyAV, and
-bad videos skipped and counted by reason."""
+processor with the real torchvision (golden values made by make_qwen2vl_video_golden.py in a separate venv),
+decoding of tiny videos written with PyAV, and bad videos skipped and counted by reason."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from data_helpers import qa, write_jsonl, write_tar
+from make_qwen2vl_video_golden import SAMPLING, SIZES
 
 from mindvl.data import DataConfig, build_loader
 from mindvl.data.video import (
@@ -26,78 +26,52 @@ from mindvl.data.video import (
     write_test_video,
 )
 
-SAMPLING = [  # (total frames, video fps, sampling fps, min_frames, max_frames)
-    (9, 4.0, 2.0, None, None), (10, 30.0, 2.0, None, None), (300, 30.0, 2.0, None, None),
-    (301, 29.97, 2.0, None, None), (7, 3.0, 2.0, None, None), (100, 24.0, 1.0, 4, 10), (5000, 25.0, 2.0, None, None),
-    (33, 7.0, 3.0, 2, 768), (2, 1.0, 2.0, None, None), (11, 2.5, 1.5, None, None), (1000, 60.0, 0.5, None, None),
-]
-SIZES = [  # (frames, height, width, per-video budget)
-    (4, 56, 84, True), (16, 480, 640, True), (768, 480, 640, True), (768, 480, 640, False), (64, 1080, 1920, True),
-    (2, 20, 3000, True), (400, 360, 202, True),
-]
+GOLDEN = Path(__file__).with_name("golden") / "qwen2vl_video.npz"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("videoref")
-    rng = np.random.default_rng(0)
-    frames = rng.integers(0, 256, (5, 56, 84, 3), dtype=np.uint8)  # odd count: the last frame is repeated
-    np.save(root / "frames.npy", frames)
-    cases = {
-        "sampling": [{"total": t, "video_fps": vf, "fps": f, "min_frames": lo, "max_frames": hi}
-                     for t, vf, f, lo, hi in SAMPLING],
-        "sizes": [{"frames": n, "height": h, "width": w, "cap": cap} for n, h, w, cap in SIZES],
-        "frames_npy": str(root / "frames.npy"), "rows_npy": str(root / "rows.npy"),
-    }
-    (root / "cases.json").write_text(json.dumps(cases))
-    script = Path(__file__).with_name("qwen2vl_video_reference.py")
-    run = subprocess.run([sys.executable, str(script), str(root / "cases.json")], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1]), frames, np.load(root / "rows.npy")
+def golden():
+    return np.load(GOLDEN)
 
 
-def test_defaults_are_transformers(reference):
-    ref, _, _ = reference
+def test_defaults_are_transformers(golden):
     s = VideoSettings()
-    assert ref["defaults"] == {"min_frames": s.min_frames, "max_frames": s.max_frames, "min_pixels": s.min_pixels,
-                               "max_pixels": s.max_pixels, "max_video_tokens": s.max_video_tokens,
-                               "temporal_patch": 2}
+    assert golden["defaults"].tolist() == [s.min_frames, s.max_frames, s.min_pixels, s.max_pixels,
+                                           s.max_video_tokens, 2]
 
 
-def test_frame_sampling_matches_transformers(reference):
-    ref, _, _ = reference
-    for (total, vfps, fps, lo, hi), expected in zip(SAMPLING, ref["indices"], strict=True):
+def test_frame_sampling_matches_transformers(golden):
+    expected = np.split(golden["sampling_indices"], np.cumsum(golden["sampling_lengths"])[:-1])
+    for (total, vfps, fps, lo, hi), want in zip(SAMPLING, expected, strict=True):
         kw = {k: v for k, v in (("min_frames", lo), ("max_frames", hi)) if v is not None}
-        assert sample_frame_indices(total, vfps, fps, **kw) == expected, (total, vfps, fps)
+        assert sample_frame_indices(total, vfps, fps, **kw) == want.tolist(), (total, vfps, fps)
     # Hand-checked: 9 frames at 4 fps sampled at 2 fps -> 4.5 frames -> 4 (even) at 0, 2.25, 4.5, 6.75.
-    assert ref["indices"][0] == [0, 2, 4, 6]
+    assert expected[0].tolist() == [0, 2, 4, 6]
 
 
-def test_frame_sizes_match_transformers_with_the_per_video_budget(reference):
-    ref, _, _ = reference
-    for (n, h, w, cap), expected in zip(SIZES, ref["sizes"], strict=True):
-        assert list(frame_size(h, w, n, VideoSettings(cap_pixels_per_frame=cap))) == expected, (n, h, w, cap)
+def test_frame_sizes_match_transformers_with_the_per_video_budget(golden):
+    for (n, h, w, cap), want in zip(SIZES, golden["sizes"].tolist(), strict=True):
+        assert list(frame_size(h, w, n, VideoSettings(cap_pixels_per_frame=cap))) == want, (n, h, w, cap)
     # 768 frames of 480x640: the budget (0.9 * 128000 tokens of 28x28 over 384 temporal patches) lowers the size.
-    assert np.prod(ref["sizes"][2]) < np.prod(ref["sizes"][3])
+    assert np.prod(golden["sizes"][2]) < np.prod(golden["sizes"][3])
 
 
-def test_patch_rows_match_transformers(reference):
-    ref, frames, rows = reference
-    ours = expand_video_patches(patchify_video_uint8(frames))
-    assert ref["grid"] == [3, 4, 6]
-    assert ours.shape == rows.shape == (3 * 4 * 6, 1176)
-    np.testing.assert_array_equal(ours, rows)  # same bits: fused rescale+normalise from a per-level table
+def test_odd_frame_counts_repeat_the_last_frame():
+    frames = np.random.default_rng(0).integers(0, 256, (3, 28, 56, 3), dtype=np.uint8)
+    padded = np.concatenate([frames, frames[-1:]])
+    np.testing.assert_array_equal(patchify_video_uint8(frames), patchify_video_uint8(padded))
+    rows = patchify_video_uint8(padded).reshape(2, 1, 2, 2, 2, 3, 2, 14, 14)  # (t, bh, bw, mh, mw, C, T, ph, pw)
+    # Row 0 holds frames 0 and 1 of the top-left patch, channel-major: transformers' (C, T, 14, 14) order.
+    np.testing.assert_array_equal(rows[0, 0, 0, 0, 0, :, 1], padded[1, :14, :14].transpose(2, 0, 1))
 
 
-def test_processing_equals_transformers_with_torchvision():
+def test_processing_equals_transformers_with_torchvision(golden):
     """Golden rows from transformers' processor with the real torchvision (make_qwen2vl_video_golden.py): frame
     sampling at 2 fps, resize up (40x100 -> 28x112) and down (90x70 -> 56x28), rows: bit-identical."""
     from make_qwen2vl_video_golden import CASES, decoded_video
 
     from mindvl.data.video import DecodedVideo, process_frames
 
-    golden = np.load(Path(__file__).with_name("golden") / "qwen2vl_video.npz")
     for i, (name, (total, fps, height, width, size)) in enumerate(CASES.items()):
         video = decoded_video(total, height, width, seed=i)
         indices = sample_frame_indices(total, fps, 2.0)
