@@ -112,3 +112,14 @@ def _msg(m):
     from mindvl.data.schema import Message
 
     return Message(m["role"], m["content"])
+
+
+def test_plan_text_output(capsys):
+    assert main(["data", "plan", str(RECIPES / "warmup.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "phase warmup  budget 256.00B tokens" in out
+    row = next(line for line in out.splitlines() if line.startswith("Caption-CN-Rawcaption"))
+    assert row.split()[1:5] == ["Caption", "21.9200", "21.92", "56.12B"]  # share, paper, 256B x 21.92%
+    assert "subtotal Caption: plan 56.13% vs paper 55.81% (the paper's own rows add up to 56.13%)" in out
+    assert "in the recipe, not in the paper's tables: Unattributed" in out
+    assert main(["data", "plan", "nowhere.yaml"]) == 2
