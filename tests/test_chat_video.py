@@ -13,7 +13,14 @@ from tiny_mindvl import tiny_model_folder
 from mindvl.cli import main
 from mindvl.data.template import mrope_positions
 from mindvl.data.video import VideoSettings, write_test_video
-from mindvl.infer.chat import ChatSession, conversation_prompt, load_for_chat, process_videos, user_message
+from mindvl.infer.chat import (
+    ChatSession,
+    conversation_prompt,
+    load_for_chat,
+    process_videos,
+    user_message,
+    video_settings,
+)
 from mindvl.infer.generate import generate, pack_prompts
 
 SETTINGS = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 84)
@@ -62,6 +69,15 @@ def test_chat_cli_with_a_video(setup, capsys):
     expected = session.ask("Describe.")
     assert main(["chat", str(folder), "--video", str(video), "--prompt", "Describe.", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out == expected + "\n"
+    # The folder's video_preprocessor_config.json (transformers' layout) sets the sampling and sizes.
+    (folder / "video_preprocessor_config.json").write_text(
+        '{"size": {"shortest_edge": 3136, "longest_edge": 4704}, "fps": 4.0, "max_frames": 16}')
+    try:
+        s = video_settings(folder)
+        assert (s.min_pixels, s.max_pixels, s.fps, s.max_frames, s.min_frames) == (3136, 4704, 4.0, 16, 4)
+        assert video_settings(folder, fps=1.0).fps == 1.0
+    finally:
+        (folder / "video_preprocessor_config.json").unlink()
 
 
 def test_chat_cli_names_the_missing_video_extra(setup, capsys, monkeypatch):

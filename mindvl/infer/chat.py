@@ -182,6 +182,23 @@ def pixel_limits(model_dir: str | os.PathLike) -> tuple[int, int]:
     return lo, hi
 
 
+def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> VideoSettings:
+    """Video sampling and sizes from the folder's video_preprocessor_config.json (transformers' video processor
+    file: `size.shortest_edge/longest_edge` or `min_pixels/max_pixels`, `fps`, `min_frames`, `max_frames`) when
+    it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
+    path = Path(model_dir) / "video_preprocessor_config.json"
+    s = VideoSettings()
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    size = cfg.get("size") or {}
+    return VideoSettings(
+        fps=float(fps if fps is not None else cfg.get("fps") or s.fps),
+        min_frames=int(cfg.get("min_frames") or s.min_frames),
+        max_frames=int(cfg.get("max_frames") or s.max_frames),
+        min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or s.min_pixels),
+        max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or s.max_pixels),
+    )
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
