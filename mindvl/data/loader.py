@@ -13,7 +13,8 @@ Every pack arrives with its stream's state *after* that pack; the loader keeps t
 exact no matter how far the workers have prefetched. On resume, DataLoader worker w runs logical stream
 (w + next_stream) mod W, so the first pack delivered is the one the interrupted run would have consumed next.
 
-This is the only module of mindvl.data that imports torch (for the DataLoader workers).
+This is the only module of mindvl.data that imports torch at import time (for the DataLoader workers); video.py
+imports it lazily to resize video frames exactly as transformers' video processor does.
 """
 
 from __future__ import annotations
