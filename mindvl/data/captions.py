@@ -11,6 +11,8 @@ A caption record (JSONL `{"image": ..., "caption": ...}`, a WebDataset key with 
 
 from __future__ import annotations
 
+import dataclasses
+
 from .mixture import uniform
 from .schema import IMAGE_PLACEHOLDER, Conversation, Message
 
@@ -43,7 +45,7 @@ def choose_prompt(prompts: tuple[str, ...], seed: int, where: str) -> str:
 def caption_sample(conv: Conversation, prompts: tuple[str, ...] | None, seed: int) -> Conversation:
     """A caption Conversation -> a chat (with a chosen instruction) or a document (`prompts` None)."""
     if prompts is None:
-        return Conversation([], conv.images, conv.where, kind="document", text=f"{IMAGE_PLACEHOLDER}{conv.text}")
+        return dataclasses.replace(conv, kind="document", text=f"{IMAGE_PLACEHOLDER}{conv.text}")
     messages = [Message("user", f"{IMAGE_PLACEHOLDER}{choose_prompt(prompts, seed, conv.where)}"),
                 Message("assistant", conv.text)]
-    return Conversation(messages, conv.images, conv.where)
+    return dataclasses.replace(conv, messages=messages, kind="chat", text="")

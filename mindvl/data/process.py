@@ -14,6 +14,7 @@ after smart_resize are known (mindvl.data.grounding).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,7 +67,7 @@ def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], l
 
 def _with_boxes(conv: Conversation, size: tuple[int, int], resized: tuple[int, int], target: str) -> Conversation:
     messages = [Message(m.role, convert_text(m.content, conv.coords, target, size, resized)) for m in conv.messages]
-    return Conversation(messages, conv.images, conv.where, conv.videos, conv.kind, conv.text, None)
+    return dataclasses.replace(conv, messages=messages, coords=None)
 
 
 def _videos(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
