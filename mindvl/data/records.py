@@ -98,9 +98,10 @@ def parse_record(
         raise BadSample("bad_record", where, "record is not a JSON object")
     if "messages" in record or "conversations" in record:
         return _parse_chat(record, where, resolve_image, image_names)
-    if "texts" in record or ("text" in record and "caption" not in record and not isinstance(record.get("image"), str)):
+    if caption is None and ("texts" in record or ("text" in record and "caption" not in record
+                                                  and not isinstance(record.get("image"), str))):
         return _parse_document(record, where, resolve_image, image_names)
-    if "caption" in record or "text" in record or caption is not None:
+    if "caption" in record or "text" in record or caption is not None:  # a txt member wins over .json metadata
         return _parse_caption(record, where, resolve_image, image_names, caption)
     raise BadSample("bad_record", where, "record has none of `messages`, `conversations` (chat), `text`/`texts` "
                     "(document) or `caption` (image-caption pair)")
@@ -135,7 +136,7 @@ def _parse_document(record: dict, where: str, resolve: Callable[[str], ImageRef]
 
 def _parse_caption(record: dict, where: str, resolve: Callable[[str], ImageRef], image_names: list[str] | None,
                    caption: str | None) -> Conversation:
-    text = record.get("caption", record.get("text", caption))
+    text = record.get("caption", caption if caption is not None else record.get("text"))
     if not isinstance(text, str) or not text.strip():
         raise BadSample("empty_caption", where, "caption is missing or empty; remove the record")
     names = _names(record, "images", "image", where, image_names)

@@ -134,7 +134,7 @@ def test_caption_records_jsonl_and_webdataset(tmp_path, tok):
     assert f"<|vision_end|>{choose_prompt(DEFAULT_CAPTION_PROMPTS, 0, where)}<|im_end|>" in first
     # A WebDataset caption shard (jpg + txt, with a metadata json), captions as documents (no prompt).
     keys = [(f"k{i}", {"png": png_bytes(56, 56, seed=i), "txt": f"shard caption {i}".encode(),
-                       "json": b'{"url": "x"}'}) for i in range(3)]
+                       "json": b'{"url": "x", "text": "metadata, not the caption"}'}) for i in range(3)]
     keys.append(("empty", {"png": png_bytes(56, 56), "txt": b"  "}))
     keys.append(("two", {"0.png": png_bytes(56, 56), "1.png": png_bytes(56, 56), "txt": b"two images"}))
     keys.append(("marker", {"png": png_bytes(56, 56), "txt": b"an <image> tag in the caption"}))
