@@ -3,6 +3,7 @@ the data side's M-RoPE (time axis scaled by second_per_grid_t), and the CLI name
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -12,7 +13,7 @@ from tiny_mindvl import tiny_model_folder
 
 from mindvl.cli import main
 from mindvl.data.template import mrope_positions
-from mindvl.data.video import VideoSettings, write_test_video
+from mindvl.data.video import VideoSettings, video_processor_config, write_test_video
 from mindvl.infer.chat import (
     ChatSession,
     conversation_prompt,
@@ -76,6 +77,11 @@ def test_chat_cli_with_a_video(setup, capsys):
         s = video_settings(folder)
         assert (s.min_pixels, s.max_pixels, s.fps, s.max_frames, s.min_frames) == (3136, 4704, 4.0, 16, 4)
         assert video_settings(folder, fps=1.0).fps == 1.0
+        # What mindvl writes for a folder reads back as the same settings.
+        custom = VideoSettings(fps=1.5, min_frames=2, max_frames=64, min_pixels=3136, max_pixels=12544,
+                               cap_pixels_per_frame=False, max_video_tokens=4096)
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(custom)))
+        assert video_settings(folder) == custom
     finally:
         (folder / "video_preprocessor_config.json").unlink()
 

@@ -91,6 +91,27 @@ def video_settings(cfg) -> VideoSettings:
                          cfg.cap_pixels_per_frame, cfg.max_video_tokens, cfg.max_decoded_frames)
 
 
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
+
+def video_processor_config(s: VideoSettings = VideoSettings(), existing: dict | None = None) -> dict:
+    """transformers' Qwen2-VL video processor settings (`video_preprocessor_config.json`) for these settings: what a
+    model folder needs so that `AutoProcessor` samples and sizes videos as mindvl trained on them (and what
+    `mindvl.infer.chat.video_settings` reads back)."""
+    cfg = dict(existing or {
+        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD),
+        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "merge_size": MERGE_SIZE,
+    })
+    cfg.update({"do_sample_frames": True, "fps": s.fps, "min_frames": s.min_frames, "max_frames": s.max_frames,
+                "cap_pixels_per_frame": s.cap_pixels_per_frame, "max_video_tokens": s.max_video_tokens,
+                "size": {**(cfg.get("size") or {}), "shortest_edge": s.min_pixels, "longest_edge": s.max_pixels}})
+    cfg.pop("min_pixels", None)
+    cfg.pop("max_pixels", None)
+    return cfg
+
+
 @dataclass
 class DecodedVideo:
     frames: np.ndarray  # uint8 [n, H, W, 3], the sampled frames

@@ -24,7 +24,7 @@ from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
 from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
 from mindvl.data.tokenizer import TextTokenizer, load_tokenizer
-from mindvl.data.video import VideoSettings, expand_video_patches, preprocess_video
+from mindvl.data.video import VIDEO_PROCESSOR_CONFIG, VideoSettings, expand_video_patches, preprocess_video
 from mindvl.models import MindVL
 
 from .generate import Prompt, check_sampling, generate
@@ -186,7 +186,7 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
     """Video sampling and sizes from the folder's video_preprocessor_config.json (transformers' video processor
     file: `size.shortest_edge/longest_edge` or `min_pixels/max_pixels`, `fps`, `min_frames`, `max_frames`) when
     it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
-    path = Path(model_dir) / "video_preprocessor_config.json"
+    path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
     s = VideoSettings()
     cfg = json.loads(path.read_text()) if path.is_file() else {}
     size = cfg.get("size") or {}
@@ -196,6 +196,8 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
         max_frames=int(cfg.get("max_frames") or s.max_frames),
         min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or s.min_pixels),
         max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or s.max_pixels),
+        cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame", s.cap_pixels_per_frame)),
+        max_video_tokens=int(cfg.get("max_video_tokens") or s.max_video_tokens),
     )
 
 
