@@ -135,6 +135,7 @@ def test_caption_records_jsonl_and_webdataset(tmp_path, tok):
     # A WebDataset caption shard (jpg + txt, with a metadata json), captions as documents (no prompt).
     keys = [(f"k{i}", {"png": png_bytes(56, 56, seed=i), "txt": f"shard caption {i}".encode(),
                        "json": b'{"url": "x", "text": "metadata, not the caption"}'}) for i in range(3)]
+    keys.append(("json", {"jpg": png_bytes(56, 56), "json": b'{"caption": "json caption", "url": "y"}'}))
     keys.append(("empty", {"png": png_bytes(56, 56), "txt": b"  "}))
     keys.append(("two", {"0.png": png_bytes(56, 56), "1.png": png_bytes(56, 56), "txt": b"two images"}))
     keys.append(("marker", {"png": png_bytes(56, 56), "txt": b"an <image> tag in the caption"}))
@@ -142,8 +143,9 @@ def test_caption_records_jsonl_and_webdataset(tmp_path, tok):
     loader = _loader(tmp_path, tok, tmp_path / "c.tar", source={"caption_prompts": "none"})
     samples = [s for p in loader for s in _samples(p)]
     docs = sorted(tok.decode(ids.tolist()) for ids, _, _ in samples)
-    assert docs[0].startswith("<|vision_start|><|image_pad|>") and docs[0].endswith("shard caption 0<|endoftext|>")
-    assert "<|im_start|>" not in docs[0]
+    assert all(d.startswith("<|vision_start|><|image_pad|>") and "<|im_start|>" not in d for d in docs)
+    assert [d.split("<|vision_end|>")[1] for d in docs] == [
+        "json caption<|endoftext|>", *(f"shard caption {i}<|endoftext|>" for i in range(3))]
     assert loader.report()["skipped"] == {"empty_caption": 1, "image_count_mismatch": 2}
 
 
