@@ -32,6 +32,7 @@ from .schema import Pack
 from .sources import resolve_files
 from .stream import PackStream
 from .tokenizer import TextTokenizer, load_tokenizer
+from .video import require_decoder_for
 
 LOADER_STATE_VERSION = 1
 
@@ -124,6 +125,7 @@ class PackLoader:
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self.rank, self.world_size, self.max_epochs = rank, world_size, max_epochs
         self.files = files if files is not None else resolve_sources(cfg)
+        require_decoder_for([(s.name, f) for s, f in zip(cfg.sources, self.files, strict=True)])
         self.n_streams = max(1, cfg.num_workers)
         self._states: list[dict | None] = [None] * self.n_streams
         self._next = 0

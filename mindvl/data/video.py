@@ -73,6 +73,55 @@ def require_decoder() -> None:
         ) from exc
 
 
+def has_videos(path: str, kind: str) -> bool:
+    """Whether the first record of a JSONL file or tar shard names a video (sources are homogeneous in practice:
+    a video dataset's first record has one), read without decoding anything."""
+    import json
+    import tarfile
+
+    if kind == "tar":
+        with tarfile.open(path) as tf:
+            first = None
+            for m in tf:
+                if not m.isfile():
+                    continue
+                key = m.name.partition(".")[0]
+                if first is not None and key != first:
+                    return False
+                first = key
+                suffix = m.name.rsplit(".", 1)[-1].lower()
+                if suffix in VIDEO_EXTENSIONS:
+                    return True
+                if suffix == "json":
+                    data = tf.extractfile(m).read()
+                    if b"<video>" in data or b'"video' in data:
+                        return True
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return False
+                return isinstance(record, dict) and ("videos" in record or "video" in record
+                                                     or b"<video>" in line or b'"type": "video"' in line)
+    return False
+
+
+def require_decoder_for(sources: list[tuple[str, list[tuple[str, str]]]]) -> None:
+    """At start: when a source's first record names a video, the decoder must be installed (a run must not fail
+    hours in, at the first video of a small video source). `sources`: (name, [(path, kind)]) per source."""
+    try:
+        require_decoder()
+        return
+    except ImportError as exc:
+        missing = exc
+    for name, files in sources:
+        if files and has_videos(*files[0]):
+            raise ImportError(f"source {name!r} has videos: {missing}") from missing
+
+
 @dataclass(frozen=True)
 class VideoSettings:
     fps: float = VIDEO_FPS

@@ -135,6 +135,18 @@ def test_missing_decoder_names_the_extra(monkeypatch, tmp_path, tok):
     cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "v.jsonl")}], "seq_len": 1024})
     with pytest.raises(ImportError, match=r"mindvl\[video\]"):
         list(build_loader(cfg, tok, max_epochs=1))
+    # A source whose first record names a video fails when the loader is built, before any training step; a
+    # source without videos does not need the decoder.
+    write_jsonl(tmp_path / "w.jsonl", [{**qa("<video>What?", "Grey."), "videos": ["v.mp4"]}])
+    write_tar(tmp_path / "w.tar", [("k", {"json": b'{"messages": []}', "mp4": b"x"})])
+    for path in ("w.jsonl", "w.tar"):
+        cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "t.jsonl")},
+                                                {"name": "clips", "path": str(tmp_path / path)}]})
+        write_jsonl(tmp_path / "t.jsonl", [qa("text only", "fine")])
+        with pytest.raises(ImportError, match=r"source 'clips' has videos: .*mindvl\[video\]"):
+            build_loader(cfg, tok)
+    cfg = DataConfig.from_dict({"sources": [{"path": str(tmp_path / "t.jsonl")}], "seq_len": 1024})
+    assert sum(p.num_samples for p in build_loader(cfg, tok, max_epochs=1)) == 1
 
 
 def test_sampling_edge_cases():
