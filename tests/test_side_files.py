@@ -9,6 +9,7 @@ import pytest
 
 from mindvl.checkpoint.side_files import write_side_files
 from mindvl.data.tokenizer import QWEN2_VL_CHAT_TEMPLATE, load_tokenizer
+from mindvl.data.video import VideoSettings, settings_from_processor_config
 from mindvl.models import MindVLConfig, TextConfig, VisionConfig
 
 TOK = load_tokenizer(None)
@@ -44,7 +45,7 @@ def test_fresh_files_for_a_folder_with_only_a_tokenizer(tmp_path):
     out.mkdir()
     written = write_side_files(out, config(True), [src], pixels=(3136, 12544))
     assert set(written) == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                            "generation_config.json", "preprocessor_config.json"}
+                            "generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json"}
     tok_cfg = read(out, "tokenizer_config.json")
     assert (tok_cfg["eos_token"], tok_cfg["pad_token"]) == ("<|im_end|>", "<|endoftext|>")
     assert tok_cfg["chat_template"] == QWEN2_VL_CHAT_TEMPLATE
@@ -56,6 +57,10 @@ def test_fresh_files_for_a_folder_with_only_a_tokenizer(tmp_path):
     assert (proc["min_pixels"], proc["max_pixels"]) == (3136, 12544)
     assert proc["size"] == {"shortest_edge": 3136, "longest_edge": 12544}
     assert proc["patch_size"] == 14 and proc["merge_size"] == 2 and proc["temporal_patch_size"] == 2
+    # The video processor keeps transformers' Qwen2-VL defaults (video pixels are independent of the image's).
+    vid = read(out, "video_preprocessor_config.json")
+    assert settings_from_processor_config(vid) == VideoSettings()
+    assert vid["video_processor_type"] == "Qwen2VLVideoProcessor" and vid["temporal_patch_size"] == 2
 
 
 def test_source_files_are_kept_and_completed(tmp_path):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mindvl.data import video
 from mindvl.data.image import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
@@ -144,8 +145,16 @@ def image_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> d
 
 
 # Processor configs of a model with a vision tower: file name -> builder(existing or None, (min, max) pixels).
+def video_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> dict[str, Any]:
+    """Qwen2-VL's video processor settings: the source's own (frame sampling and sizes) when it has them, else
+    transformers' defaults; video pixels are independent of the image min/max pixels."""
+    return video.video_processor_config(video.settings_from_processor_config(existing or {}), existing)
+
+
+# Processor configs of a model with a vision tower: file name -> builder(existing or None, (min, max) pixels).
 PROCESSOR_CONFIGS: dict[str, Callable[[dict[str, Any] | None, Pixels], dict[str, Any]]] = {
     IMAGE_PROCESSOR_CONFIG: image_processor_config,
+    video.VIDEO_PROCESSOR_CONFIG: video_processor_config,
 }
 
 

@@ -139,6 +139,13 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
 
     model = build_model(recipe, tok, env, prepare)
     config = model.config
+    if data_cfg.video.tokens_per_second is None:
+        data_cfg.video.tokens_per_second = config.tokens_per_second
+    elif config.uses_mrope and data_cfg.video.tokens_per_second != config.tokens_per_second:
+        # Video positions are computed by the data pipeline: a different time scale would train positions that
+        # generation (the model's own M-RoPE) never produces.
+        raise ValueError(f"data.video.tokens_per_second is {data_cfg.video.tokens_per_second} but the model's "
+                         f"tokens_per_second is {config.tokens_per_second}; set them equal")
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, total_steps, recipe.optim, recipe.schedule)
     batches = ShardedBatches(data_cfg, tok, env, shards)
