@@ -47,6 +47,8 @@ class ModelSection:
     arch: dict[str, Any] | None = None  # {text: {...TextConfig}, vision: {...VisionConfig}}
     init_seed: int = 0
     attention_backend: str = "auto"
+    # shape preset for `mindvl plan` when the folders above do not exist yet (mindvl.plan.presets; training ignores it)
+    preset: str | None = None
 
 
 @dataclass

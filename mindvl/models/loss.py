@@ -50,12 +50,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for v0 in starts:
             w = weight[v0 : v0 + starts.step]
             logits = (hidden @ w.T).float()  # [N, s]; the matmul in the activation dtype, as transformers does
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
-            running_max = new_max
             inside = (targets >= v0) & (targets < v0 + w.shape[0])
             local = (targets - v0).clamp(0, w.shape[0] - 1)
             target_logit += torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), 0.0)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            block_sum = logits.sub_(new_max[:, None]).exp_().sum(1)  # in place: one logits block at a time
+            running_sum = running_sum * torch.exp(running_max - new_max) + block_sum
+            running_max = new_max
         lse = running_max + torch.log(running_sum)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_size = chunk_size
@@ -71,11 +72,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         for v0 in starts:
             w = weight[v0 : v0 + starts.step]
-            logits = (hidden @ w.T).float()
-            grad_logits = torch.exp(logits - lse[:, None])  # softmax slice
+            grad_logits = (hidden @ w.T).float().sub_(lse[:, None]).exp_()  # softmax slice, in place: one block
             inside = (targets >= v0) & (targets < v0 + w.shape[0])
             grad_logits[rows[inside], targets[inside] - v0] -= 1.0
-            grad_logits = (grad_logits * grad_loss).to(hidden.dtype)
+            grad_logits = grad_logits.mul_(grad_loss).to(hidden.dtype)
             if need_h:
                 grad_h += grad_logits @ w.to(hidden.dtype)
             if need_w:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
