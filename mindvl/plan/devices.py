@@ -60,6 +60,9 @@ def get_device(name: str) -> Device:
         return _custom(key[len("custom:"):])
     key = ALIASES.get(key, key)
     if key not in DEVICES:
+        runtime = device_for_name(name)  # a runtime's own name, e.g. "NVIDIA H100 80GB HBM3"
+        if runtime is not None:
+            return runtime
         raise ValueError(f"--device: unknown device {name!r}; known: {known_devices()}")
     return DEVICES[key]
 
@@ -80,3 +83,13 @@ def _custom(spec: str) -> Device:
                          "hbm_gbs=1800,intra_gbs=32,inter_gbs=25)")
     return Device("custom", int(values["mem_gb"] * GB), values["tflops"] * 1e12, values["hbm_gbs"] * GB,
                   values["intra_gbs"] * GB, values["inter_gbs"] * GB, int(values.get("per_node", 8)))
+
+
+def device_for_name(runtime_name: str) -> Device | None:
+    """The table entry for a runtime's device name ("NVIDIA H100 80GB HBM3", "Ascend910B2"), if known."""
+    key = runtime_name.replace(" ", "").replace("-", "").upper()
+    for marker, name in (("H100", "h100-80g"), ("H800", "h100-80g"), ("H200", "h200"), ("A100", "a100-80g"),
+                         ("A800", "a100-80g"), ("910B1", "910b1"), ("910B2", "910b2-64g")):
+        if marker in key:
+            return DEVICES[name]
+    return None

@@ -59,12 +59,13 @@ def worst_case_packs(data_cfg, config: MindVLConfig) -> list[PackShape]:
     return [PackShape(samples, [grid] * n)]
 
 
-def sampled_packs(data_cfg, tok, count: int = 64, world_size: int = 1) -> list[PackShape]:
-    """The shapes of the first `count` packs the recipe's own data pipeline makes (sources must exist)."""
+def sampled_packs(data_cfg, tok, count: int = 64, shards: int = 1) -> list[PackShape]:
+    """The shapes of the first `count` packs that rank 0 reads (data shard 0 of `shards`, as the trainer deals
+    them) from the recipe's own data pipeline (its sources must exist)."""
     from mindvl.data import build_loader
 
     shapes = []
-    for pack in itertools.islice(build_loader(data_cfg, tok, rank=0, world_size=1), count):
+    for pack in itertools.islice(build_loader(data_cfg, tok, rank=0, world_size=shards), count):
         cu = pack.cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
         grids = [tuple(int(x) for x in g) for g in pack.image_grid_thw.tolist()]

@@ -131,7 +131,8 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     if sample_data:
         from mindvl.data import load_tokenizer
 
-        packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(data_cfg.tokenizer))
+        shards = recipe.batch.data_shards or world_size
+        packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(data_cfg.tokenizer), shards=shards)
         notes.append(f"pack shapes: the first {len(packs)} packs of the recipe's sources")
     else:
         packs = worst_case_packs(data_cfg, config)

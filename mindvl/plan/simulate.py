@@ -58,7 +58,7 @@ class Traced:
     notes: list[str] = field(default_factory=list)
 
 
-class _PlanTracker(FSDPMemTracker):
+class PlanTracker(FSDPMemTracker):
     """FSDPMemTracker that also notes whether its peak fell inside the loss head, and how much the head added."""
 
     def __init__(self, mod, optm=None):
@@ -79,7 +79,7 @@ class _PlanTracker(FSDPMemTracker):
 
 
 @contextlib.contextmanager
-def _loss_region(tracker: _PlanTracker) -> Iterator[None]:
+def loss_region(tracker: PlanTracker) -> Iterator[None]:
     """Mark the chunked loss head's forward and backward so its temporaries are reported as their own part."""
     fn = loss_module.ChunkedLinearCrossEntropy
     fwd, bwd = fn.forward, fn.backward
@@ -100,11 +100,11 @@ def _loss_region(tracker: _PlanTracker) -> Iterator[None]:
         fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
 
 
-class _TrackedStream(MicroBatchStream):
+class TrackedStream(MicroBatchStream):
     """The trainer's stream; the tracker's module stats are reset before each micro-batch (they hold one
     forward/backward at a time; the peak is kept across resets)."""
 
-    def __init__(self, fetch, count, device, window, tracker: _PlanTracker):
+    def __init__(self, fetch, count, device, window, tracker: PlanTracker):
         super().__init__(fetch, count, device, window)
         self.tracker = tracker
 
@@ -140,7 +140,7 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
         world.materialize(model)
         model.train()
         optimizer = build_optimizer(model, recipe.optim)
-        tracker = _PlanTracker(model, optimizer)
+        tracker = PlanTracker(model, optimizer)
         order = iter(range(10**9))
 
         def fetch() -> dict:
@@ -148,15 +148,20 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
             tracker.track_inputs((batch["pixel_values"],))
             return batch
 
-        with world.mode, tracker, _loss_region(tracker), MetadataGateway():
+        with world.mode, tracker, loss_region(tracker), MetadataGateway():
             for n in micro_batches:
-                stream = _TrackedStream(fetch, n, torch.device("cpu"), window, tracker)
+                stream = TrackedStream(fetch, n, torch.device("cpu"), window, tracker)
                 optimizer_step(model, optimizer, stream, env, config, recipe.trainable_modules,
                                recipe.optim.grad_clip, pcfg.grad_accumulation)
-        snap = tracker.get_tracker_snapshot("peak")
+    peak, breakdown = peak_breakdown(tracker)
+    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches))
+
+
+def peak_breakdown(tracker: PlanTracker) -> tuple[int, dict[str, int]]:
+    """(peak bytes, the planner's parts at that moment) from a tracker that has run."""
     breakdown = dict.fromkeys(PARTS, 0)
     peak = 0
-    for dev_snap in snap.values():
+    for dev_snap in tracker.get_tracker_snapshot("peak").values():
         for key, value in dev_snap.items():
             if key == "Total":
                 peak += value
@@ -165,4 +170,4 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
     loss = min(tracker.peak_loss_bytes, breakdown["activations"])
     breakdown["activations"] -= loss
     breakdown["loss_temporaries"] = loss
-    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches))
+    return peak, breakdown

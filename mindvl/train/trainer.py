@@ -43,6 +43,7 @@ from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
+from .plan_headline import PlannerHeadline
 from .step import (  # noqa: F401  (accumulate_gradients, labelled_targets, to_device, StepStats: public names here)
     MicroBatchStream,
     StepStats,
@@ -138,6 +139,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         trainable.update(apply_phase(meta_model, recipe.trainable_modules))
         return parallelize(meta_model, env, recipe.parallel)
 
+    headline = PlannerHeadline(recipe, env, out)  # accelerators: `mindvl plan` in a child process, printed when ready
     model = build_model(recipe, tok, env, prepare)
     config = model.config
     optimizer = build_optimizer(model, recipe.optim)
@@ -199,6 +201,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         if moe_violation is not None:
             record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
         sinks.log(record, step % recipe.logging.every == 0 or step == total_steps)
+        if (line := headline.poll()) is not None:
+            sinks.info(line)
         done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
         if (every and step % every == 0) or done:
             save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
