@@ -83,6 +83,7 @@ class PlanResult:
     params: dict[str, int]
     packs: list[dict]
     trace_s: float
+    sharded_bytes: int = 0
     vision_load: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -110,7 +111,7 @@ class PlanResult:
             "comm_bytes_per_step": self.comm_bytes_per_step, "est_step_time_s": self.timing["step_s"],
             "est_timing": self.timing, "est_tokens_per_s": self.tokens_per_step / self.timing["step_s"],
             "est_mfu": self.est_mfu, "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
-            "trace_s": self.trace_s, "notes": self.notes, "estimated": [
+            "sharded_bytes_at_peak": self.sharded_bytes, "trace_s": self.trace_s, "notes": self.notes, "estimated": [
                 "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes"],
         }
 
@@ -169,7 +170,7 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         params={"total": counts.total_params, "trainable": counts.trainable_params},
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
-        trace_s=traced.wall_s, vision_load=vload, notes=notes)
+        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes)
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -226,6 +227,13 @@ def format_report(r: PlanResult) -> str:
                      f"FLOPs (max/mean {v['max_over_mean']:.2f})")
     lines.append(verdict(r))
     return "\n".join(lines)
+
+
+def extrapolate_peak(r: PlanResult, world_size: int) -> int:
+    """Peak at another world size from this trace: the sharded parts (parameters, gradients, optimizer state) scale
+    as 1/N, the rest (unsharded parameters of the active block, activations, loss head, data) stays. An estimate:
+    trace the world size to confirm it."""
+    return int(r.peak_bytes_per_rank - r.sharded_bytes + r.sharded_bytes * r.world_size / world_size)
 
 
 def headline(r: PlanResult) -> str:

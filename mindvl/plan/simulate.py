@@ -55,6 +55,7 @@ class Traced:
     breakdown: dict[str, int]
     wall_s: float
     micro_batches_traced: int
+    sharded_bytes: int = 0  # of the peak: sharded parameters, gradients and optimizer state (they scale as 1/N)
     notes: list[str] = field(default_factory=list)
 
 
@@ -154,7 +155,9 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
                 optimizer_step(model, optimizer, stream, env, config, recipe.trainable_modules,
                                recipe.optim.grad_clip, pcfg.grad_accumulation)
     peak, breakdown = peak_breakdown(tracker)
-    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches))
+    sharded = sum(v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()
+                  if k in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT))
+    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded)
 
 
 def peak_breakdown(tracker: PlanTracker) -> tuple[int, dict[str, int]]:

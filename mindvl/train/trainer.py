@@ -1,13 +1,12 @@
 """The training loop: one readable function, `train(recipe)`.
 
-    step:  for each of `accum` micro-batches (one packed row each) -> forward -> loss_sum * world / N_global
-           -> backward; clip; AdamW; LR schedule; log; checkpoint every N steps.
+    step:  stream `accum` micro-batches (one packed row each, a 2-pack prefetch window) -> forward
+           -> (loss_sum * world).backward; scale gradients by 1/N_global; clip; AdamW; LR schedule; log; checkpoint.
 
-Loss normalisation (paper: the mean over all labelled tokens of the global batch): the labelled-target count of every
-micro-batch this rank will run is known before any forward (labels are data), so it is all-reduced once per step to
-N_global. Each micro-batch backpropagates loss_sum * world_size / N_global; FSDP (or, single-process, nothing)
-averages gradients over ranks, so the gradient is exactly d(sum of all loss_sums)/N_global, whatever the split of
-tokens between micro-batches and ranks.
+Loss normalisation (paper: the mean over all labelled tokens of the global batch): see mindvl.train.step. Each
+pack's labelled-target count is read from its labels as it arrives, the counts are all-reduced once per step to
+N_global, and the accumulated gradients are divided by it before clipping: exactly d(sum of all loss_sums)/N_global,
+whatever the split of tokens between micro-batches and ranks, without holding the step's packs.
 
 Data shards: the stream is split into `batch.data_shards` shards (default: the world size); rank r reads shards
 r, r + world, ... round-robin over its micro-batches. With data_shards=2 one process consumes exactly the global batch
