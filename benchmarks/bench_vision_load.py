@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--sources", default="[{synth: {tasks: [chart, doc, ocr], n: 400, seed: 1}}]",
+                    help="data.sources override (YAML); the default mixes small and large images")
     ap.add_argument("--budgets", type=int, nargs="+", default=[0, 512, 256])
     args = ap.parse_args()
     config = preset_config("mindvl-8b")
@@ -36,7 +38,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.budgets:
-            over = [f"data.synth_cache={tmp}"] + ([f"data.max_patches_per_pack={budget}"] if budget else [])
+            over = [f"data.synth_cache={tmp}", f"data.sources={args.sources}"]
+            over += [f"data.max_patches_per_pack={budget}"] if budget else []
             recipe = load_recipe(args.recipe, over)
             n = args.world * args.accum * args.steps
             packs = sampled_packs(DataConfig.from_dict(recipe.data), tok, count=n)

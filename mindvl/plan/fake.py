@@ -9,6 +9,8 @@ which a fake tensor cannot give. `MetadataGateway` keeps integer/bool tensors RE
 everything floating FAKE (parameters, activations, gradients, optimizer state, pixel rows): an op whose tensor
 inputs are all real runs for real; a factory that makes an integer tensor runs for real; everything else is fake.
 A real boolean mask indexing a fake tensor becomes the equivalent integer index, so the output shape is known.
+`topk` over fake scores (a router's choice of experts) returns real, perfectly balanced indices: the planner's
+stated routing assumption for mixture-of-experts models, whatever their expert implementation.
 """
 
 from __future__ import annotations
@@ -47,10 +49,23 @@ class MetadataGateway(TorchDispatchMode):
             with _disable_current_modes():
                 args[1] = _positional_indices(args[1])
         out = func(*args, **kwargs)
+        if func is torch.ops.aten.topk.default and _is_fake(out[1]):
+            # Routing (MoE): which experts a fake score picks is unknowable; assume perfectly balanced routing, a
+            # stated assumption: row t takes experts (t*k + j) mod E, j < k (distinct within a row when k <= E).
+            with _disable_current_modes():
+                return out[0], _balanced_indices(tuple(out[1].shape), args[0].shape[args[2] if len(args) > 2 else -1])
         if not tensors and isinstance(out, torch.Tensor) and out.dtype in _INT_DTYPES and _is_fake(out):
             with _disable_current_modes():  # integer factory (arange, full, zeros): metadata, make it real
                 return func(*args, **kwargs)
         return out
+
+
+def _balanced_indices(shape: tuple[int, ...], choices: int) -> torch.Tensor:
+    """[..., k] int64 indices: entry i (row-major) picks i mod `choices`."""
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n) % choices).reshape(shape)
 
 
 def _positional_indices(indices: list) -> list:
