@@ -3,17 +3,12 @@ on the same global batch (`batch.data_shards=2`), which runs FSDP's policy on a 
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 import torch
-from test_train_distributed import free_port
+from test_train_distributed import free_port, losses
 from train_helpers import CLI, load_weights, raw_recipe, run, write_recipe
-
-
-def losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
