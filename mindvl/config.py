@@ -28,6 +28,7 @@ ALIASES = {
     "lr": "optim.lr",
     "seed": "seed",
     "init_from": "model.init_from",
+    "overwrite": "overwrite",
 }
 
 PHASES = ("warmup", "multitask", "sft")
@@ -45,7 +46,7 @@ class ModelSection:
     init_from: str | None = None
     compose: dict[str, str] | None = None  # {vision: DIR, language: DIR}
     arch: dict[str, Any] | None = None  # {text: {...TextConfig}, vision: {...VisionConfig}}
-    init_seed: int = 0
+    init_seed: int | None = None  # None: the recipe's `seed`
     attention_backend: str = "auto"
 
 
@@ -74,12 +75,16 @@ class OptimSection:
     # MoE language models: DeepSeek-V3's auxiliary-loss-free balancing moves each router's correction bias by this
     # much per optimizer step against its experts' load (0 disables; only while the language model trains).
     router_bias_rate: float = 1e-3
+    # A step whose loss or gradient norm is not finite is skipped on every rank; this many in a row stop the run.
+    max_bad_steps: int = 5
 
 
 @dataclass
 class ScheduleSection:
     warmup_ratio: float = 0.1
     decay: str = "cosine"  # cosine | linear | constant
+    # A resume normally refuses a changed budget (max_steps / max_tokens): it would silently bend the LR schedule.
+    allow_change: bool = False
 
 
 @dataclass
@@ -93,6 +98,8 @@ class CheckpointSection:
     every: int | None = None  # optimizer steps between checkpoints (always one at the end)
     keep: int = 2
     resume: str | None = None  # null | auto | a checkpoint folder
+    every_minutes: float | None = None  # also checkpoint when this much wall time passed since the last one
+    async_save: bool = False  # write DCP shards in the background (torch.distributed.checkpoint.async_save)
 
 
 @dataclass
@@ -101,6 +108,8 @@ class LoggingSection:
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    wandb: bool = False  # Weights & Biases run (extra `wandb`); project/name from WANDB_* environment variables
+    mlflow: bool = False  # MLflow run (extra `mlflow`); tracking URI from MLFLOW_TRACKING_URI
 
 
 @dataclass
@@ -115,7 +124,8 @@ class ParallelSection:
 @dataclass
 class Recipe:
     output_dir: str = "runs/default"
-    seed: int = 0
+    seed: int = 0  # model init (unless model.init_seed) and data order (unless data.seed)
+    overwrite: bool = False  # a fresh run may replace a finished or partial run in output_dir
     model: ModelSection = field(default_factory=ModelSection)
     data: dict[str, Any] = field(default_factory=dict)
     phase: PhaseSection = field(default_factory=PhaseSection)
@@ -152,6 +162,9 @@ class Recipe:
             _check(v is None or v >= 1, f"budget.{key}", "must be >= 1")
         _check(self.checkpoint.every is None or self.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+        _check(self.checkpoint.every_minutes is None or self.checkpoint.every_minutes > 0,
+               "checkpoint.every_minutes", "must be > 0 or null")
+        _check(self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1")
         _check(self.logging.every >= 1, "logging.every", "must be >= 1")
         if isinstance(self.parallel.fsdp, bool):
             self.parallel.fsdp = "on" if self.parallel.fsdp else "off"

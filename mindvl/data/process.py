@@ -60,6 +60,7 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     if cfg.max_patches is not None and n_patches > cfg.max_patches:
         raise BadSample("too_many_patches", conv.where,
                         f"{n_patches} patch rows > max_patches_per_pack {cfg.max_patches}; lower max_pixels")
+    check_vision_tokens(ids, spans, tok, conv.where)
     positions = mrope_positions(len(ids), spans, grids)
     if len(pixels) == 1:
         patches = pixels[0]  # the common case: no copy
@@ -68,3 +69,15 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     grid_thw = np.asarray(grids, np.int64).reshape(-1, 3)
     sample = Sample(ids, labels, positions, patches, grid_thw, source, ref, conv.where)
     return sample, truncated
+
+
+def check_vision_tokens(ids: np.ndarray, spans: list[tuple[int, int]], tok: TextTokenizer, where: str) -> None:
+    """The model replaces each `<|image_pad|>` by one merged image feature and raises when the counts differ; a
+    sample with image pads outside the template's image blocks is skipped here (reason `image_token_mismatch`),
+    before any model sees it, so no rank fails alone inside a step. With the template's text-is-text encoding this
+    catches only a tokenizer that cannot encode a special-token string as text."""
+    pads = int((ids == tok.special.image_pad).sum())
+    expected = sum(end - start for start, end in spans)
+    if pads != expected:
+        raise BadSample("image_token_mismatch", where,
+                        f"{pads} image pad tokens for {expected} image features; the text holds image pad tokens")
