@@ -6,15 +6,20 @@ passes its message (or None) and all of them get the lowest rank's message back 
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
-from .parallel import ParallelEnv
+from .parallel import ParallelEnv, all_reduce_sum
 
 
 def agreed_error(message: str | None, env: ParallelEnv) -> str | None:
     """Collective: the message of the lowest rank that has one, on every rank (None if none has)."""
     if not env.distributed:
         return message
+    # The common case (no problem anywhere) costs one tiny all-reduce; the messages travel only when needed.
+    flag = all_reduce_sum(torch.tensor([0.0 if message is None else 1.0], device=env.device), env)
+    if float(flag.cpu()) == 0:
+        return None
     gathered: list[str | None] = [None] * env.world_size
     dist.all_gather_object(gathered, message)
     for rank, msg in enumerate(gathered):

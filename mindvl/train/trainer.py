@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mindvl.checkpoint.training import (
+    AsyncCheckpointer,
     full_model_state,
     load_checkpoint,
     read_latest,
@@ -40,12 +41,18 @@ from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 from mindvl.models.moe import update_router_bias
 
+from .agree import agreed_error
+from .guard import BadStepGuard, is_finite, total_grad_norm
 from .materialize import build_model
 from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
+from .preempt import StepVotes, StopSignals, resume_hint
+from .runfolder import claim_run_folder
+from .seeding import data_section, seed_everything
 from .sinks import MetricSinks
+from .stops import Preempted
 
 
 @dataclass
@@ -63,6 +70,7 @@ class ShardedBatches:
     """This rank's micro-batches: round-robin over its data shards (see the module docstring)."""
 
     def __init__(self, data_cfg: DataConfig, tok, env: ParallelEnv, shards: int):
+        self.rank = env.rank
         self.shard_ids = list(range(env.rank, shards, env.world_size))
         self.loaders = [build_loader(data_cfg, tok, rank=s, world_size=shards) for s in self.shard_ids]
         self._iters: list[Any] = [None] * len(self.loaders)
@@ -90,6 +98,21 @@ class ShardedBatches:
     def report(self) -> list[dict]:
         return [ld.report() for ld in self.loaders]
 
+    def position(self) -> str:
+        """Where this rank is in the data stream, for messages."""
+        return "data shards " + ", ".join(f"{s}: {ld.packs_consumed} packs" for s, ld in
+                                          zip(self.shard_ids, self.loaders, strict=True)) + f" (rank {self.rank})"
+
+
+def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> None:
+    """A resume with another max_steps / max_tokens would silently bend the LR schedule: refuse unless asked."""
+    before = train_state.get("recipe", {}).get("budget")
+    now = {"max_steps": recipe.budget.max_steps, "max_tokens": recipe.budget.max_tokens}
+    if before is not None and before != now and not recipe.schedule.allow_change:
+        raise ValueError(f"budget: the checkpoint {ckpt.name} was trained with {before}, this run asks for {now}; "
+                         "the LR schedule depends on it. Resume with the same budget, or set "
+                         "schedule.allow_change=true to recompute the schedule from this step on")
+
 
 def labelled_targets(batch: dict) -> int:
     """How many tokens of this packed row the loss counts (targets after the per-sample shift)."""
@@ -106,18 +129,25 @@ def plan_steps(recipe: Recipe, seq_len: int) -> int:
 
 
 def train(recipe: Recipe) -> RunResult:
+    """Run one phase. Raises stops.Preempted after a stop signal (a checkpoint was written) and
+    stops.TooManyBadSteps after `optim.max_bad_steps` consecutive non-finite steps, on every rank."""
     env = init_distributed(recipe.parallel.device)
+    lock = None
     try:
-        return _train(recipe, env)
+        lock = claim_run_folder(Path(recipe.output_dir), bool(recipe.checkpoint.resume), recipe.overwrite, env)
+        with StopSignals() as signals:
+            return _train(recipe, env, signals)
     finally:
+        if lock is not None:
+            lock.release()
         destroy(env)
 
 
-def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
+def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
     out = Path(recipe.output_dir)
     ckpt_root = out / "checkpoints"
-    torch.manual_seed(recipe.seed + env.rank)
-    data_cfg = DataConfig.from_dict(recipe.data)
+    seed_everything(recipe.seed + env.rank)
+    data_cfg = DataConfig.from_dict(data_section(recipe))
     tok = load_tokenizer(data_cfg.tokenizer)
     tokenizer_dir = data_cfg.tokenizer or str(DEFAULT_TOKENIZER_PATH.parent)
 
@@ -153,6 +183,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         ckpt = resolve_checkpoint(resume)
     if ckpt is not None:
         train_state, rank_state = load_checkpoint(ckpt, model, optimizer)
+        check_budget_unchanged(train_state, recipe, ckpt)
         scheduler.load_state_dict(train_state["scheduler"])
         batches.load_state_dict(rank_state["data"])
         step, tokens_seen = train_state["step"], train_state["tokens"]
@@ -173,10 +204,29 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
     balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
                        and recipe.optim.router_bias_rate > 0)
     every = recipe.checkpoint.every
+    votes = StepVotes(env, recipe.checkpoint.every_minutes)
+    guard = BadStepGuard(recipe.optim.max_bad_steps)
+    saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
+
+    def checkpoint() -> Path:
+        args = (ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()})
+        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected}
+        path = saver.save(*args, **kw) if saver is not None else save_checkpoint(*args, **kw)
+        guard.saved(path)
+        votes.checkpointed()
+        return path
+
     sinks.start(step, total_steps)
     while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
         t0 = time.perf_counter()
-        packs = [batches.next() for _ in range(accum)]
+        problem = None
+        try:  # a data error on one rank must stop every rank with the same message, not leave the others waiting
+            packs = [batches.next() for _ in range(accum)]
+        except (ValueError, OSError) as exc:
+            problem = f"data error on rank {env.rank}: {exc}"
+        problem = agreed_error(problem, env)
+        if problem is not None:
+            raise ValueError(problem)
         micro = [to_device(p.to_torch(), env.device) for p in packs]
         t_data = time.perf_counter() - t0
         stats = accumulate_gradients(model, micro, env, config, sum(p.num_real_tokens for p in packs),
@@ -184,17 +234,20 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         counts, loss_total, t_fwd, t_bwd = stats.counts, stats.loss_sum, stats.forward_s, stats.backward_s
         n_global = max(1.0, float(counts[0]))
         tc = time.perf_counter()
-        grad_norm = None
-        if recipe.optim.grad_clip is not None:
-            params = [p for p in model.parameters() if p.requires_grad]
-            gn = torch.nn.utils.clip_grad_norm_(params, recipe.optim.grad_clip)
-            grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        params = [p for p in model.parameters() if p.requires_grad]
+        guard.inject(step + 1, env.rank, params)
+        grad_norm = total_grad_norm(params, recipe.optim.grad_clip)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        # One vote per step: stop signal, bad step (loss or grad norm not finite), time-based checkpoint due.
+        vote = votes.vote(signals.received is not None, not (is_finite(loss_total) and is_finite(grad_norm)),
+                          writing=saver is not None and not saver.written_here())
+        guard.record(step + 1, vote.bad_step)
+        if not vote.bad_step:
+            optimizer.step()
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
         moe_violation = None
-        if balance_routers:  # after the step, from the loads this step's forwards counted
+        if balance_routers and not vote.bad_step:  # after the step, from the loads this step's forwards counted
             moe_violation = update_router_bias(model, recipe.optim.router_bias_rate,
                                                all_reduce=lambda loads: all_reduce_sum(loads, env))
         t_opt = time.perf_counter() - tc
@@ -208,11 +261,28 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                   "forward_s": t_fwd, "backward_s": t_bwd, "optimizer_s": t_opt}
         if moe_violation is not None:
             record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
-        sinks.log(record, step % recipe.logging.every == 0 or step == total_steps)
+        if guard.total:
+            record.update(bad_step=vote.bad_step, bad_steps=guard.total)
+        sinks.log(record, step % recipe.logging.every == 0 or step == total_steps or vote.bad_step)
+        guard.check(f"after step {step}, {batches.position()}")
         done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
-        if (every and step % every == 0) or done:
-            save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
-                            keep=recipe.checkpoint.keep)
+        if saver is not None and saver.pending is not None and vote.saves_written:
+            saver.finish()  # every rank's background write is done: rename into place, move `latest`
+        if (every and step % every == 0) or done or vote.checkpoint_due or vote.stop:
+            checkpoint()
+        if vote.stop and not done:
+            if saver is not None:
+                saver.finish()
+            sinks.stop()
+            if env.is_main:
+                sinks.finish()
+            where = ckpt_root / f"step_{step:08d}"
+            msg = (f"preempted ({signals.received or 'signal on another rank'}) after step {step}/{total_steps}: "
+                   f"checkpoint {where}; resume with: {resume_hint(recipe.output_dir)}")
+            sinks.info(msg)
+            raise Preempted(msg)
+    if saver is not None:
+        saver.finish()
     sinks.stop()
 
     final_dir = export_final(model, config, out / "final", tokenizer_dir, env)
