@@ -26,3 +26,12 @@ def agreed_error(message: str | None, env: ParallelEnv) -> str | None:
         if msg is not None:
             return msg if rank == env.rank else f"{msg} (reported by rank {rank})"
     return None
+
+
+def gather_objects(obj, env: ParallelEnv) -> list:
+    """Collective: every rank's `obj` (picklable), in rank order, on every rank."""
+    if not env.distributed:
+        return [obj]
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered

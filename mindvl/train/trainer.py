@@ -41,7 +41,7 @@ from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 from mindvl.models.moe import update_router_bias
 
-from .agree import agreed_error
+from .agree import agreed_error, gather_objects
 from .guard import BadStepGuard, is_finite, total_grad_norm
 from .materialize import build_model
 from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
@@ -96,7 +96,7 @@ class ShardedBatches:
         self._iters = [None] * len(self.loaders)
 
     def report(self) -> list[dict]:
-        return [ld.report() for ld in self.loaders]
+        return [{"shard": s, **ld.report()} for s, ld in zip(self.shard_ids, self.loaders, strict=True)]
 
     def position(self) -> str:
         """Where this rank is in the data stream, for messages."""
@@ -286,8 +286,9 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
     sinks.stop()
 
     final_dir = export_final(model, config, out / "final", tokenizer_dir, env)
-    if env.is_main:
-        (out / "data_report.json").write_text(json.dumps(batches.report(), indent=1))
+    reports = sorted((r for rank in gather_objects(batches.report(), env) for r in rank), key=lambda r: r["shard"])
+    if env.is_main:  # every data shard of every rank, in shard order
+        (out / "data_report.json").write_text(json.dumps(reports, indent=1))
         sinks.finish()
     return RunResult(out, final_dir, step, sinks.losses)
 
