@@ -21,7 +21,7 @@ import os
 import random
 import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .config import SourceConfig
@@ -297,19 +297,28 @@ def _natural_key(s: str) -> list:
 @dataclass
 class ReaderState:
     """Position of one source in one slot: the next record is unit `unit` of `epoch`, at byte `offset` (None: the
-    unit's start) with line number / key ordinal `line`."""
+    unit's start) with line number / key ordinal `line`.
+
+    `carry` holds pieces handed over by an elastic resume (mindvl.data.elastic), read before the regular epochs:
+    each is [epoch, file, part, parts, offset or None, line], a unit of an earlier slot layout and where in it to
+    continue."""
 
     epoch: int = 0
     unit: int = 0
     offset: int | None = None
     line: int = 0
+    carry: list[list] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "unit": self.unit, "offset": self.offset, "line": self.line}
+        d = {"epoch": self.epoch, "unit": self.unit, "offset": self.offset, "line": self.line}
+        if self.carry:
+            d["carry"] = [list(p) for p in self.carry]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ReaderState:
-        return cls(int(d["epoch"]), int(d["unit"]), None if d["offset"] is None else int(d["offset"]), int(d["line"]))
+        return cls(int(d["epoch"]), int(d["unit"]), None if d["offset"] is None else int(d["offset"]), int(d["line"]),
+                   [list(p) for p in d.get("carry", [])])
 
 
 class SourceReader:
@@ -335,6 +344,10 @@ class SourceReader:
         return self._units  # type: ignore[return-value]
 
     def next(self) -> RawItem | BadSample | None:
+        while self.state.carry:
+            item = self._next_carried()
+            if item is not None:
+                return item
         start_epoch = self.state.epoch
         while True:
             if self.max_epochs is not None and self.state.epoch >= self.max_epochs:
@@ -372,8 +385,28 @@ class SourceReader:
             self.state = ReaderState(self.state.epoch, self.state.unit, offset, line)
             return item
 
+    def _next_carried(self) -> RawItem | BadSample | None:
+        """The next record of the first carried piece (None when that piece is used up: it is dropped)."""
+        epoch, file, part, parts, offset, line = self.state.carry[0]
+        path, kind = self.files[file]
+        if self._it is None:
+            opener = iter_tar if kind == "tar" else iter_jsonl
+            self._it = opener(path, file, self.source, Unit(file, part, parts), offset, line)
+        try:
+            item, offset, line = next(self._it)
+        except StopIteration:
+            self.state = replace(self.state, carry=self.state.carry[1:])
+            self._it = None
+            return None
+        except ShardError as exc:
+            self.state = replace(self.state, carry=self.state.carry[1:])
+            self._it = None
+            return BadSample("tar_unreadable", path, f"{exc}; the rest of the shard is skipped")
+        self.state = replace(self.state, carry=[[epoch, file, part, parts, offset, line], *self.state.carry[1:]])
+        return item
+
     def _advance_unit(self) -> None:
-        self.state = ReaderState(self.state.epoch, self.state.unit + 1, None, 0)
+        self.state = ReaderState(self.state.epoch, self.state.unit + 1, None, 0, self.state.carry)
         self._it = None
 
     def read_ref(self, ref: SampleRef) -> RawItem | BadSample:

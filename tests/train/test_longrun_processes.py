@@ -140,7 +140,8 @@ def test_poisoned_text_and_nan_steps_finish_on_two_ranks_with_exact_counters(tmp
     poisoned_corpus(corpus, 300, bad_every=10)
     raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 5}, checkpoint={"every": None})
     raw["data"]["sources"] = [{"paths": [str(corpus)]}]
-    raw["model"]["arch"].pop("vision")  # text-only corpus
+    raw["model"]["arch"].pop("vision")  # text-only corpus, text-only model
+    raw["phase"]["trainable"] = ["language_model"]
     recipe = write_recipe(tmp_path / "r.yaml", raw)
     results = finish(launch(tmp_path, ["train", str(recipe)],
                             extra_env={"MINDVL_FAULT_NAN_STEPS": "2,4", "MINDVL_FAULT_RANK": "1"}), timeout=300)
