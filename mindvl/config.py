@@ -113,6 +113,20 @@ class LoggingSection:
 
 
 @dataclass
+class EvalSection:
+    """Evaluation during training, logged with the step's metrics (`eval/...` keys) every `every` steps and at the
+    end: validation loss on the held-out data (`data.eval_sources` or `data.eval_fraction`) over `batches` packs
+    per rank, and optionally a benchmark (mindvl eval's runner) on its first `limit` items."""
+
+    every: int | None = None  # null: no evaluation during training
+    batches: int = 4
+    benchmark: str | None = None  # a benchmark name of `mindvl eval` (e.g. synth_ocr)
+    benchmark_path: str | None = None  # its local files
+    limit: int = 16
+    max_new_tokens: int = 32
+
+
+@dataclass
 class ParallelSection:
     fsdp: str | bool = "auto"  # auto (when world size > 1) | on | off (YAML reads on/off as booleans)
     mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
@@ -135,6 +149,7 @@ class Recipe:
     budget: BudgetSection = field(default_factory=BudgetSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def validate(self) -> None:
@@ -166,6 +181,11 @@ class Recipe:
                "checkpoint.every_minutes", "must be > 0 or null")
         _check(self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1")
         _check(self.logging.every >= 1, "logging.every", "must be >= 1")
+        _check(self.eval.every is None or self.eval.every >= 1, "eval.every", "must be >= 1 or null")
+        _check(self.eval.batches >= 1, "eval.batches", "must be >= 1")
+        _check(self.eval.limit >= 1, "eval.limit", "must be >= 1")
+        _check((self.eval.benchmark is None) == (self.eval.benchmark_path is None), "eval.benchmark",
+               "give both eval.benchmark and eval.benchmark_path, or neither")
         if isinstance(self.parallel.fsdp, bool):
             self.parallel.fsdp = "on" if self.parallel.fsdp else "off"
         _check(self.parallel.fsdp in ("auto", "on", "off"), "parallel.fsdp", "must be auto, on or off")
@@ -185,7 +205,9 @@ class Recipe:
                 _check(k in ("text", "vision"), f"model.arch.{k}", "unknown key (known: text, vision)")
         from mindvl.data import DataConfig  # validated here so a typo fails at load time, not at step 0
 
-        DataConfig.from_dict(self.data, "data")
+        data = DataConfig.from_dict(self.data, "data")
+        _check(self.eval.every is None or data.eval_config() is not None or self.eval.benchmark is not None,
+               "eval.every", "needs held-out data (data.eval_sources or data.eval_fraction) or eval.benchmark")
 
     @property
     def trainable_modules(self) -> list[str]:

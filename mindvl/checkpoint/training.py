@@ -250,9 +250,11 @@ def read_train_state(ckpt: str | Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / TRAIN_STATE).read_text())
 
 
-def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective. Loads model (+ optimizer) in place, restores this rank's RNG; returns (train_state, rank_state)."""
+def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    require_rank_state: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Collective. Loads model (+ optimizer) in place (DCP reshards them to this world size), restores this rank's
+    RNG; returns (train_state, rank_state). Without `require_rank_state` a rank the checkpoint has no state for (an
+    elastic resume onto more ranks) gets None."""
     ckpt = Path(ckpt)
     rank = _rank()
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -265,10 +267,18 @@ def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.O
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = ckpt / f"rank_{rank:05d}.json"
     if not rank_file.is_file():
+        if not require_rank_state:
+            return read_train_state(ckpt), None
         raise ValueError(f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size")
     rank_state = json.loads(rank_file.read_text())
     set_rng_state(rank_state.pop("rng"))
     return read_train_state(ckpt), rank_state
+
+
+def read_rank_states(ckpt: str | Path) -> list[dict[str, Any]]:
+    """Every rank's saved state (data positions, RNG) in rank order: what an elastic resume redistributes."""
+    files = sorted(Path(ckpt).glob("rank_*.json"))
+    return [json.loads(f.read_text()) for f in files]
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -16,10 +16,16 @@ from .packing import Packer, build_pack
 from .process import ProcessConfig, process_conversation
 from .schema import BadSample, Pack, Sample, SampleRef
 from .skips import SkipLog
-from .sources import RawItem, ReaderState, SourceReader, item_to_conversation
+from .sources import RawItem, ReaderState, SourceReader, _derived_seed, empty_epoch_limit, item_to_conversation
 from .tokenizer import TextTokenizer
 
 STATE_VERSION = 1
+
+
+def held_out(ref: SampleRef, fraction: float) -> bool:
+    """Is this record in the held-out split? A hash of where it lives (source, file, byte offset), so the split is
+    the same in every run, resume and slot layout."""
+    return _derived_seed("eval", ref.source, ref.file, ref.offset) / 2**64 < fraction
 
 
 class PackStream:
@@ -70,6 +76,8 @@ class PackStream:
                 self.skips.record(item)
                 self.epoch_valid[src][3] += 1
                 continue
+            if self.cfg.eval_fraction and held_out(item.ref, self.cfg.eval_fraction) != (self.cfg.split == "eval"):
+                continue  # the other split's record (not a skip: every record is in exactly one split)
             try:
                 sample, truncated = self._process(item)
             except BadSample as bad:
@@ -98,6 +106,9 @@ class PackStream:
         seen_epoch, valid, dry, bad = self.epoch_valid[src]
         if epoch != seen_epoch:
             dry = dry + (epoch - seen_epoch) if valid == 0 else 0
+            if self.cfg.split == "eval" and self.cfg.eval_fraction and dry > empty_epoch_limit(self.n_slots):
+                raise ValueError(f"data.eval_fraction: {self.cfg.eval_fraction} holds out no record of source "
+                                 f"{self.cfg.sources[src].name!r} on {self.context or 'this slot'}; raise it")
             if dry >= 2 and bad >= self.BAD_IN_A_ROW:
                 name = self.cfg.sources[src].name
                 raise ValueError(

@@ -31,6 +31,7 @@ from mindvl.checkpoint.training import (
     full_model_state,
     load_checkpoint,
     read_latest,
+    read_rank_states,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -42,6 +43,7 @@ from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 from mindvl.models.moe import update_router_bias
 
 from .agree import agreed_error, gather_objects
+from .evaluate import Evaluator
 from .guard import BadStepGuard, is_finite, total_grad_norm
 from .materialize import build_model
 from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
@@ -70,7 +72,7 @@ class ShardedBatches:
     """This rank's micro-batches: round-robin over its data shards (see the module docstring)."""
 
     def __init__(self, data_cfg: DataConfig, tok, env: ParallelEnv, shards: int):
-        self.rank = env.rank
+        self.rank, self.n_shards, self.data_cfg = env.rank, shards, data_cfg
         self.shard_ids = list(range(env.rank, shards, env.world_size))
         self.loaders = [build_loader(data_cfg, tok, rank=s, world_size=shards) for s in self.shard_ids]
         self._iters: list[Any] = [None] * len(self.loaders)
@@ -93,6 +95,23 @@ class ShardedBatches:
         for ld, s in zip(self.loaders, state["loaders"], strict=True):
             ld.load_state_dict(s)
         self.turn = state["turn"]
+        self._iters = [None] * len(self.loaders)
+
+    def same_layout(self, old_rank_states: list[dict]) -> bool:
+        """Was the checkpoint written with this many data shards and loader workers (exact resume)?"""
+        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
+
+    def load_elastic(self, old_rank_states: list[dict]) -> None:
+        """Continue a stream saved with another number of data shards or loader workers (mindvl.data.elastic):
+        no record lost or repeated within the epoch; the order differs."""
+        from mindvl.data.elastic import reshard_loader_states
+
+        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        new = reshard_loader_states(old, self.data_cfg, self.loaders[0].files, self.n_shards)
+        for s, ld in zip(self.shard_ids, self.loaders, strict=True):
+            ld.load_state_dict(new[s])
+        self.turn = 0
         self._iters = [None] * len(self.loaders)
 
     def report(self) -> list[dict]:
@@ -176,16 +195,21 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
 
     step, tokens_seen = 0, 0
     resume = recipe.checkpoint.resume
-    ckpt = None
+    ckpt, resumed_how = None, ""
     if resume == "auto":
         ckpt = read_latest(ckpt_root)
     elif resume:
         ckpt = resolve_checkpoint(resume)
     if ckpt is not None:
-        train_state, rank_state = load_checkpoint(ckpt, model, optimizer)
+        train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
         check_budget_unchanged(train_state, recipe, ckpt)
         scheduler.load_state_dict(train_state["scheduler"])
-        batches.load_state_dict(rank_state["data"])
+        old_ranks = read_rank_states(ckpt)
+        if rank_state is not None and batches.same_layout(old_ranks):
+            batches.load_state_dict(rank_state["data"])  # exact: the same packs as an uninterrupted run
+        else:  # elastic: another world size, data_shards or num_workers (DCP resharded the model and optimizer)
+            batches.load_elastic(old_ranks)
+            resumed_how = f" (elastic: written by {len(old_ranks)} rank(s))"
         step, tokens_seen = train_state["step"], train_state["tokens"]
 
     sinks = MetricSinks(out, recipe, env, resume_step=step if ckpt is not None else 0)
@@ -194,7 +218,8 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
         n_params = sum(p.numel() for p in model.parameters())
         sinks.info(f"phase {recipe.phase.name}: {total_steps} steps x {gb} packs of {data_cfg.seq_len} tokens; "
                    f"{env.world_size} rank(s) on {env.device.type}; trainable {trainable} of {n_params:,} params; "
-                   f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})" + (f"; resumed from {ckpt.name}" if ckpt else ""))
+                   f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})"
+                   + (f"; resumed from {ckpt.name}{resumed_how}" if ckpt else ""))
 
     def train_state() -> dict:
         return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
@@ -207,6 +232,7 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
     votes = StepVotes(env, recipe.checkpoint.every_minutes)
     guard = BadStepGuard(recipe.optim.max_bad_steps)
     saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
+    evaluator = Evaluator(recipe, data_cfg, tok, env, out)
 
     def checkpoint() -> Path:
         args = (ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()})
@@ -263,9 +289,11 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
             record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
         if guard.total:
             record.update(bad_step=vote.bad_step, bad_steps=guard.total)
+        done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
+        if evaluator.due(step, done):
+            record.update(evaluator.run(model, config, step))
         sinks.log(record, step % recipe.logging.every == 0 or step == total_steps or vote.bad_step)
         guard.check(f"after step {step}, {batches.position()}")
-        done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
         if saver is not None and saver.pending is not None and vote.saves_written:
             saver.finish()  # every rank's background write is done: rename into place, move `latest`
         if (every and step % every == 0) or done or vote.checkpoint_due or vote.stop:
@@ -290,6 +318,7 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
     if env.is_main:  # every data shard of every rank, in shard order
         (out / "data_report.json").write_text(json.dumps(reports, indent=1))
         sinks.finish()
+    barrier(env)  # no rank tears the process group down while another still talks (gloo aborts on a closed peer)
     return RunResult(out, final_dir, step, sinks.losses)
 
 

@@ -3,6 +3,7 @@ non-TTY log lines, CLI exit codes and tracebacks."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -182,3 +183,66 @@ def test_value_errors_from_torch_internals_are_bugs():
     with pytest.raises(ValueError) as ours:  # raised by mindvl's own validation: bad input, one line
         load_recipe(raw={"optim": {"lr": -1.0}})
     assert not _is_bug(ours.value)
+
+
+# ---------------------------------------------------------------------------------------------- eval during training
+
+
+def test_held_out_fraction_splits_records_without_overlap(tmp_path):
+    from mindvl.data import DataConfig, load_tokenizer
+    from mindvl.data.loader import PackLoader
+
+    tok = load_tokenizer()
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                     {"role": "assistant", "content": f"id r{i} end"}]}) + "\n"
+                            for i in range(60)))
+    cfg = DataConfig.from_dict({"sources": [str(path)], "seq_len": 64, "default_system": None,
+                                "eval_fraction": 0.25, "pack_buffer": 2})
+
+    def ids(c) -> list[str]:
+        import re
+
+        return [i for p in PackLoader(c, tok, max_epochs=1)
+                for i in re.findall(r"id (r\d+) end", tok.decode(p.input_ids.tolist()))]
+
+    train_ids, eval_ids = ids(cfg), ids(cfg.eval_config())
+    assert sorted(train_ids + eval_ids) == sorted(f"r{i}" for i in range(60))  # every record in exactly one split
+    assert 5 <= len(eval_ids) <= 25
+
+
+def test_validation_loss_and_benchmark_during_training(tmp_path):
+    from mindvl.checkpoint.hf import load_pretrained
+    from mindvl.data import DataConfig, build_loader, load_tokenizer
+    from mindvl.eval.benchmarks import BENCHMARKS
+    from mindvl.eval.synth_bench import write_synthetic_benchmarks
+    from mindvl.models.loss import IGNORE_INDEX, next_token_targets
+
+    benches = write_synthetic_benchmarks(tmp_path / "bench", n=3, seed=1, benchmarks=["chartqa"])
+    out = tmp_path / "run"
+    raw = raw_recipe(out, tmp_path / "cache", budget={"max_steps": 4}, checkpoint={"every": None},
+                     eval={"every": 2, "batches": 2, "benchmark": "chartqa", "benchmark_path": str(benches["chartqa"]),
+                           "limit": 2, "max_new_tokens": 3})
+    raw["data"]["eval_fraction"] = 0.25
+    train(load_recipe(raw=raw))
+    recs = metrics(out)
+    assert [("eval/val_loss" in r) for r in recs] == [False, True, False, True]
+    headline = BENCHMARKS["chartqa"].headline("lmms-eval")
+    for r in (recs[1], recs[3]):
+        assert {f"eval/chartqa/{headline}", "eval/chartqa/exact_match"} <= set(r)
+    assert len(read_lines(out / "eval" / "step_00000004" / "chartqa.jsonl")) == 2
+    # Reference: the final weights on the same held-out packs, computed by hand.
+    model = load_pretrained(out / "final").eval()
+    cfg = DataConfig.from_dict({"seed": 0, **raw["data"]}).eval_config()
+    total = count = 0.0
+    with torch.no_grad():
+        for pack in itertools.islice(build_loader(cfg, load_tokenizer()), 2):
+            batch = pack.to_torch()
+            loss_sum, _ = model(**batch)
+            total += float(loss_sum)
+            count += float((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+    assert recs[-1]["eval/val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def read_lines(path) -> list[str]:
+    return path.read_text().splitlines()

@@ -58,8 +58,8 @@ def losses(out: Path) -> list[float]:
 
 
 def two_rank_recipe(tmp_path: Path, name: str, **sections) -> Path:
-    raw = raw_recipe(tmp_path / name, tmp_path / "cache", budget={"max_steps": 6}, checkpoint={"every": None},
-                     **sections)
+    sections = {"budget": {"max_steps": 6}, "checkpoint": {"every": None}} | sections
+    raw = raw_recipe(tmp_path / name, tmp_path / "cache", **sections)
     raw["data"]["num_workers"] = 1  # loader workers on: they must survive the signal
     return write_recipe(tmp_path / f"{name}.yaml", raw)
 
@@ -180,3 +180,26 @@ def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, 
                 hi = lo if pos.offset is None else pos.offset  # read up to its current offset
             count += sum(lo <= st < hi for st in bad_starts)
     return count
+
+
+@pytest.mark.slow
+def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
+    """DCP reshards model and optimizer, the data continues on the new layout (no record lost or repeated: the
+    data-level test counts them); the data report keeps every pack of both runs."""
+    script = tmp_path / "cli.py"
+    script.write_text(CLI + "\n")
+    for old_world, new_world in ((2, 1), (1, 2)):
+        first = two_rank_recipe(tmp_path, f"first{old_world}", checkpoint={"every": 2, "keep": 5},
+                                budget={"max_steps": 3})
+        done = finish(launch(tmp_path, ["train", str(first)], world=old_world))
+        assert all(r[0] == 0 for r in done), done[0][2][-3000:]
+        ckpt = tmp_path / f"first{old_world}" / "checkpoints" / "step_00000002"
+        second = two_rank_recipe(tmp_path, f"second{new_world}", budget={"max_steps": 3})
+        done = finish(launch(tmp_path, ["train", str(second), f"resume={ckpt}"], world=new_world))
+        assert all(r[0] == 0 for r in done), done[0][2][-3000:]
+        assert f"resumed from step_00000002 (elastic: written by {old_world} rank(s))" in done[0][1]
+        out = tmp_path / f"second{new_world}"
+        assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [3]
+        report = json.loads((out / "data_report.json").read_text())
+        assert len(report) == new_world and sum(r["packs"] for r in report) == 3 * 2  # 3 steps x 2 packs
+        assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
