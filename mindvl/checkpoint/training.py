@@ -165,6 +165,8 @@ class AsyncCheckpointer:
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo") if _distributed() else None
+        if self.group is None:  # the background thread's save warns that it assumes one process: it is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         self.pending: tuple[Any, Path, Path, Path, int | None, Path | None] | None = None
 
     def save(self, root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

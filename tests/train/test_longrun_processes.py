@@ -203,3 +203,22 @@ def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
         report = json.loads((out / "data_report.json").read_text())
         assert len(report) == new_world and sum(r["packs"] for r in report) == 3 * 2  # 3 steps x 2 packs
         assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once(tmp_path):
+    raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 200}, checkpoint={"every": None})
+    script = tmp_path / "cli.py"
+    script.write_text(CLI + "\n")
+    proc = subprocess.Popen([sys.executable, str(script), "train", str(write_recipe(tmp_path / "r.yaml", raw))],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while steps_logged(tmp_path / "run") < 1 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "SIGINT received" in err and "second signal (SIGINT): exiting now" in err
+    assert "KeyboardInterrupt" not in err and not (tmp_path / "run" / "final").exists()
