@@ -291,3 +291,30 @@ def test_a_twenty_record_source_trains_at_thirty_two_reading_slots(tmp_path):
     assert len(report) == 32
     assert sum(r["consumed"]["small"]["samples"] for r in report) > 0
     assert sum(sum(r["skipped"].values()) for r in report) == 0
+
+
+# ------------------------------------------------------------------------------------------------ remote sinks
+
+
+def test_mlflow_and_wandb_sinks_are_optional_extras(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 2}, checkpoint={"every": None},
+                     logging={"mlflow": True, "tensorboard": False, "plot": False, "progress": False})
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # not installed: a one-line error naming the extra
+    with pytest.raises(ValueError, match=r"logging.mlflow: true needs the `mlflow` package: .*'mindvl\[mlflow\]'"):
+        train(load_recipe(raw=raw))
+
+    calls: list[tuple] = []  # a recording stand-in with mlflow's module-level API
+    fake = types.SimpleNamespace(start_run=lambda **kw: calls.append(("start", kw)),
+                                 log_params=lambda p: calls.append(("params", p)),
+                                 log_metrics=lambda m, step: calls.append(("metrics", step, m)),
+                                 end_run=lambda: calls.append(("end",)))
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    train(load_recipe(raw=raw, overrides=["overwrite=true"]))
+    steps = [c[1] for c in calls if c[0] == "metrics"]
+    assert steps == [1, 2] and calls[0][0] == "start" and calls[-1] == ("end",)
+    logged = next(c[2] for c in calls if c[0] == "metrics")
+    assert logged["loss"] == metrics(tmp_path / "run")[0]["loss"] and "lr" in logged
+    assert dict(calls[1][1])["optim.lr"] == raw["optim"]["lr"]

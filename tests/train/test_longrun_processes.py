@@ -184,25 +184,22 @@ def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, 
 
 @pytest.mark.slow
 def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
-    """DCP reshards model and optimizer, the data continues on the new layout (no record lost or repeated: the
-    data-level test counts them); the data report keeps every pack of both runs."""
-    script = tmp_path / "cli.py"
-    script.write_text(CLI + "\n")
-    for old_world, new_world in ((2, 1), (1, 2)):
-        first = two_rank_recipe(tmp_path, f"first{old_world}", checkpoint={"every": 2, "keep": 5},
-                                budget={"max_steps": 3})
-        done = finish(launch(tmp_path, ["train", str(first)], world=old_world))
+    """2 ranks for 2 steps, 1 rank for step 3, 2 ranks for step 4 (one folder, resume=auto): DCP reshards model and
+    optimizer, the data continues on each new layout (no record lost or repeated: the data-level test counts them
+    one by one), and the data report keeps every pack of every stage."""
+    out = tmp_path / "run"
+    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 5}, budget={"max_steps": 4})
+    stages = [(2, 2, None), (1, 3, "2"), (2, 4, "1")]  # (ranks, stop after step, ranks that wrote the checkpoint)
+    for world, stop_at, written_by in stages:
+        args = ["train", str(recipe), "resume=auto", f"max_steps={stop_at}", "schedule.allow_change=true"]
+        done = finish(launch(tmp_path, args, world=world))
         assert all(r[0] == 0 for r in done), done[0][2][-3000:]
-        ckpt = tmp_path / f"first{old_world}" / "checkpoints" / "step_00000002"
-        second = two_rank_recipe(tmp_path, f"second{new_world}", budget={"max_steps": 3})
-        done = finish(launch(tmp_path, ["train", str(second), f"resume={ckpt}"], world=new_world))
-        assert all(r[0] == 0 for r in done), done[0][2][-3000:]
-        assert f"resumed from step_00000002 (elastic: written by {old_world} rank(s))" in done[0][1]
-        out = tmp_path / f"second{new_world}"
-        assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [3]
+        if written_by is not None:
+            assert f"(elastic: written by {written_by} rank(s))" in done[0][1]
         report = json.loads((out / "data_report.json").read_text())
-        assert len(report) == new_world and sum(r["packs"] for r in report) == 3 * 2  # 3 steps x 2 packs
-        assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
+        assert len(report) == world and sum(r["packs"] for r in report) == stop_at * 2  # 2 packs per step
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
 
 
 @pytest.mark.slow
