@@ -2,7 +2,9 @@
 
 A source is a list of files (globs expanded, sorted). The unit of work is a *part* of a file: when there are fewer
 files than reading slots (ranks x workers), each file is cut into `parts` pieces so every slot has work — a JSONL
-part is a byte range (a line belongs to the part holding its first byte), a tar part is every `parts`-th key. Each
+part is a byte range (a line belongs to the part holding its first byte; a part finds its first line by reading
+forward from its start offset, never by scanning from byte 0), a tar part is every `parts`-th key. A source with
+fewer records than slots leaves some slots' shares empty in an epoch; those slots move on to the next epoch. Each
 epoch, the units are shuffled with a seed derived from (seed, source, epoch) and dealt round-robin to the slots, so
 a rank only ever opens its own units and all ranks agree on the split without talking to each other.
 
