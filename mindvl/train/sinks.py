@@ -91,6 +91,8 @@ class MetricSinks:
         stats = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s mfu {rec['mfu']:.1%}"
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"], stats=stats)
+            if rec.get("bad_step"):  # above the bar, so it stays visible
+                self.progress.console.print(self.plain_line(rec))
         elif show:
             print(self.plain_line(rec), flush=True)
 
