@@ -9,6 +9,7 @@ Entry points:
     preprocess(image, min_pixels, max_pixels)   Qwen2-VL patch rows, bit-identical to transformers' PIL processor
     encode_conversation(...)                    ChatML ids + labels; mrope_positions(...) M-RoPE positions
     synth.generate(out_dir, n, seed, tasks)     synthetic OCR / chart / grounding / doc data
+    elastic.reshard_loader_states(...)          continue saved loader states on another number of shards/workers
 
 `build_loader`/`PackLoader` live in loader.py, the only module that imports torch; they are imported lazily here
 so that `import mindvl.data` stays light (inference and tests of the pure parts do not pay for torch).
