@@ -102,6 +102,16 @@ class ShardedBatches:
         old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
         return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
 
+    def load_shards(self, old_rank_states: list[dict]) -> None:
+        """Exact resume with the same data shards and workers, whichever rank held which shard before (a step
+        always ends with every rank's round-robin back at its first shard: accum is a multiple of its shards)."""
+        by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
+                                                                     strict=True)}
+        for s, ld in zip(self.shard_ids, self.loaders, strict=True):
+            ld.load_state_dict(by_shard[s])
+        self.turn = 0
+        self._iters = [None] * len(self.loaders)
+
     def load_elastic(self, old_rank_states: list[dict]) -> None:
         """Continue a stream saved with another number of data shards or loader workers (mindvl.data.elastic):
         no record lost or repeated within the epoch; the order differs."""
@@ -205,8 +215,8 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals) -> RunResult:
         check_budget_unchanged(train_state, recipe, ckpt)
         scheduler.load_state_dict(train_state["scheduler"])
         old_ranks = read_rank_states(ckpt)
-        if rank_state is not None and batches.same_layout(old_ranks):
-            batches.load_state_dict(rank_state["data"])  # exact: the same packs as an uninterrupted run
+        if batches.same_layout(old_ranks):
+            batches.load_shards(old_ranks)  # exact: the same packs as an uninterrupted run
         else:  # elastic: another world size, data_shards or num_workers (DCP resharded the model and optimizer)
             batches.load_elastic(old_ranks)
             resumed_how = f" (elastic: written by {len(old_ranks)} rank(s))"

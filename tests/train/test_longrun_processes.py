@@ -184,21 +184,26 @@ def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, 
 
 @pytest.mark.slow
 def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
-    """2 ranks for 2 steps, 1 rank for step 3, 2 ranks for step 4 (one folder, resume=auto): DCP reshards model and
-    optimizer, the data continues on each new layout (no record lost or repeated: the data-level test counts them
-    one by one), and the data report keeps every pack of every stage."""
+    """One folder, resume=auto, changing processes: 2 ranks (steps 1-2) -> 1 rank reading the same 2 data shards
+    (step 3: exact resume, no elastic step) -> 1 rank, 1 shard (step 4: elastic) -> 2 ranks (step 5: elastic).
+    DCP reshards model and optimizer; the data continues on each new layout (no record lost or repeated: the
+    data-level test counts them one by one) and the data report keeps every pack of every stage."""
     out = tmp_path / "run"
-    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 5}, budget={"max_steps": 4})
-    stages = [(2, 2, None), (1, 3, "2"), (2, 4, "1")]  # (ranks, stop after step, ranks that wrote the checkpoint)
-    for world, stop_at, written_by in stages:
-        args = ["train", str(recipe), "resume=auto", f"max_steps={stop_at}", "schedule.allow_change=true"]
+    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 5}, budget={"max_steps": 5})
+    # (ranks, extra overrides, stop after step, the resume line's elastic note)
+    stages = [(2, [], 2, None), (1, ["batch.data_shards=2"], 3, ""), (1, [], 4, "(elastic: written by 1 rank(s))"),
+              (2, [], 5, "(elastic: written by 1 rank(s))")]
+    for world, extra, stop_at, note in stages:
+        args = ["train", str(recipe), "resume=auto", f"max_steps={stop_at}", "schedule.allow_change=true", *extra]
         done = finish(launch(tmp_path, args, world=world))
         assert all(r[0] == 0 for r in done), done[0][2][-3000:]
-        if written_by is not None:
-            assert f"(elastic: written by {written_by} rank(s))" in done[0][1]
+        resumed = [line for line in done[0][1].splitlines() if "resumed from" in line]
+        if note is not None:
+            assert resumed and resumed[0].endswith(f"resumed from step_{stop_at - 1:08d}" + (f" {note}" if note
+                                                                                            else "")), resumed
         report = json.loads((out / "data_report.json").read_text())
-        assert len(report) == world and sum(r["packs"] for r in report) == stop_at * 2  # 2 packs per step
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+        assert sum(r["packs"] for r in report) == stop_at * 2  # 2 packs per step, over all stages
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
     assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
 
 
