@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import warnings
 from pathlib import Path
 
 from .agree import agreed_error
@@ -44,10 +45,14 @@ class RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # another process holds it
             os.close(fd)
             raise RunFolderError(f"{self.path.parent} is in use by another run ({describe_holder(self.path)}); "
                                  "wait for it, stop it, or choose another output_dir") from None
+        except OSError as exc:  # a file system without flock (some network mounts): run, but say so
+            os.close(fd)
+            warnings.warn(f"cannot lock {self.path} ({exc}); running without the run-folder lock", stacklevel=2)
+            return
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
         os.fsync(fd)
