@@ -318,3 +318,29 @@ def test_mlflow_and_wandb_sinks_are_optional_extras(tmp_path, monkeypatch):
     logged = next(c[2] for c in calls if c[0] == "metrics")
     assert logged["loss"] == metrics(tmp_path / "run")[0]["loss"] and "lr" in logged
     assert dict(calls[1][1])["optim.lr"] == raw["optim"]["lr"]
+
+
+def test_same_shards_on_another_world_size_resume_exactly(tmp_path):
+    """1 rank reading data shards {0, 1} -> 2 ranks reading {0} and {1}: each shard continues exactly where it was
+    (the packs equal those the single rank would have read next)."""
+    from mindvl.data import DataConfig, load_tokenizer
+    from mindvl.train.parallel import ParallelEnv
+    from mindvl.train.trainer import ShardedBatches
+
+    tok = load_tokenizer()
+    cfg = DataConfig.from_dict({"seed": 0, **raw_recipe(tmp_path, tmp_path / "cache")["data"]})
+
+    def env(rank: int, world: int) -> ParallelEnv:
+        return ParallelEnv(rank, world, rank, torch.device("cpu"), "gloo")
+
+    one = ShardedBatches(cfg, tok, env(0, 1), shards=2)
+    for _ in range(4):
+        one.next()
+    saved = [{"data": one.state_dict()}]
+    expected = [one.next().input_ids.tolist() for _ in range(4)]  # shard 0, 1, 0, 1
+    ranks = [ShardedBatches(cfg, tok, env(r, 2), shards=2) for r in (0, 1)]
+    assert all(b.same_layout(saved) for b in ranks)
+    for b in ranks:
+        b.load_shards(saved)
+    got = [ranks[i % 2].next().input_ids.tolist() for i in range(4)]
+    assert got == expected

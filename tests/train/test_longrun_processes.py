@@ -184,15 +184,16 @@ def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, 
 
 @pytest.mark.slow
 def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
-    """One folder, resume=auto, changing processes: 2 ranks (steps 1-2) -> 1 rank reading the same 2 data shards
-    (step 3: exact resume, no elastic step) -> 1 rank, 1 shard (step 4: elastic) -> 2 ranks (step 5: elastic).
-    DCP reshards model and optimizer; the data continues on each new layout (no record lost or repeated: the
-    data-level test counts them one by one) and the data report keeps every pack of every stage."""
+    """One folder, resume=auto, changing processes: 2 ranks (steps 1-2) -> 1 rank (step 3: elastic) -> 2 ranks
+    (step 4: elastic). DCP reshards model and optimizer; the data continues on each new layout (no record lost or
+    repeated: the data-level test counts them one by one) and the data report keeps every pack of every stage.
+    (Only the world size changing, with the same data shards and workers, is an exact resume: test_train_distributed
+    shows 1 process x 2 shards = 2 ranks.)"""
     out = tmp_path / "run"
-    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 5}, budget={"max_steps": 5})
+    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 5}, budget={"max_steps": 4})
     # (ranks, extra overrides, stop after step, the resume line's elastic note)
-    stages = [(2, [], 2, None), (1, ["batch.data_shards=2"], 3, ""), (1, [], 4, "(elastic: written by 1 rank(s))"),
-              (2, [], 5, "(elastic: written by 1 rank(s))")]
+    stages = [(2, [], 2, None), (1, [], 3, "(elastic: written by 2 rank(s))"),
+              (2, [], 4, "(elastic: written by 1 rank(s))")]
     for world, extra, stop_at, note in stages:
         args = ["train", str(recipe), "resume=auto", f"max_steps={stop_at}", "schedule.allow_change=true", *extra]
         done = finish(launch(tmp_path, args, world=world))
@@ -203,7 +204,7 @@ def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
                                                                                             else "")), resumed
         report = json.loads((out / "data_report.json").read_text())
         assert sum(r["packs"] for r in report) == stop_at * 2  # 2 packs per step, over all stages
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
 
 
