@@ -1,4 +1,7 @@
-"""`mindvl train RECIPE.yaml [key=value ...]` (under torchrun for several processes)."""
+"""`mindvl train RECIPE.yaml [key=value ...]` (under torchrun for several processes).
+
+Exit codes (mindvl.train.stops): 0 finished, 2 bad input, 3 too many bad steps, 75 preempted (checkpoint written;
+rerun with resume=auto)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ def register(subparsers) -> None:
     p.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny/warmup.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="override any field by dotted path (optim.lr=1e-4) or alias: output_dir=, max_steps=, "
-                        "max_tokens=, checkpoint_every=, resume=auto, lr=, seed=, init_from=")
+                        "max_tokens=, checkpoint_every=, resume=auto, lr=, seed=, init_from=, overwrite=true")
     p.set_defaults(func=run)
 
 
