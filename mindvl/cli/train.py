@@ -7,7 +7,9 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("train", help="run one training phase from a recipe (warm-up, multitask or SFT)")
+    p = subparsers.add_parser("train", help="run one training phase from a recipe (warm-up, multitask or SFT)",
+                              epilog="exit codes: 0 finished, 2 bad input or configuration, 3 too many consecutive "
+                                     "bad steps, 75 preempted (a checkpoint was written: rerun with resume=auto)")
     p.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny/warmup.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="override any field by dotted path (optim.lr=1e-4) or alias: output_dir=, max_steps=, "
