@@ -65,7 +65,7 @@ class Unit:
     parts: int
 
 
-def _derived_seed(*parts: Any) -> int:
+def derived_seed(*parts: Any) -> int:
     """A stable 64-bit seed from any values (hashlib, not Python's salted hash())."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
@@ -86,7 +86,7 @@ def epoch_units(n_files: int, n_slots: int, seed: int, source: int, epoch: int) 
     parts hold no record that epoch."""
     parts = max(1, -(-n_slots // n_files))  # ceil: at least one unit per slot
     units = [Unit(f, p, parts) for f in range(n_files) for p in range(parts)]
-    random.Random(_derived_seed("units", seed, source, epoch)).shuffle(units)
+    random.Random(derived_seed("units", seed, source, epoch)).shuffle(units)
     return units
 
 

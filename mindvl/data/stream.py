@@ -16,7 +16,7 @@ from .packing import Packer, build_pack
 from .process import ProcessConfig, process_conversation
 from .schema import BadSample, Pack, Sample, SampleRef
 from .skips import SkipLog
-from .sources import RawItem, ReaderState, SourceReader, _derived_seed, empty_epoch_limit, item_to_conversation
+from .sources import RawItem, ReaderState, SourceReader, derived_seed, empty_epoch_limit, item_to_conversation
 from .tokenizer import TextTokenizer
 
 STATE_VERSION = 1
@@ -25,7 +25,7 @@ STATE_VERSION = 1
 def held_out(ref: SampleRef, fraction: float) -> bool:
     """Is this record in the held-out split? A hash of where it lives (source, file, byte offset), so the split is
     the same in every run, resume and slot layout."""
-    return _derived_seed("eval", ref.source, ref.file, ref.offset) / 2**64 < fraction
+    return derived_seed("eval", ref.source, ref.file, ref.offset) / 2**64 < fraction
 
 
 class PackStream:
