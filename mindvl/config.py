@@ -181,6 +181,10 @@ class Recipe:
                "checkpoint.every_minutes", "must be > 0 or null")
         _check(self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1")
         _check(self.logging.every >= 1, "logging.every", "must be >= 1")
+        for key, module, extra in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")):
+            # checked here, on every rank, so a missing extra never stops rank 0 alone
+            _check(not getattr(self.logging, key) or _installed(module), f"logging.{key}",
+                   f"true needs the `{module}` package: pip install 'mindvl[{extra}]'")
         _check(self.eval.every is None or self.eval.every >= 1, "eval.every", "must be >= 1 or null")
         _check(self.eval.batches >= 1, "eval.batches", "must be >= 1")
         _check(self.eval.limit >= 1, "eval.limit", "must be >= 1")
@@ -215,6 +219,15 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _check(cond: bool, key: str, msg: str) -> None:

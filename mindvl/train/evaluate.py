@@ -22,7 +22,8 @@ from mindvl.data import DataConfig, build_loader
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 
-from .parallel import ParallelEnv, all_reduce_sum, barrier
+from .agree import agreed_error
+from .parallel import ParallelEnv, all_reduce_sum
 
 
 class Evaluator:
@@ -68,17 +69,23 @@ class Evaluator:
         ev = self.recipe.eval
         state = full_model_state(model)  # collective: every rank takes part
         metrics: dict[str, float] = {}
+        problem = None
         if self.env.is_main:
-            with torch.device("meta"):
-                plain = MindVL(config)
-            plain.load_state_dict(state, assign=True)
-            plain.to(self.env.device).eval()
-            settings = EvalSettings(min_pixels=self.data_cfg.min_pixels, max_pixels=self.data_cfg.max_pixels,
-                                    system=self.data_cfg.default_system, limit=ev.limit,
-                                    max_new_tokens=ev.max_new_tokens)
-            predictions = self.out / "eval" / f"step_{step:08d}" / f"{ev.benchmark}.jsonl"
-            summary = evaluate_benchmark(plain, self.tok, ev.benchmark, ev.benchmark_path, settings, predictions)
-            metrics[f"eval/{ev.benchmark}/{summary['headline']}"] = float(summary[summary["headline"]])
-            metrics[f"eval/{ev.benchmark}/exact_match"] = float(summary["exact_match"])
-        barrier(self.env)
+            try:
+                with torch.device("meta"):
+                    plain = MindVL(config)
+                plain.load_state_dict(state, assign=True)
+                plain.to(self.env.device).eval()
+                settings = EvalSettings(min_pixels=self.data_cfg.min_pixels, max_pixels=self.data_cfg.max_pixels,
+                                        system=self.data_cfg.default_system, limit=ev.limit,
+                                        max_new_tokens=ev.max_new_tokens)
+                predictions = self.out / "eval" / f"step_{step:08d}" / f"{ev.benchmark}.jsonl"
+                summary = evaluate_benchmark(plain, self.tok, ev.benchmark, ev.benchmark_path, settings, predictions)
+                metrics[f"eval/{ev.benchmark}/{summary['headline']}"] = float(summary[summary["headline"]])
+                metrics[f"eval/{ev.benchmark}/exact_match"] = float(summary["exact_match"])
+            except (ValueError, OSError) as exc:  # bad benchmark files: stop every rank with this message
+                problem = f"eval.benchmark {ev.benchmark} at {ev.benchmark_path}: {exc}"
+        problem = agreed_error(problem, self.env)  # collective: also the other ranks' wait for rank 0
+        if problem is not None:
+            raise ValueError(problem)
         return metrics

@@ -302,9 +302,11 @@ def test_mlflow_and_wandb_sinks_are_optional_extras(tmp_path, monkeypatch):
 
     raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 2}, checkpoint={"every": None},
                      logging={"mlflow": True, "tensorboard": False, "plot": False, "progress": False})
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # not installed: a one-line error naming the extra
+    # Not installed: a one-line error naming the extra when the recipe loads (on every rank, before any work).
+    monkeypatch.setitem(sys.modules, "mlflow", None)
     with pytest.raises(ValueError, match=r"logging.mlflow: true needs the `mlflow` package: .*'mindvl\[mlflow\]'"):
-        train(load_recipe(raw=raw))
+        load_recipe(raw=raw)
+    assert not (tmp_path / "run").exists()
 
     calls: list[tuple] = []  # a recording stand-in with mlflow's module-level API
     fake = types.SimpleNamespace(start_run=lambda **kw: calls.append(("start", kw)),
@@ -312,7 +314,7 @@ def test_mlflow_and_wandb_sinks_are_optional_extras(tmp_path, monkeypatch):
                                  log_metrics=lambda m, step: calls.append(("metrics", step, m)),
                                  end_run=lambda: calls.append(("end",)))
     monkeypatch.setitem(sys.modules, "mlflow", fake)
-    train(load_recipe(raw=raw, overrides=["overwrite=true"]))
+    train(load_recipe(raw=raw))
     steps = [c[1] for c in calls if c[0] == "metrics"]
     assert steps == [1, 2] and calls[0][0] == "start" and calls[-1] == ("end",)
     logged = next(c[2] for c in calls if c[0] == "metrics")
