@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from mindvl.config import Recipe
@@ -52,10 +53,19 @@ class MetricSinks:
                 self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
             except ImportError:  # tensorboard is optional (extra `plots`)
                 self.tb = None
-        if recipe.logging.wandb:
-            self.remote.append(WandbSink(out, recipe, resume_step))
-        if recipe.logging.mlflow:
-            self.remote.append(MlflowSink(recipe))
+        for enabled, make in ((recipe.logging.wandb, lambda: WandbSink(out, recipe, resume_step)),
+                              (recipe.logging.mlflow, lambda: MlflowSink(recipe))):
+            if enabled:
+                self._add_remote(make)
+
+    def _add_remote(self, make) -> None:
+        """A metrics service that cannot be reached must not stop a long run (nor rank 0 alone): warn, go on."""
+        try:
+            self.remote.append(make())
+        except ValueError:
+            raise  # a missing extra (also refused when the recipe loads)
+        except Exception as exc:  # noqa: BLE001 - any client or network failure
+            warnings.warn(f"metrics service unavailable, continuing without it: {exc!r}", stacklevel=2)
 
     def info(self, text: str) -> None:
         if self.env.is_main:
@@ -86,8 +96,12 @@ class MetricSinks:
             for k, v in scalars.items():
                 if k in TB_KEYS or k.startswith("eval/"):
                     self.tb.add_scalar(k if k.startswith("eval/") else f"train/{k}", v, rec["step"])
-        for sink in self.remote:
-            sink.log(scalars, rec["step"])
+        for sink in list(self.remote):
+            try:
+                sink.log(scalars, rec["step"])
+            except Exception as exc:  # noqa: BLE001 - the service went away: keep training, keep metrics.jsonl
+                warnings.warn(f"{type(sink).__name__} failed, continuing without it: {exc!r}", stacklevel=2)
+                self.remote.remove(sink)
         stats = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s mfu {rec['mfu']:.1%}"
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"], stats=stats)
@@ -122,7 +136,10 @@ class MetricSinks:
         if self.tb is not None:
             self.tb.close()
         for sink in self.remote:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"{type(sink).__name__} failed to close: {exc!r}", stacklevel=2)
         if self.recipe.logging.plot and self.losses:
             plot_loss(self.steps, self.losses, self.out / "loss.png", self.recipe.phase.name)
 

@@ -321,6 +321,14 @@ def test_mlflow_and_wandb_sinks_are_optional_extras(tmp_path, monkeypatch):
     assert logged["loss"] == metrics(tmp_path / "run")[0]["loss"] and "lr" in logged
     assert dict(calls[1][1])["optim.lr"] == raw["optim"]["lr"]
 
+    def down(m, step):
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setitem(sys.modules, "mlflow", types.SimpleNamespace(**{**vars(fake), "log_metrics": down}))
+    with pytest.warns(UserWarning, match="MlflowSink failed, continuing without it"):
+        result = train(load_recipe(raw=raw, overrides=["overwrite=true"]))
+    assert result.steps == 2 and len(metrics(tmp_path / "run")) == 2  # the run and metrics.jsonl went on
+
 
 def test_same_shards_on_another_world_size_resume_exactly(tmp_path):
     """1 rank reading data shards {0, 1} -> 2 ranks reading {0} and {1}: each shard continues exactly where it was
