@@ -30,6 +30,7 @@ ALIASES = {
     "lr": "optim.lr",
     "seed": "seed",
     "init_from": "model.init_from",
+    "overwrite": "overwrite",
 }
 
 PHASES = ("warmup", "multitask", "sft")
@@ -47,7 +48,7 @@ class ModelSection:
     init_from: str | None = None
     compose: dict[str, str] | None = None  # {vision: DIR, language: DIR}
     arch: dict[str, Any] | None = None  # {text: {...TextConfig}, vision: {...VisionConfig}}
-    init_seed: int = 0
+    init_seed: int | None = None  # None: the recipe's `seed`
     attention_backend: str = "auto"
     # shape preset for `mindvl plan` when the folders above do not exist yet (mindvl.plan.presets; training ignores it)
     preset: str | None = None
@@ -78,12 +79,16 @@ class OptimSection:
     # MoE language models: DeepSeek-V3's auxiliary-loss-free balancing moves each router's correction bias by this
     # much per optimizer step against its experts' load (0 disables; only while the language model trains).
     router_bias_rate: float = 1e-3
+    # A step whose loss or gradient norm is not finite is skipped on every rank; this many in a row stop the run.
+    max_bad_steps: int = 5
 
 
 @dataclass
 class ScheduleSection:
     warmup_ratio: float = 0.1
     decay: str = "cosine"  # cosine | linear | constant
+    # A resume normally refuses a changed budget (max_steps / max_tokens): it would silently bend the LR schedule.
+    allow_change: bool = False
 
 
 @dataclass
@@ -97,6 +102,8 @@ class CheckpointSection:
     every: int | None = None  # optimizer steps between checkpoints (always one at the end)
     keep: int = 2
     resume: str | None = None  # null | auto | a checkpoint folder
+    every_minutes: float | None = None  # also checkpoint when this much wall time passed since the last one
+    async_save: bool = False  # write DCP shards in the background (torch.distributed.checkpoint.async_save)
 
 
 @dataclass
@@ -105,6 +112,22 @@ class LoggingSection:
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    wandb: bool = False  # Weights & Biases run (extra `wandb`); project/name from WANDB_* environment variables
+    mlflow: bool = False  # MLflow run (extra `mlflow`); tracking URI from MLFLOW_TRACKING_URI
+
+
+@dataclass
+class EvalSection:
+    """Evaluation during training, logged with the step's metrics (`eval/...` keys) every `every` steps and at the
+    end: validation loss on the held-out data (`data.eval_sources` or `data.eval_fraction`) over `batches` packs
+    per rank, and optionally a benchmark (mindvl eval's runner) on its first `limit` items."""
+
+    every: int | None = None  # null: no evaluation during training
+    batches: int = 4
+    benchmark: str | None = None  # a benchmark name of `mindvl eval` (e.g. synth_ocr)
+    benchmark_path: str | None = None  # its local files
+    limit: int = 16
+    max_new_tokens: int = 32
 
 
 @dataclass
@@ -124,7 +147,8 @@ class ParallelSection:
 @dataclass
 class Recipe:
     output_dir: str = "runs/default"
-    seed: int = 0
+    seed: int = 0  # model init (unless model.init_seed) and data order (unless data.seed)
+    overwrite: bool = False  # a fresh run may replace a finished or partial run in output_dir
     model: ModelSection = field(default_factory=ModelSection)
     data: dict[str, Any] = field(default_factory=dict)
     phase: PhaseSection = field(default_factory=PhaseSection)
@@ -134,6 +158,7 @@ class Recipe:
     budget: BudgetSection = field(default_factory=BudgetSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def validate(self) -> None:
@@ -161,7 +186,19 @@ class Recipe:
             _check(v is None or v >= 1, f"budget.{key}", "must be >= 1")
         _check(self.checkpoint.every is None or self.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+        _check(self.checkpoint.every_minutes is None or self.checkpoint.every_minutes > 0,
+               "checkpoint.every_minutes", "must be > 0 or null")
+        _check(self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1")
         _check(self.logging.every >= 1, "logging.every", "must be >= 1")
+        for key, module, extra in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")):
+            # checked here, on every rank, so a missing extra never stops rank 0 alone
+            _check(not getattr(self.logging, key) or _installed(module), f"logging.{key}",
+                   f"true needs the `{module}` package: pip install 'mindvl[{extra}]'")
+        _check(self.eval.every is None or self.eval.every >= 1, "eval.every", "must be >= 1 or null")
+        _check(self.eval.batches >= 1, "eval.batches", "must be >= 1")
+        _check(self.eval.limit >= 1, "eval.limit", "must be >= 1")
+        _check((self.eval.benchmark is None) == (self.eval.benchmark_path is None), "eval.benchmark",
+               "give both eval.benchmark and eval.benchmark_path, or neither")
         if isinstance(self.parallel.fsdp, bool):
             self.parallel.fsdp = "on" if self.parallel.fsdp else "off"
         _check(self.parallel.fsdp in ("auto", "on", "off"), "parallel.fsdp", "must be auto, on or off")
@@ -188,7 +225,9 @@ class Recipe:
                 _check(k in ("text", "vision"), f"model.arch.{k}", "unknown key (known: text, vision)")
         from mindvl.data import DataConfig  # validated here so a typo fails at load time, not at step 0
 
-        DataConfig.from_dict(self.data, "data")
+        data = DataConfig.from_dict(self.data, "data")
+        _check(self.eval.every is None or data.eval_config() is not None or self.eval.benchmark is not None,
+               "eval.every", "needs held-out data (data.eval_sources or data.eval_fraction) or eval.benchmark")
 
     @property
     def trainable_modules(self) -> list[str]:
@@ -196,6 +235,15 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _check(cond: bool, key: str, msg: str) -> None:

@@ -11,7 +11,8 @@ Layout under `OUTPUT_DIR/checkpoints/`:
                              checkpoint folder was renamed into place, so it never points at a partial save
 
 Atomicity: every rank writes into `step_N.partial`; after a barrier rank 0 renames it to `step_N` and then moves
-`latest`. A crash at any point leaves the previous `latest` and its folder untouched.
+`latest`. A crash at any point leaves the previous `latest` and its folder untouched. `AsyncCheckpointer` writes the
+shards in the background and keeps the same protocol (the rename waits until every rank's write finished).
 """
 
 from __future__ import annotations
@@ -112,39 +113,99 @@ def _single_process_quiet():
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict[str, Any], rank_state: dict[str, Any], keep: int | None = None) -> Path:
-    """Collective: every rank calls it. Writes `root/step_N` atomically and prunes to the newest `keep`."""
+                    train_state: dict[str, Any], rank_state: dict[str, Any], keep: int | None = None,
+                    protect: Path | None = None) -> Path:
+    """Collective: every rank calls it. Writes `root/step_N` atomically and prunes to the newest `keep` (never
+    deleting `protect`)."""
+    root, partial, final = _begin(root, step)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+    _write_small_files(partial, step, train_state, rank_state)
+    _complete(root, partial, final, keep, protect)
+    return final
+
+
+def _begin(root: str | Path, step: int) -> tuple[Path, Path, Path]:
     root = Path(root)
-    rank = _rank()
     final = root / step_name(step)
     partial = root / (step_name(step) + PARTIAL)
-    if rank == 0:
+    if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if partial.exists():  # left by a crashed save of the same step
             shutil.rmtree(partial)
         partial.mkdir()
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+    return root, partial, final
+
+
+def _write_small_files(partial: Path, step: int, train_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+    rank = _rank()
     _write_json(partial / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state()})
     if rank == 0:
         _write_json(partial / TRAIN_STATE, {**train_state, "step": step})
+
+
+def _complete(root: Path, partial: Path, final: Path, keep: int | None, protect: Path | None) -> None:
     _barrier()  # every rank's files are in the partial folder
-    if rank == 0:
+    if _rank() == 0:
         _finalize(partial, final, root)
-        prune(root, keep)
+        prune(root, keep, protect)
     _barrier()
-    return final
 
 
-def prune(root: Path, keep: int | None) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and stale partial folders of older steps."""
+class AsyncCheckpointer:
+    """`checkpoint.async_save`: the DCP shards are written by a background thread while training continues, with
+    the same atomic protocol. `save` snapshots the state to CPU memory (the next optimizer step cannot change what
+    is written), starts the write into `step_N.partial` and returns; `finish` (collective) waits for the write on
+    every rank, then renames to `step_N` and moves `latest`. Until then `latest` names the previous checkpoint, so a
+    process killed mid-write leaves that one loadable. The background writes use their own gloo process group so
+    their collectives never interleave with the training step's.
+    """
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if _distributed() else None
+        if self.group is None:  # the background thread's save warns that it assumes one process: it is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        self.pending: tuple[Any, Path, Path, Path, int | None, Path | None] | None = None
+
+    def save(self, root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             train_state: dict[str, Any], rank_state: dict[str, Any], keep: int | None = None,
+             protect: Path | None = None) -> Path:
+        """Collective. Starts writing `root/step_N` (finishing the previous save first); returns its final path."""
+        self.finish()
+        root, partial, final = _begin(root, step)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        with _single_process_quiet():
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group,
+                                    no_dist=not _distributed())
+        _write_small_files(partial, step, train_state, rank_state)  # RNG and data state of this very step
+        self.pending = (future, root, partial, final, keep, protect)
+        return final
+
+    def written_here(self) -> bool:
+        """This rank's shards are on disk (or nothing is pending): not collective."""
+        return self.pending is None or self.pending[0].done()
+
+    def finish(self) -> Path | None:
+        """Collective: wait for the pending write and put it into place; returns its path (None if none)."""
+        if self.pending is None:
+            return None
+        future, root, partial, final, keep, protect = self.pending
+        self.pending = None
+        future.result()  # re-raises a failed write
+        _complete(root, partial, final, keep, protect)
+        return final
+
+
+def prune(root: Path, keep: int | None, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep` complete checkpoints (never `latest` or `protect`: the last checkpoint before
+    a bad-step streak), and stale partial folders of older steps."""
     latest = read_latest(root)
     complete = complete_checkpoints(root)
     if keep is not None:
         for p in complete[:-keep]:
-            if latest is None or p != latest:
+            if (latest is None or p != latest) and (protect is None or p.name != Path(protect).name):
                 shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(f"step_*{PARTIAL}"):
         if latest is not None and p.name < latest.name:
@@ -191,9 +252,11 @@ def read_train_state(ckpt: str | Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / TRAIN_STATE).read_text())
 
 
-def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective. Loads model (+ optimizer) in place, restores this rank's RNG; returns (train_state, rank_state)."""
+def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    require_rank_state: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Collective. Loads model (+ optimizer) in place (DCP reshards them to this world size), restores this rank's
+    RNG; returns (train_state, rank_state). Without `require_rank_state` a rank the checkpoint has no state for (an
+    elastic resume onto more ranks) gets None."""
     ckpt = Path(ckpt)
     rank = _rank()
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -206,10 +269,18 @@ def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.O
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = ckpt / f"rank_{rank:05d}.json"
     if not rank_file.is_file():
+        if not require_rank_state:
+            return read_train_state(ckpt), None
         raise ValueError(f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size")
     rank_state = json.loads(rank_file.read_text())
     set_rng_state(rank_state.pop("rng"))
     return read_train_state(ckpt), rank_state
+
+
+def read_rank_states(ckpt: str | Path) -> list[dict[str, Any]]:
+    """Every rank's saved state (data positions, RNG) in rank order: what an elastic resume redistributes."""
+    files = sorted(Path(ckpt).glob("rank_*.json"))
+    return [json.loads(f.read_text()) for f in files]
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ Entry points:
     template.encode_document(...)               interleaved / plain-text documents (no chat template)
     captions, grounding                         caption prompt sets; box/point conventions through smart_resize
     plan.plan_recipe(recipe)                    `mindvl data plan`: a mixture over its budget vs the paper's tables
+    elastic.reshard_loader_states(...)          continue saved loader states on another number of shards/workers
 
 `build_loader`/`PackLoader` live in loader.py, the only module that imports torch; they are imported lazily here
 so that `import mindvl.data` stays light (inference and tests of the pure parts do not pay for torch).

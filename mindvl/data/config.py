@@ -191,6 +191,11 @@ class DataConfig:
     synth_cache: str | None = None  # where synthetic sources are generated (default ~/.cache/mindvl/synth)
     video: VideoConfig = field(default_factory=VideoConfig)
     box_format: str = "qwen2.5-vl"  # boxes of records that declare `coords` become this (mindvl.data.grounding)
+    # Held-out data for validation during training: separate sources, or a fraction of the records of `sources`
+    # (chosen by a hash of each record's file and byte offset: stable across runs, resumes and slot layouts).
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+    eval_fraction: float = 0.0
+    split: str = "train"  # train | eval: which side of eval_fraction this pipeline reads (set by the trainer)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "data") -> DataConfig:
@@ -228,7 +233,13 @@ class DataConfig:
             synth_cache=_typed(d.get("synth_cache"), (str,), f"{where}.synth_cache", allow_none=True),
             video=VideoConfig.from_dict(d.get("video") or {}, f"{where}.video"),
             box_format=_typed(d.get("box_format", "qwen2.5-vl"), (str,), f"{where}.box_format"),
+            eval_sources=[SourceConfig.from_dict(s, f"{where}.eval_sources[{i}]")
+                          for i, s in enumerate(_typed(d.get("eval_sources", []), (list,), f"{where}.eval_sources"))],
+            eval_fraction=float(_typed(d.get("eval_fraction", 0.0), (int, float), f"{where}.eval_fraction")),
+            split=d.get("split", "train"),
         )
+        for i, s in enumerate(cfg.eval_sources):
+            s.name = s.name or f"eval{i}"
         cfg.validate(where)
         return cfg
 
@@ -242,6 +253,12 @@ class DataConfig:
             raise ValueError(f"{where}.truncation: must be truncate or drop, got {self.truncation!r}")
         if self.num_workers < 0:
             raise ValueError(f"{where}.num_workers: must be >= 0, got {self.num_workers}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"{where}.eval_fraction: must lie in [0, 1), got {self.eval_fraction}")
+        if self.eval_fraction and self.eval_sources:
+            raise ValueError(f"{where}: give eval_sources or eval_fraction, not both")
+        if self.split not in ("train", "eval"):
+            raise ValueError(f"{where}.split: must be train or eval, got {self.split!r}")
         for i, s in enumerate([None, *self.sources]):
             lo = (s.min_pixels if s and s.min_pixels else None) or self.min_pixels
             hi = (s.max_pixels if s and s.max_pixels else None) or self.max_pixels
@@ -251,6 +268,15 @@ class DataConfig:
         if self.max_patches_per_pack is not None and self.max_patches_per_pack < 4:
             raise ValueError(f"{where}.max_patches_per_pack: must be >= 4 (one merged token), got "
                              f"{self.max_patches_per_pack}")
+
+    def eval_config(self) -> DataConfig | None:
+        """The pipeline of the held-out data (None when there is none): the eval sources, or the same sources
+        reading only the held-out fraction."""
+        if self.eval_sources:
+            return dataclasses.replace(self, sources=list(self.eval_sources), eval_sources=[], split="eval")
+        if self.eval_fraction:
+            return dataclasses.replace(self, split="eval")
+        return None
 
     def pixels_for(self, source: int) -> tuple[int, int]:
         s = self.sources[source]

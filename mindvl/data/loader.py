@@ -20,6 +20,7 @@ imports it lazily to resize video frames exactly as transformers' video processo
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,7 +144,7 @@ class PackLoader:
         inner = _WorkerStreams(self.cfg, self.tok, self.files, self.rank, self.world_size, self.n_streams,
                                self._next, list(self._states), self.max_epochs)
         dl = tud.DataLoader(inner, batch_size=None, num_workers=self.cfg.num_workers, collate_fn=_identity,
-                            prefetch_factor=2)
+                            prefetch_factor=2, worker_init_fn=_ignore_stop_signals)
         for stream_index, pack, state in dl:
             self._states[stream_index] = state
             self._next = (stream_index + 1) % self.n_streams
@@ -193,6 +194,14 @@ class PackLoader:
 
 def _identity(x):
     return x
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Stop signals are the main process's to handle (it finishes the step and checkpoints). Ctrl-C reaches the whole
+    process group and SLURM signals every process of a step; a worker that died on them would make the main process
+    raise before its checkpoint. Workers still exit when the main process goes away (torch's worker watchdog)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def build_loader(cfg: DataConfig | dict, tokenizer: TextTokenizer | str | None = None, rank: int = 0,

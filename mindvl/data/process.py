@@ -126,6 +126,7 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
         raise BadSample("too_many_patches", conv.where,
                         f"{n_patches} patch rows > max_patches_per_pack {cfg.max_patches}; lower max_pixels "
                         "(or the video's max_pixels / fps)")
+    check_vision_tokens(ids, spans, [v for v, _, _, _ in items], tok, conv.where)
     positions = mrope_positions(len(ids), spans, [g for _, _, g, _ in items], [t for _, _, _, t in items])
     image_rows = [rows for v, rows, _, _ in items if not v]
     video_rows = [rows for v, rows, _, _ in items if v]
@@ -140,3 +141,19 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
         sample.is_video = np.asarray([v for v, _, _, _ in items], bool)
         assert sample.video_patches.shape[1] == PATCH_DIM
     return sample, truncated
+
+
+def check_vision_tokens(ids: np.ndarray, spans: list[tuple[int, int]], is_video: list[bool], tok: TextTokenizer,
+                        where: str) -> None:
+    """The model replaces each `<|image_pad|>` (`<|video_pad|>`) by one merged image (video) feature and raises when
+    the counts differ; a sample with pads outside the template's vision blocks is skipped here (reason
+    `image_token_mismatch`), before any model sees it, so no rank fails alone inside a step. With the template's
+    text-is-text encoding this catches only a tokenizer that cannot encode a special-token string as text."""
+    for pad_id, video, kind in ((tok.special.image_pad, False, "image"), (tok.special.video_pad, True, "video")):
+        if pad_id is None:
+            continue
+        pads = int((ids == pad_id).sum())
+        expected = sum(end - start for (start, end), v in zip(spans, is_video, strict=True) if v == video)
+        if pads != expected:
+            raise BadSample("image_token_mismatch", where, f"{pads} {kind} pad tokens for {expected} {kind} "
+                            f"features; the text holds {kind} pad tokens")

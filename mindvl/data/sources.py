@@ -2,7 +2,9 @@
 
 A source is a list of files (globs expanded, sorted). The unit of work is a *part* of a file: when there are fewer
 files than reading slots (ranks x workers), each file is cut into `parts` pieces so every slot has work — a JSONL
-part is a byte range (a line belongs to the part holding its first byte), a tar part is every `parts`-th key. Each
+part is a byte range (a line belongs to the part holding its first byte; a part finds its first line by reading
+forward from its start offset, never by scanning from byte 0), a tar part is every `parts`-th key. A source with
+fewer records than slots leaves some slots' shares empty in an epoch; those slots move on to the next epoch. Each
 epoch, the units are shuffled with a seed derived from (seed, source, epoch) and dealt round-robin to the slots, so
 a rank only ever opens its own units and all ranks agree on the split without talking to each other.
 
@@ -21,7 +23,7 @@ import os
 import random
 import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .config import SourceConfig
@@ -29,7 +31,6 @@ from .records import parse_record
 from .schema import BadSample, Conversation, ImageRef, SampleRef
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
-_CHUNK = 1 << 20
 
 
 def resolve_files(paths: list[str], fmt: str, where: str) -> list[tuple[str, str]]:
@@ -64,16 +65,28 @@ class Unit:
     parts: int
 
 
-def _derived_seed(*parts: Any) -> int:
+def derived_seed(*parts: Any) -> int:
     """A stable 64-bit seed from any values (hashlib, not Python's salted hash())."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
 
+def empty_epoch_limit(n_slots: int) -> int:
+    """Consecutive epochs without a record after which a slot gives up on a source. A record lands in a given
+    slot's share with probability >= 1/n_slots per epoch, so a source with even one record fails this with
+    probability below (1 - 1/n)^(32n + 32) < e^-32."""
+    return 32 * n_slots + 32
+
+
 def epoch_units(n_files: int, n_slots: int, seed: int, source: int, epoch: int) -> list[Unit]:
-    """All units of a source for one epoch, shuffled; slot s reads `units[s::n_slots]`."""
+    """All units of a source for one epoch, shuffled; slot s reads `units[s::n_slots]`.
+
+    A source smaller than the number of slots still works: its files are cut into at least one part per slot, a
+    record belongs to exactly one part (by its first byte, or its key ordinal in a tar shard), and each part is
+    dealt to exactly one slot, so every record is read once per epoch across all slots, even when some slots'
+    parts hold no record that epoch."""
     parts = max(1, -(-n_slots // n_files))  # ceil: at least one unit per slot
     units = [Unit(f, p, parts) for f in range(n_files) for p in range(parts)]
-    random.Random(_derived_seed("units", seed, source, epoch)).shuffle(units)
+    random.Random(derived_seed("units", seed, source, epoch)).shuffle(units)
     return units
 
 
@@ -98,21 +111,22 @@ class RawItem:
 
 
 def _jsonl_part_start(f: io.BufferedReader, size: int, part: int, parts: int) -> tuple[int, int]:
-    """(byte offset, 1-based line number) of the first line whose first byte is in this part's byte range."""
+    """(byte offset, line number) of the first line whose first byte is in this part's byte range.
+
+    Only the first part knows its line numbers (1-based); the others read forward from their start offset to the
+    next line start instead of counting lines from byte 0 (which made every part start a scan of the file, in every
+    slot, every epoch). They report line 0 ("unknown"), and their records are named by byte offset instead."""
     lo = size * part // parts
     if lo == 0:
         return 0, 1
-    f.seek(0)
-    newlines, pos = 0, 0
-    while pos < lo - 1:  # count the lines that end before lo-1 so messages can say file:line
-        chunk = f.read(min(_CHUNK, lo - 1 - pos))
-        if not chunk:
-            break
-        newlines += chunk.count(b"\n")
-        pos += len(chunk)
     f.seek(lo - 1)
     rest = f.readline()  # the line straddling lo belongs to the previous part
-    return lo - 1 + len(rest), newlines + 1 + (1 if rest.endswith(b"\n") else 0)
+    return lo - 1 + len(rest), 0
+
+
+def jsonl_where(path: str, offset: int, line: int) -> str:
+    """How messages name a JSONL record: file:line, or file@byte when the line number is not known."""
+    return f"{path}:{line}" if line > 0 else f"{path}@byte{offset}"
 
 
 def iter_jsonl(path: str, file_index: int, source: int, unit: Unit, offset: int | None, line: int) -> Iterator[
@@ -132,11 +146,11 @@ def iter_jsonl(path: str, file_index: int, source: int, unit: Unit, offset: int 
                 break
             this_offset, this_line = offset, line
             offset += len(raw)
-            line += 1
+            line += 1 if line > 0 else 0  # 0: unknown (a part that starts mid-file)
             if not raw.strip():
                 continue  # blank lines are not records
             ref = SampleRef(source, file_index, this_offset, this_line)
-            item = RawItem(ref, f"{path}:{this_line}", "jsonl", line=raw, base_dir=base_dir)
+            item = RawItem(ref, jsonl_where(path, this_offset, this_line), "jsonl", line=raw, base_dir=base_dir)
             yield item, offset, line
 
 
@@ -144,7 +158,7 @@ def read_jsonl_line(path: str, ref: SampleRef) -> RawItem:
     with open(path, "rb") as f:
         f.seek(ref.offset)
         raw = f.readline()
-    return RawItem(ref, f"{path}:{ref.line}", "jsonl", line=raw, base_dir=os.path.dirname(path))
+    return RawItem(ref, jsonl_where(path, ref.offset, ref.line), "jsonl", line=raw, base_dir=os.path.dirname(path))
 
 
 # ------------------------------------------------------------------------------------------------------------- tar
@@ -291,19 +305,28 @@ def _natural_key(s: str) -> list:
 @dataclass
 class ReaderState:
     """Position of one source in one slot: the next record is unit `unit` of `epoch`, at byte `offset` (None: the
-    unit's start) with line number / key ordinal `line`."""
+    unit's start) with line number / key ordinal `line`.
+
+    `carry` holds pieces handed over by an elastic resume (mindvl.data.elastic), read before the regular epochs:
+    each is [epoch, file, part, parts, offset or None, line], a unit of an earlier slot layout and where in it to
+    continue."""
 
     epoch: int = 0
     unit: int = 0
     offset: int | None = None
     line: int = 0
+    carry: list[list] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "unit": self.unit, "offset": self.offset, "line": self.line}
+        d = {"epoch": self.epoch, "unit": self.unit, "offset": self.offset, "line": self.line}
+        if self.carry:
+            d["carry"] = [list(p) for p in self.carry]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ReaderState:
-        return cls(int(d["epoch"]), int(d["unit"]), None if d["offset"] is None else int(d["offset"]), int(d["line"]))
+        return cls(int(d["epoch"]), int(d["unit"]), None if d["offset"] is None else int(d["offset"]), int(d["line"]),
+                   [list(p) for p in d.get("carry", [])])
 
 
 class SourceReader:
@@ -329,17 +352,21 @@ class SourceReader:
         return self._units  # type: ignore[return-value]
 
     def next(self) -> RawItem | BadSample | None:
+        while self.state.carry:
+            item = self._next_carried()
+            if item is not None:
+                return item
         start_epoch = self.state.epoch
         while True:
             if self.max_epochs is not None and self.state.epoch >= self.max_epochs:
                 return None
-            if self.state.epoch > start_epoch + 1:
-                # A whole epoch went by inside this call without a single record for this slot.
+            if self.state.epoch > start_epoch + empty_epoch_limit(self.n_slots):
+                # A source with fewer records than slots leaves some slots without a record in an epoch; that is
+                # normal (the slot moves on to the next epoch's deal). This many empty epochs in a row means the
+                # source has no records at all (e.g. only blank lines).
                 raise ValueError(
-                    f"source {self.cfg.name!r}: no records for reading slot {self.slot} of {self.n_slots} in epoch "
-                    f"{self.state.epoch - 1}; the source has too few records for this many ranks x workers "
-                    "(use fewer loader workers or more data)"
-                )
+                    f"source {self.cfg.name!r}: no record in {self.state.epoch - start_epoch} epochs for reading slot "
+                    f"{self.slot} of {self.n_slots}; the source's files hold no records")
             units = self._epoch_units()
             if self.state.unit >= len(units):
                 self.state = ReaderState(self.state.epoch + 1, 0, None, 0)
@@ -366,8 +393,28 @@ class SourceReader:
             self.state = ReaderState(self.state.epoch, self.state.unit, offset, line)
             return item
 
+    def _next_carried(self) -> RawItem | BadSample | None:
+        """The next record of the first carried piece (None when that piece is used up: it is dropped)."""
+        epoch, file, part, parts, offset, line = self.state.carry[0]
+        path, kind = self.files[file]
+        if self._it is None:
+            opener = iter_tar if kind == "tar" else iter_jsonl
+            self._it = opener(path, file, self.source, Unit(file, part, parts), offset, line)
+        try:
+            item, offset, line = next(self._it)
+        except StopIteration:
+            self.state = replace(self.state, carry=self.state.carry[1:])
+            self._it = None
+            return None
+        except ShardError as exc:
+            self.state = replace(self.state, carry=self.state.carry[1:])
+            self._it = None
+            return BadSample("tar_unreadable", path, f"{exc}; the rest of the shard is skipped")
+        self.state = replace(self.state, carry=[[epoch, file, part, parts, offset, line], *self.state.carry[1:]])
+        return item
+
     def _advance_unit(self) -> None:
-        self.state = ReaderState(self.state.epoch, self.state.unit + 1, None, 0)
+        self.state = ReaderState(self.state.epoch, self.state.unit + 1, None, 0, self.state.carry)
         self._it = None
 
     def read_ref(self, ref: SampleRef) -> RawItem | BadSample:

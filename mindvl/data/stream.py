@@ -16,11 +16,17 @@ from .packing import Packer, build_pack
 from .process import ProcessConfig, process_conversation
 from .schema import BadSample, Pack, Sample, SampleRef
 from .skips import SkipLog
-from .sources import RawItem, ReaderState, SourceReader, item_to_conversation
+from .sources import RawItem, ReaderState, SourceReader, derived_seed, empty_epoch_limit, item_to_conversation
 from .tokenizer import TextTokenizer
 from .video import video_settings
 
 STATE_VERSION = 1
+
+
+def held_out(ref: SampleRef, fraction: float) -> bool:
+    """Is this record in the held-out split? A hash of where it lives (source, file, byte offset), so the split is
+    the same in every run, resume and slot layout."""
+    return derived_seed("eval", ref.source, ref.file, ref.offset) / 2**64 < fraction
 
 
 class PackStream:
@@ -38,7 +44,9 @@ class PackStream:
         self.consumed = Consumption([s.name for s in cfg.sources])
         self.truncated = 0
         self.exhausted = [False] * len(cfg.sources)
-        self.epoch_valid = [[0, 0] for _ in cfg.sources]  # per source: [epoch, usable records so far in it]
+        # per source: [epoch, usable records so far in it, epochs in a row without one, bad records since the last
+        # usable one]
+        self.epoch_valid = [[0, 0, 0, 0] for _ in cfg.sources]
         self.alloc_pixels = None  # optional [P] -> float32 [P, 1176] allocator for pack pixel rows (shared memory)
         self._process_cfgs = [
             ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
@@ -65,30 +73,53 @@ class PackStream:
             self._check_epoch(src)
             if item is None:
                 self.exhausted[src] = True
+                self._check_last_epoch(src)
                 continue
             if isinstance(item, BadSample):
                 self.skips.record(item)
+                self.epoch_valid[src][3] += 1
                 continue
+            if self.cfg.eval_fraction and held_out(item.ref, self.cfg.eval_fraction) != (self.cfg.split == "eval"):
+                continue  # the other split's record (not a skip: every record is in exactly one split)
             try:
                 sample, truncated = self._process(item)
             except BadSample as bad:
                 self.skips.record(bad)
+                self.epoch_valid[src][3] += 1
                 continue
             self.truncated += truncated
-            self.epoch_valid[src][1] += 1
+            ev = self.epoch_valid[src]
+            ev[1], ev[2], ev[3] = ev[1] + 1, 0, 0
             return sample
+
+    # A slot may see no usable sample of a small source in an epoch (its share was empty or held only bad records);
+    # a source is declared unusable only after two such epochs in a row with this many bad records and no good one.
+    BAD_IN_A_ROW = 64
+
+    def _check_last_epoch(self, src: int) -> None:
+        """Finite epochs (`max_epochs`): a source that gave bad records and not one usable sample here."""
+        _, valid, dry, bad = self.epoch_valid[src]
+        if valid == 0 and bad > 0 and dry >= self.readers[src].state.epoch:
+            raise ValueError(
+                f"source {self.cfg.sources[src].name!r} gave no usable sample on {self.context or 'this slot'} "
+                f"({bad} bad records; skipped: {self.skips.state_dict()}); fix the data (see the warnings above)")
 
     def _check_epoch(self, src: int) -> None:
         epoch = self.readers[src].state.epoch
-        seen_epoch, valid = self.epoch_valid[src]
+        seen_epoch, valid, dry, bad = self.epoch_valid[src]
         if epoch != seen_epoch:
-            if valid == 0:
+            dry = dry + (epoch - seen_epoch) if valid == 0 else 0
+            if self.cfg.split == "eval" and self.cfg.eval_fraction and dry > empty_epoch_limit(self.n_slots):
+                raise ValueError(f"data.eval_fraction: {self.cfg.eval_fraction} holds out no record of source "
+                                 f"{self.cfg.sources[src].name!r} on {self.context or 'this slot'}; raise it")
+            if dry >= 2 and bad >= self.BAD_IN_A_ROW:
                 name = self.cfg.sources[src].name
                 raise ValueError(
-                    f"source {name!r} gave no usable sample in epoch {seen_epoch} on {self.context or 'this slot'} "
-                    f"(skipped so far: {self.skips.state_dict()}); fix the data (see the warnings above)"
+                    f"source {name!r} gave no usable sample in epochs {seen_epoch - dry + 1}..{seen_epoch} on "
+                    f"{self.context or 'this slot'} ({bad} bad records in a row; skipped so far: "
+                    f"{self.skips.state_dict()}); fix the data (see the warnings above)"
                 )
-            self.epoch_valid[src] = [epoch, 0]
+            self.epoch_valid[src] = [epoch, 0, dry, bad]
 
     # --------------------------------------------------------------------------------------------------- packs
 
@@ -147,7 +178,7 @@ class PackStream:
         self.consumed.load_state_dict(state["consumed"])
         self.truncated = int(state["truncated"])
         self.exhausted = [bool(x) for x in state["exhausted"]]
-        self.epoch_valid = [[int(a), int(b)] for a, b in state["epoch_valid"]]
+        self.epoch_valid = [[int(x) for x in (list(v) + [0, 0])[:4]] for v in state["epoch_valid"]]
         ps = state["packer"]
         self.packer.buffer = []
         for ref_list, arrival, order in ps["buffer"]:

@@ -7,10 +7,13 @@ The rendering is Qwen2-VL's chat template (a default system turn when the first 
 
 with each image's single `<|image_pad|>` expanded to n = t*h*w/4 pads, as Qwen2.5-VL's processor does.
 
-Token ids equal what HF gets by tokenizing the whole rendered string: text is encoded in chunks that end exactly at
-special tokens, and special tokens are hard split points for a HF tokenizer too. Labels (unshifted, -100 elsewhere)
-cover each assistant message's content and its `<|im_end|>` (as LLaMA-Factory and ms-swift train Qwen), not the
-`<|im_start|>assistant\n` header nor the newline after `<|im_end|>`.
+Text is text: the only special tokens are the ones this template inserts (by id). Special-token strings inside a
+message (a user typing `<|im_end|>` or `<|image_pad|>`) are encoded as ordinary characters, as transformers does with
+`split_special_tokens=True`; otherwise they would end turns early or add image pads that no image feature matches.
+For text without such strings the ids equal what HF gets by tokenizing the whole rendered string: text is encoded
+in chunks that end exactly at special tokens, and special tokens are hard split points for a HF tokenizer too.
+Labels (unshifted, -100 elsewhere) cover each assistant message's content and its `<|im_end|>` (as LLaMA-Factory
+and ms-swift train Qwen), not the `<|im_start|>assistant\n` header nor the newline after `<|im_end|>`.
 
 Videos render as `<|vision_start|><|video_pad|>*n<|vision_end|>` (n = t*h*w/4). Documents (`encode_document`) have
 no template at all: text with image blocks, every text token trained, closed by a trained `<|endoftext|>`.
@@ -67,7 +70,7 @@ class _Builder:
         if not self._text:
             return
         chunk = "".join(self._text)
-        enc = self.tok.tokenizer.encode(chunk, add_special_tokens=False)
+        enc = self.tok.encode_text(chunk)  # "<|im_end|>" in a message is text, not the end of the turn
         self.ids.extend(enc.ids)
         if self._label_from is None:
             self.labels.extend([IGNORE_INDEX] * len(enc.ids))

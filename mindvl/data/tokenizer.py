@@ -95,6 +95,17 @@ class TextTokenizer:
             image_pad=tid("<|image_pad|>"),
             video_pad=tid("<|video_pad|>"),
         )
+        # Data text is text: a copy that encodes special-token strings found in text ("<|im_end|>" typed by a user)
+        # as ordinary characters, like transformers' `split_special_tokens=True`. Only the chat template inserts
+        # special tokens, by id.
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+
+    def __getstate__(self) -> dict:
+        return {"tokenizer": self.tokenizer.to_str(), "name": self.name}
+
+    def __setstate__(self, state: dict) -> None:  # loader workers receive the tokenizer by pickle
+        self.__init__(Tokenizer.from_str(state["tokenizer"]), state["name"])
 
     @property
     def vocab_size(self) -> int:
@@ -107,6 +118,11 @@ class TextTokenizer:
         if not text:
             return []
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str):
+        """Data text -> a `tokenizers.Encoding` (ids and character offsets) in which special-token strings are plain
+        text, never special tokens."""
+        return self._plain.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -55,6 +55,11 @@ class WeightSource:
         yield from folder.iter_tensors()
 
 
+def init_seed(recipe: Recipe) -> int:
+    """The seed of random weights: `model.init_seed` when given, else the recipe's `seed`."""
+    return recipe.model.init_seed if recipe.model.init_seed is not None else recipe.seed
+
+
 def model_source(recipe: Recipe, tok, env: ParallelEnv) -> tuple[MindVLConfig, WeightSource]:
     """The architecture and the weights of `recipe.model`: `arch` (seeded random; vocabulary and vision token ids
     from the tokenizer), `init_from` (a mindvl folder) or `compose` (HF towers, composed once by rank 0)."""
@@ -65,13 +70,13 @@ def model_source(recipe: Recipe, tok, env: ParallelEnv) -> tuple[MindVLConfig, W
         vision = VisionConfig(**m.arch["vision"]) if m.arch.get("vision") else None
         config = MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
                               vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end)
-        return config, WeightSource(None, m.init_seed)
+        return config, WeightSource(None, init_seed(recipe))
     folder = Path(m.init_from) if m.init_from else Path(recipe.output_dir) / "composed"
     if m.compose is not None:
         from mindvl.checkpoint import compose
 
         if env.is_main and not (folder / "config.json").is_file():
-            compose(m.compose["vision"], m.compose["language"], folder, seed=m.init_seed)
+            compose(m.compose["vision"], m.compose["language"], folder, seed=init_seed(recipe))
         barrier(env)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model.init_from: {folder} is not a mindvl model folder (no config.json)")

@@ -26,6 +26,29 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` before clipping (a plain 0-d tensor), after clipping them to
+    `max_norm` when given (None: norm only), as `torch.nn.utils.clip_grad_norm_` does. Parameters may live on
+    different DeviceMeshes (expert parallelism puts the experts on a 2-D mesh, FSDP the rest on the world mesh):
+    one norm per mesh, combined, then the same scale on every group (foreach ops refuse mixed meshes)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not norms:
+        return torch.zeros(())
+    total = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
+    if max_norm is not None:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 def lr_at(step: int, total_steps: int, max_lr: float, min_lr: float, warmup_ratio: float, decay: str) -> float:
     """LR used for optimizer step `step` (0-based) of `total_steps`."""
     warmup = int(math.ceil(warmup_ratio * total_steps))

@@ -37,6 +37,7 @@ from mindvl.models.config import MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 
 from .metrics import MODULE_ORDER, pack_training_flops
+from .optim import clip_grad_norm
 from .parallel import ParallelEnv, all_reduce_sum
 
 ACCUMULATION_MODES = ("sharded", "unsharded")
@@ -66,16 +67,31 @@ class MicroBatchStream:
     `fetch()` returns a `mindvl.data.Pack` (or an input dict). Counters (`real_tokens`, `data_s`) accumulate as the
     stream is consumed; iterate it once."""
 
-    def __init__(self, fetch: Callable[[], object], count: int, device: torch.device, window: int = 2):
+    def __init__(self, fetch: Callable[[], object], count: int, device: torch.device, window: int = 2,
+                 agree: Callable[[str | None], str | None] | None = None):
         if window < 1:
             raise ValueError(f"prefetch window must be >= 1, got {window}")
         self.fetch, self.count, self.device, self.window = fetch, count, device, window
+        # `agree` (a collective, e.g. train.agree.agreed_error): a data error on one rank becomes the same error on
+        # every rank at the same fetch, instead of one rank raising while the others wait in the next collective.
+        # Every rank fetches at the same points (same count and window), so the calls line up.
+        self.agree = agree
         self.real_tokens = 0
         self.data_s = 0.0
 
     def _next(self) -> dict:
         t0 = time.perf_counter()
-        pack = self.fetch()
+        if self.agree is None:
+            pack = self.fetch()
+        else:
+            problem = None
+            try:
+                pack = self.fetch()
+            except (ValueError, OSError) as exc:
+                problem = f"data error: {exc}"
+            problem = self.agree(problem)
+            if problem is not None:
+                raise ValueError(problem)
         if isinstance(pack, dict):
             batch, real = pack, int(pack["input_ids"].numel())
         else:
@@ -106,8 +122,9 @@ class StepStats:
     forward_s: float
     backward_s: float
     data_s: float = 0.0
-    grad_norm_t: torch.Tensor | None = None  # total gradient norm before clipping (when clipping)
+    grad_norm_t: torch.Tensor | None = None  # total gradient norm before clipping
     optimizer_s: float = 0.0
+    updated: bool = True  # False: the step was skipped (StepHooks.allow_update)
 
     @property
     def loss_sum(self) -> float:
@@ -161,16 +178,30 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
     return StepStats(counts, loss_total, t_fwd, t_bwd, data_s=getattr(micro, "data_s", 0.0))
 
 
+@dataclass
+class StepHooks:
+    """What the trainer adds around the update (the planner runs the step without them)."""
+
+    agree: Callable[[str | None], str | None] | None = None  # for the MicroBatchStream: agreed data errors
+    after_backward: Callable[[list[torch.Tensor]], None] | None = None  # gradients complete (e.g. fault injection)
+    allow_update: Callable[[StepStats], bool] | None = None  # after the norm; False skips the update (bad step)
+
+
 def optimizer_step(model, optimizer: torch.optim.Optimizer, micro: Iterable[dict], env: ParallelEnv,
                    config: MindVLConfig, trainable: Sequence[str] = MODULE_ORDER, grad_clip: float | None = None,
-                   accumulation: str = "sharded") -> StepStats:
-    """accumulate_gradients, then clip the total norm to `grad_clip`, AdamW step, zero the gradients."""
+                   accumulation: str = "sharded", hooks: StepHooks | None = None) -> StepStats:
+    """accumulate_gradients, then the global gradient norm (clipped to `grad_clip` when given), AdamW step unless
+    `hooks.allow_update` says no, zero the gradients. `stats.updated` says whether the weights changed."""
+    hooks = hooks or StepHooks()
     stats = accumulate_gradients(model, micro, env, config, None, trainable, accumulation)
     tc = time.perf_counter()
-    if grad_clip is not None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        stats.grad_norm_t = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if hooks.after_backward is not None:
+        hooks.after_backward(params)
+    stats.grad_norm_t = clip_grad_norm(params, grad_clip)
+    stats.updated = hooks.allow_update(stats) if hooks.allow_update is not None else True
+    if stats.updated:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     stats.optimizer_s = time.perf_counter() - tc
     return stats

@@ -1,12 +1,7 @@
 """The training loop: one readable function, `train(recipe)`.
 
-    step:  stream `accum` micro-batches (one packed row each, a 2-pack prefetch window) -> forward
-           -> (loss_sum * world).backward; scale gradients by 1/N_global; clip; AdamW; LR schedule; log; checkpoint.
-
-Loss normalisation (paper: the mean over all labelled tokens of the global batch): see mindvl.train.step. Each
-pack's labelled-target count is read from its labels as it arrives, the counts are all-reduced once per step to
-N_global, and the accumulated gradients are divided by it before clipping: exactly d(sum of all loss_sums)/N_global,
-whatever the split of tokens between micro-batches and ranks, without holding the step's packs.
+    step:  mindvl.train.step.optimizer_step (streamed micro-batches, global loss normalisation, clipping, AdamW;
+           the planner runs the same function) -> bad-step vote -> LR schedule; log; evaluate; checkpoint.
 
 Data shards: the stream is split into `batch.data_shards` shards (default: the world size); rank r reads shards
 r, r + world, ... round-robin over its micro-batches. With data_shards=2 one process consumes exactly the global batch
@@ -25,9 +20,11 @@ from typing import Any
 import torch
 
 from mindvl.checkpoint.training import (
+    AsyncCheckpointer,
     full_model_state,
     load_checkpoint,
     read_latest,
+    read_rank_states,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -36,21 +33,30 @@ from mindvl.data import DataConfig, build_loader
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.moe import update_router_bias
 
+from .agree import agreed_error, gather_objects
+from .evaluate import Evaluator
+from .guard import BadStepGuard, is_finite
 from .materialize import build_model
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
 from .phases import apply_phase
 from .plan_headline import PlannerHeadline
+from .preempt import StepVotes, StopSignals, resume_hint
 from .preflight import preflight
+from .runfolder import claim_run_folder
+from .seeding import data_section, seed_everything
+from .sinks import MetricSinks
 from .step import (  # noqa: F401  (accumulate_gradients, labelled_targets, to_device, StepStats: public names here)
     MicroBatchStream,
+    StepHooks,
     StepStats,
     accumulate_gradients,
     labelled_targets,
     optimizer_step,
     to_device,
 )
+from .stops import Preempted
 
 
 @dataclass
@@ -68,6 +74,7 @@ class ShardedBatches:
     """This rank's micro-batches: round-robin over its data shards (see the module docstring)."""
 
     def __init__(self, data_cfg: DataConfig, tok, env: ParallelEnv, shards: int):
+        self.rank, self.n_shards, self.data_cfg = env.rank, shards, data_cfg
         self.shard_ids = list(range(env.rank, shards, env.world_size))
         self.loaders = [build_loader(data_cfg, tok, rank=s, world_size=shards) for s in self.shard_ids]
         self._iters: list[Any] = [None] * len(self.loaders)
@@ -92,8 +99,50 @@ class ShardedBatches:
         self.turn = state["turn"]
         self._iters = [None] * len(self.loaders)
 
+    def same_layout(self, old_rank_states: list[dict]) -> bool:
+        """Was the checkpoint written with this many data shards and loader workers (exact resume)?"""
+        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
+
+    def load_shards(self, old_rank_states: list[dict]) -> None:
+        """Exact resume with the same data shards and workers, whichever rank held which shard before (a step
+        always ends with every rank's round-robin back at its first shard: accum is a multiple of its shards)."""
+        by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
+                                                                     strict=True)}
+        for s, ld in zip(self.shard_ids, self.loaders, strict=True):
+            ld.load_state_dict(by_shard[s])
+        self.turn = 0
+        self._iters = [None] * len(self.loaders)
+
+    def load_elastic(self, old_rank_states: list[dict]) -> None:
+        """Continue a stream saved with another number of data shards or loader workers (mindvl.data.elastic):
+        no record lost or repeated within the epoch; the order differs."""
+        from mindvl.data.elastic import reshard_loader_states
+
+        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        new = reshard_loader_states(old, self.data_cfg, self.loaders[0].files, self.n_shards)
+        for s, ld in zip(self.shard_ids, self.loaders, strict=True):
+            ld.load_state_dict(new[s])
+        self.turn = 0
+        self._iters = [None] * len(self.loaders)
+
     def report(self) -> list[dict]:
-        return [ld.report() for ld in self.loaders]
+        return [{"shard": s, **ld.report()} for s, ld in zip(self.shard_ids, self.loaders, strict=True)]
+
+    def position(self) -> str:
+        """Where this rank is in the data stream, for messages."""
+        return "data shards " + ", ".join(f"{s}: {ld.packs_consumed} packs" for s, ld in
+                                          zip(self.shard_ids, self.loaders, strict=True)) + f" (rank {self.rank})"
+
+
+def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> None:
+    """A resume with another max_steps / max_tokens would silently bend the LR schedule: refuse unless asked."""
+    before = train_state.get("recipe", {}).get("budget")
+    now = {"max_steps": recipe.budget.max_steps, "max_tokens": recipe.budget.max_tokens}
+    if before is not None and before != now and not recipe.schedule.allow_change:
+        raise ValueError(f"budget: the checkpoint {ckpt.name} was trained with {before}, this run asks for {now}; "
+                         "the LR schedule depends on it. Resume with the same budget, or set "
+                         "schedule.allow_change=true to recompute the schedule from this step on")
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -106,20 +155,30 @@ def plan_steps(recipe: Recipe, seq_len: int) -> int:
 
 
 def train(recipe: Recipe) -> RunResult:
+    """Run one phase. Raises stops.Preempted after a stop signal (a checkpoint was written) and
+    stops.TooManyBadSteps after `optim.max_bad_steps` consecutive non-finite steps, on every rank."""
     env = init_distributed(recipe.parallel.device)
+    lock = None
     try:
-        return _train(recipe, env)
+        data_cfg = DataConfig.from_dict(data_section(recipe))
+        # data.tokenizer, else the init/compose model's own; checked against the model before anything is built
+        # or written (the run folder included)
+        checked = preflight(recipe, data_cfg)
+        lock = claim_run_folder(Path(recipe.output_dir), bool(recipe.checkpoint.resume), recipe.overwrite, env)
+        with StopSignals() as signals:
+            return _train(recipe, env, signals, data_cfg, checked)
     finally:
+        if lock is not None:
+            lock.release()
         destroy(env)
 
 
-def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
+def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: DataConfig,
+           checked: tuple[Any, str, dict]) -> RunResult:
     out = Path(recipe.output_dir)
     ckpt_root = out / "checkpoints"
-    torch.manual_seed(recipe.seed + env.rank)
-    data_cfg = DataConfig.from_dict(recipe.data)
-    # data.tokenizer, else the init/compose model's own; checked against the model before anything is built
-    tok, tokenizer_dir, side_files = preflight(recipe, data_cfg)
+    seed_everything(recipe.seed + env.rank)
+    tok, tokenizer_dir, side_files = checked
 
     shards = recipe.batch.data_shards or env.world_size
     gb = recipe.batch.global_batch_size
@@ -154,15 +213,21 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
 
     step, tokens_seen = 0, 0
     resume = recipe.checkpoint.resume
-    ckpt = None
+    ckpt, resumed_how = None, ""
     if resume == "auto":
         ckpt = read_latest(ckpt_root)
     elif resume:
         ckpt = resolve_checkpoint(resume)
     if ckpt is not None:
-        train_state, rank_state = load_checkpoint(ckpt, model, optimizer)
+        train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
+        check_budget_unchanged(train_state, recipe, ckpt)
         scheduler.load_state_dict(train_state["scheduler"])
-        batches.load_state_dict(rank_state["data"])
+        old_ranks = read_rank_states(ckpt)
+        if batches.same_layout(old_ranks):
+            batches.load_shards(old_ranks)  # exact: the same packs as an uninterrupted run
+        else:  # elastic: another world size, data_shards or num_workers (DCP resharded the model and optimizer)
+            batches.load_elastic(old_ranks)
+            resumed_how = f" (elastic: written by {len(old_ranks)} rank(s))"
         step, tokens_seen = train_state["step"], train_state["tokens"]
 
     sinks = MetricSinks(out, recipe, env, resume_step=step if ckpt is not None else 0)
@@ -171,32 +236,62 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         n_params = sum(p.numel() for p in model.parameters())
         sinks.info(f"phase {recipe.phase.name}: {total_steps} steps x {gb} packs of {data_cfg.seq_len} tokens; "
                    f"{env.world_size} rank(s) on {env.device.type}; trainable {trainable} of {n_params:,} params; "
-                   f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})" + (f"; resumed from {ckpt.name}" if ckpt else ""))
+                   f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})"
+                   + (f"; resumed from {ckpt.name}{resumed_how}" if ckpt else ""))
 
     def train_state() -> dict:
         return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
                 "tokenizer_dir": tokenizer_dir, "side_files": side_files, "phase": recipe.phase.name,
-                "total_steps": total_steps,
-                "recipe": recipe.to_dict()}
+                "total_steps": total_steps, "recipe": recipe.to_dict()}
 
     balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
                        and recipe.optim.router_bias_rate > 0)
     every = recipe.checkpoint.every
+    votes = StepVotes(env, recipe.checkpoint.every_minutes)
+    guard = BadStepGuard(recipe.optim.max_bad_steps)
+    saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
+    evaluator = Evaluator(recipe, data_cfg, tok, env, out)
+
+    def checkpoint() -> Path:
+        args = (ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()})
+        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected}
+        path = saver.save(*args, **kw) if saver is not None else save_checkpoint(*args, **kw)
+        guard.saved(path)
+        votes.checkpointed()
+        return path
+
     sinks.start(step, total_steps)
     while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
         t0 = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        micro = MicroBatchStream(batches.next, accum, env.device)  # a small prefetch window, not the whole step
+        vote = None
+
+        def allow_update(stats: StepStats, step: int = step) -> bool:
+            # One vote per step: stop signal, bad step (loss or grad norm not finite), time-based checkpoint due.
+            nonlocal vote
+            vote = votes.vote(signals.received is not None,
+                              not (is_finite(stats.loss_sum) and is_finite(stats.grad_norm)),
+                              writing=saver is not None and not saver.written_here())
+            guard.record(step + 1, vote.bad_step)
+            return not vote.bad_step
+
+        hooks = StepHooks(agree=lambda problem: agreed_error(problem, env),  # no rank fails a fetch alone
+                          after_backward=lambda params, step=step: guard.inject(step + 1, env.rank, params),
+                          allow_update=allow_update)
+        micro = MicroBatchStream(batches.next, accum, env.device, agree=hooks.agree)  # a small prefetch window
         stats = optimizer_step(model, optimizer, micro, env, config, recipe.trainable_modules,
-                               recipe.optim.grad_clip, recipe.parallel.grad_accumulation)
+                               recipe.optim.grad_clip, recipe.parallel.grad_accumulation, hooks)
         counts, loss_total, t_data = stats.counts, stats.loss_sum, stats.data_s
-        t_fwd, t_bwd, t_opt, grad_norm = stats.forward_s, stats.backward_s, stats.optimizer_s, stats.grad_norm
+        t_fwd, t_bwd, grad_norm = stats.forward_s, stats.backward_s, stats.grad_norm
         n_global = max(1.0, float(counts[0]))
-        scheduler.step()
+        tc = time.perf_counter()
+        if not vote.bad_step:
+            scheduler.step()
         moe_violation = None
-        if balance_routers:  # after the step, from the loads this step's forwards counted
+        if balance_routers and not vote.bad_step:  # after the step, from the loads this step's forwards counted
             moe_violation = update_router_bias(model, recipe.optim.router_bias_rate,
                                                all_reduce=lambda loads: all_reduce_sum(loads, env))
+        t_opt = stats.optimizer_s + time.perf_counter() - tc
         loss = loss_total / n_global
         step += 1
         tokens_seen += int(counts[1])
@@ -207,19 +302,40 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                   "forward_s": t_fwd, "backward_s": t_bwd, "optimizer_s": t_opt}
         if moe_violation is not None:
             record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
-        sinks.log(record, step % recipe.logging.every == 0 or step == total_steps)
+        if guard.total:
+            record.update(bad_step=vote.bad_step, bad_steps=guard.total)
+        done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
+        if evaluator.due(step, done):
+            record.update(evaluator.run(model, config, step))
+        sinks.log(record, step % recipe.logging.every == 0 or step == total_steps or vote.bad_step)
         if (line := headline.poll()) is not None:
             sinks.info(line)
-        done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
-        if (every and step % every == 0) or done:
-            save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
-                            keep=recipe.checkpoint.keep)
+        guard.check(f"after step {step}, {batches.position()}")
+        if saver is not None and saver.pending is not None and vote.saves_written:
+            saver.finish()  # every rank's background write is done: rename into place, move `latest`
+        if (every and step % every == 0) or done or vote.checkpoint_due or vote.stop:
+            checkpoint()
+        if vote.stop and not done:
+            if saver is not None:
+                saver.finish()
+            sinks.stop()
+            if env.is_main:
+                sinks.finish()
+            where = ckpt_root / f"step_{step:08d}"
+            msg = (f"preempted ({signals.received or 'signal on another rank'}) after step {step}/{total_steps}: "
+                   f"checkpoint {where}; resume with: {resume_hint(recipe.output_dir)}")
+            sinks.info(msg)
+            raise Preempted(msg)
+    if saver is not None:
+        saver.finish()
     sinks.stop()
 
     final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files)
-    if env.is_main:
-        (out / "data_report.json").write_text(json.dumps(batches.report(), indent=1))
+    reports = sorted((r for rank in gather_objects(batches.report(), env) for r in rank), key=lambda r: r["shard"])
+    if env.is_main:  # every data shard of every rank, in shard order
+        (out / "data_report.json").write_text(json.dumps(reports, indent=1))
         sinks.finish()
+    barrier(env)  # no rank tears the process group down while another still talks (gloo aborts on a closed peer)
     return RunResult(out, final_dir, step, sinks.losses)
 
 
@@ -239,102 +355,3 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
                         pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
     barrier(env)
     return out if env.is_main else None
-
-
-# ----------------------------------------------------------------------------------------------- observability
-
-
-class MetricSinks:
-    """metrics.jsonl (rank 0), TensorBoard when installed, a rich progress bar, and the loss-curve PNG."""
-
-    def __init__(self, out: Path, recipe: Recipe, env: ParallelEnv, resume_step: int):
-        self.out, self.recipe, self.env = out, recipe, env
-        self.losses: list[float] = []
-        self.steps: list[int] = []
-        self.tb = None
-        self.progress = None
-        if not env.is_main:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1))
-        path = out / "metrics.jsonl"
-        # A resumed run continues the file; lines a killed run wrote after its last checkpoint are dropped.
-        kept = []
-        if resume_step and path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= resume_step:
-                    kept.append(line)
-                    rec = json.loads(line)
-                    self.steps.append(rec["step"])
-                    self.losses.append(rec["loss"])
-        path.write_text("".join(line + "\n" for line in kept))
-        self.file = path.open("a")
-        if recipe.logging.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
-            except ImportError:  # tensorboard is optional (extra `plots`)
-                self.tb = None
-
-    def info(self, text: str) -> None:
-        if self.env.is_main:
-            print(text, flush=True)
-
-    def start(self, step: int, total: int) -> None:
-        if not (self.env.is_main and self.recipe.logging.progress):
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.progress = Progress(TextColumn(f"[bold]{self.recipe.phase.name}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
-        self.task = self.progress.add_task("train", total=total, completed=step, stats="")
-        self.progress.start()
-
-    def log(self, rec: dict, show: bool) -> None:
-        if not self.env.is_main:
-            return
-        self.steps.append(rec["step"])
-        self.losses.append(rec["loss"])
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm", "moe_max_violation"):
-                if rec.get(k) is not None:
-                    self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
-        stats = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s mfu {rec['mfu']:.1%}"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=rec["step"], stats=stats)
-        elif show:
-            print(f"{self.recipe.phase.name} step {rec['step']}: {stats}", flush=True)
-
-    def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-    def finish(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.recipe.logging.plot and self.losses:
-            plot_loss(self.steps, self.losses, self.out / "loss.png", self.recipe.phase.name)
-
-
-def plot_loss(steps: list[int], losses: list[float], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib is optional (extra `plots`)
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, losses)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (mean per labelled token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

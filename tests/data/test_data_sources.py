@@ -206,12 +206,35 @@ def test_slots_partition_every_epoch_exactly(tmp_path, n_files, n_slots):
     flat = [r for s in per_slot for r in s]
     assert len(flat) == len(set(flat)) == sum(11 + f for f in range(n_files))  # no record twice, none skipped
     assert all(per_slot)  # every slot has work
-    # Line numbers are right even when a slot starts in the middle of a file.
+    # Records are named exactly: file:line in a file's first part; file@byteN where a part starts mid-file (its
+    # start is found by reading forward to the next line, not by counting lines from byte 0).
     for slot in range(n_slots):
         for item in read_all(paths, n_slots=n_slots, slot=slot):
             conv = item_to_conversation(item)
             f, i = conv.messages[0].content.removeprefix("q").split("-")
-            assert item.ref.line == int(i) + 1 and item.where.endswith(f"f{f}.jsonl:{int(i) + 1}")
+            path = tmp_path / f"f{f}.jsonl"
+            if item.ref.line:
+                assert item.ref.line == int(i) + 1 and item.where == f"{path}:{int(i) + 1}"
+            else:
+                assert item.where == f"{path}@byte{item.ref.offset}"
+                assert path.read_bytes().split(b"\n").index(item.line.rstrip(b"\n")) == int(i)
+            assert path.read_bytes()[item.ref.offset:].split(b"\n", 1)[0] == item.line.rstrip(b"\n")
+
+
+def test_a_source_smaller_than_the_slots_is_read_once_per_epoch(tmp_path):
+    """20 records at 32 reading slots (8 GPUs x 4 workers): slots whose share is empty move on; across the slots,
+    every record is read exactly once per epoch, for several epochs."""
+    path = write_jsonl(tmp_path / "small.jsonl", [qa(f"q{i}", "a") for i in range(20)])
+    files = resolve_files([str(path)], "auto", "test")
+    for epochs in (1, 3):
+        seen = []
+        for slot in range(32):
+            reader = SourceReader(SourceConfig(name="s", paths=[str(path)]), 0, files, slot, 32, seed=3,
+                                  max_epochs=epochs)
+            while (item := reader.next()) is not None:
+                seen.append((reader.state.epoch, item.ref.offset))
+        assert len(seen) == 20 * epochs and len(set(seen)) == 20 * epochs
+        assert sorted({e for e, _ in seen}) == list(range(epochs))
 
 
 def test_tar_parts_partition_keys(tmp_path):

@@ -14,7 +14,7 @@ from mindvl.checkpoint import save_pretrained
 from mindvl.config import load_recipe
 from mindvl.data import load_tokenizer
 from mindvl.models import MindVL
-from mindvl.train.materialize import build_model, fill_weights, model_source
+from mindvl.train.materialize import build_model, fill_weights, init_seed, model_source
 from mindvl.train.parallel import ParallelEnv
 
 ENV = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
     tok = load_tokenizer()
     config, _ = model_source(recipe, tok, ENV)
     reference = MindVL(config)
-    reference.init_weights(seed=recipe.model.init_seed)
+    reference.init_weights(seed=init_seed(recipe))  # model.init_seed, else the recipe seed
     folder = save_pretrained(reference, tmp / "model")
     return recipe, tok, reference, folder
 

@@ -1,0 +1,86 @@
+"""Preemption: a signal finishes the current step on every rank, then the run checkpoints and stops.
+
+SIGTERM (what SLURM, Kubernetes and torchrun send before killing), SIGUSR1 (SLURM's `--signal=USR1@120`) and SIGINT
+(Ctrl-C) only set a flag; the loop reads it between steps. The flags of all ranks are summed in one small
+all-reduce per step (`StepVotes`), together with the bad-step vote and rank 0's clock for time-based checkpoints,
+so every rank takes the same decision at the same step even when only one rank was signalled. A second signal
+exits at once (128 + signal number).
+
+Loader worker processes ignore these signals (mindvl.data.loader): Ctrl-C reaches the whole process group, and a
+worker that died on it would break the main process's data stream before the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .parallel import ParallelEnv, all_reduce_sum
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopSignals:
+    """Installs the handlers for the duration of a run (`with StopSignals() as stop:`); `stop.received` is the
+    first signal's name or None."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"mindvl: second signal ({name}): exiting now without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.received = name
+        print(f"mindvl: {name} received: finishing this step, then writing a checkpoint (send it again to exit at "
+              "once)", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Votes:
+    stop: bool  # some rank received a stop signal
+    bad_step: bool  # some rank saw a non-finite loss or gradient norm
+    checkpoint_due: bool  # rank 0's clock: checkpoint.every_minutes elapsed since the last checkpoint
+    saves_written: bool  # no rank has a background checkpoint write still running
+
+
+class StepVotes:
+    """One all-reduce per step that every rank joins, summing [signalled, bad, time due, write still running]."""
+
+    def __init__(self, env: ParallelEnv, every_minutes: float | None):
+        self.env, self.every_s = env, None if every_minutes is None else every_minutes * 60.0
+        self.last_checkpoint = time.monotonic()
+
+    def checkpointed(self) -> None:
+        self.last_checkpoint = time.monotonic()
+
+    def vote(self, signalled: bool, bad: bool, writing: bool = False) -> Votes:
+        due = self.env.is_main and self.every_s is not None and time.monotonic() - self.last_checkpoint >= self.every_s
+        v = torch.tensor([float(signalled), float(bad), float(due), float(writing)], dtype=torch.float64)
+        v = all_reduce_sum(v.to(self.env.device), self.env).cpu()
+        return Votes(bool(v[0] > 0), bool(v[1] > 0), bool(v[2] > 0), bool(v[3] == 0))
+
+
+def resume_hint(output_dir: str) -> str:
+    argv = [a for a in sys.argv[1:] if not a.startswith("resume=")] if sys.argv else []
+    cmd = "mindvl " + " ".join(argv) if argv and argv[0] == "train" else "mindvl train RECIPE"
+    return f"{cmd} resume=auto   (output_dir {output_dir})"

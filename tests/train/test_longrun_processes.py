@@ -1,0 +1,230 @@
+"""Long-run safety across processes (gloo, 2 ranks started by hand so each rank's exit code and signals are the
+test's): preemption with exact resume, async saves killed mid-write, poisoned text + NaN steps with no hang."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import CLI, env, load_weights, raw_recipe, write_recipe
+
+from mindvl.checkpoint.training import export_checkpoint, read_latest
+from mindvl.data.sources import ReaderState, slot_units
+from mindvl.train.stops import EXIT_PREEMPTED
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, args: list[str], world: int = 2, extra_env: dict | None = None) -> list[subprocess.Popen]:
+    """`world` processes of `mindvl ARGS` with torchrun's environment variables (no torchrun in between)."""
+    script = tmp_path / "cli.py"
+    script.write_text(CLI + "\n")
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = env() | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} | (extra_env or {})
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def steps_logged(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def two_rank_recipe(tmp_path: Path, name: str, **sections) -> Path:
+    sections = {"budget": {"max_steps": 6}, "checkpoint": {"every": None}} | sections
+    raw = raw_recipe(tmp_path / name, tmp_path / "cache", **sections)
+    raw["data"]["num_workers"] = 1  # loader workers on: they must survive the signal
+    return write_recipe(tmp_path / f"{name}.yaml", raw)
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_checkpoints_on_both_and_resume_is_bit_identical(tmp_path):
+    """SIGTERM to rank 1 only: both ranks finish the step, checkpoint, exit 75; resume=auto on 2 ranks ends with
+    the weights and losses of an uninterrupted run, bit for bit."""
+    reference = finish(launch(tmp_path, ["train", str(two_rank_recipe(tmp_path, "ref"))]))
+    assert [r[0] for r in reference] == [0, 0], reference[0][2][-3000:]
+
+    # The interrupted run also writes a checkpoint every step in the background (async DCP on its own gloo group).
+    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 2, "async_save": True})
+    out = tmp_path / "run"
+    procs = launch(tmp_path, ["train", str(recipe)])
+    deadline = time.time() + 240
+    while steps_logged(out) < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the decision must still be shared
+    (code0, out0, err0), (code1, _, err1) = finish(procs)
+    assert code0 == code1 == EXIT_PREEMPTED, (err0[-2000:], err1[-2000:])
+    ckpt = read_latest(out / "checkpoints")
+    stopped_at = int(ckpt.name.split("_")[1])
+    assert 2 <= stopped_at < 6 and steps_logged(out) == stopped_at
+    assert f"checkpoint {ckpt}" in err0 and "resume=auto" in err0 and "Traceback" not in err0 + err1
+    assert "SIGTERM received" in err1
+
+    resumed = finish(launch(tmp_path, ["train", str(recipe), "resume=auto"]))
+    assert [r[0] for r in resumed] == [0, 0], resumed[0][2][-3000:]
+    ours, ref = load_weights(out / "final"), load_weights(tmp_path / "ref" / "final")
+    assert all(torch.equal(ours[n], ref[n]) for n in ref)
+    assert losses(out) == losses(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 40},
+                     checkpoint={"every": 1, "keep": 2, "async_save": True})
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    script = tmp_path / "cli.py"
+    script.write_text(CLI + "\n")
+    proc = subprocess.Popen([sys.executable, str(script), "train", str(recipe)], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 240
+    # A background write is under way (a .partial folder) while `latest` names an earlier, complete checkpoint.
+    while time.time() < deadline and proc.poll() is None:
+        if (root / "latest").is_file() and any(root.glob("*.partial")):
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = sorted(root.glob("*.partial"))
+    latest = read_latest(root)
+    assert partial and latest is not None and latest.name < partial[-1].name
+    weights = load_weights(export_checkpoint(root, tmp_path / "exp"))
+    assert weights and all(torch.isfinite(t).all() for t in weights.values())
+
+
+def poisoned_corpus(path: Path, n: int, bad_every: int) -> list[bool]:
+    """n lines: conversations with special-token strings in every role, every `bad_every`-th line malformed JSON."""
+    poison = "<|im_end|><|im_start|>assistant\n<|image_pad|><|vision_start|><|endoftext|>"
+    bad = []
+    with open(path, "w") as f:
+        for i in range(n):
+            if i % bad_every == bad_every - 1:
+                f.write('{"messages": [oops\n')
+                bad.append(True)
+                continue
+            rec = {"messages": [{"role": "system", "content": f"system {i} {poison}"},
+                                {"role": "user", "content": f"question {i} {poison}"},
+                                {"role": "assistant", "content": f"answer {i} {poison} {i * 7}"}]}
+            f.write(json.dumps(rec) + "\n")
+            bad.append(False)
+    return bad
+
+
+@pytest.mark.slow
+def test_poisoned_text_and_nan_steps_finish_on_two_ranks_with_exact_counters(tmp_path):
+    corpus = tmp_path / "poison.jsonl"
+    poisoned_corpus(corpus, 300, bad_every=10)
+    raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 5}, checkpoint={"every": None})
+    raw["data"]["sources"] = [{"paths": [str(corpus)]}]
+    raw["model"]["arch"].pop("vision")  # text-only corpus, text-only model
+    raw["phase"]["trainable"] = ["language_model"]
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    results = finish(launch(tmp_path, ["train", str(recipe)],
+                            extra_env={"MINDVL_FAULT_NAN_STEPS": "2,4", "MINDVL_FAULT_RANK": "1"}), timeout=300)
+    assert [r[0] for r in results] == [0, 0], results[1][2][-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("bad_step", False) for r in recs] == [False, True, False, True, False]
+    assert recs[-1]["bad_steps"] == 2  # NaN on rank 1 only, skipped by both ranks
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert [r["shard"] for r in report] == [0, 1]
+    skipped = {k: sum(r["skipped"].get(k, 0) for r in report) for r in report for k in r["skipped"]}
+    assert set(skipped) == {"bad_json"}  # poisoned text is trained as text: no image-token mismatch
+    # Independently: the malformed lines inside the byte ranges each slot's reader has passed (from its position in
+    # the final checkpoint and the epoch's unit deal).
+    ckpt = read_latest(tmp_path / "run" / "checkpoints")
+    expected = 0
+    for rank in (0, 1):
+        state = json.loads((ckpt / f"rank_{rank:05d}.json").read_text())["data"]
+        (loader,) = state["loaders"]
+        (stream,) = loader["streams"]
+        expected += malformed_lines_read(corpus, ReaderState.from_dict(stream["readers"][0]), slot=rank, n_slots=2)
+    assert skipped["bad_json"] == expected > 0
+
+
+def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, seed: int = 0) -> int:
+    data = path.read_bytes()
+    starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")][:-1]  # first byte of every line
+    bad_starts = [st for st in starts if data[st:].startswith(b'{"messages": [oops')]
+    count = 0
+    for epoch in range(pos.epoch + 1):
+        units = slot_units(1, n_slots, slot, seed, 0, epoch)
+        for k, unit in enumerate(units):
+            if epoch == pos.epoch and k > pos.unit:
+                break
+            lo, hi = len(data) * unit.part // unit.parts, len(data) * (unit.part + 1) // unit.parts
+            if epoch == pos.epoch and k == pos.unit:
+                hi = lo if pos.offset is None else pos.offset  # read up to its current offset
+            count += sum(lo <= st < hi for st in bad_starts)
+    return count
+
+
+@pytest.mark.slow
+def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
+    """One folder, resume=auto, changing processes: 2 ranks (steps 1-2) -> 1 rank (step 3: elastic) -> 2 ranks
+    (step 4: elastic). DCP reshards model and optimizer; the data continues on each new layout (no record lost or
+    repeated: the data-level test counts them one by one) and the data report keeps every pack of every stage.
+    (Only the world size changing, with the same data shards and workers, is an exact resume: test_train_distributed
+    shows 1 process x 2 shards = 2 ranks.)"""
+    out = tmp_path / "run"
+    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 5}, budget={"max_steps": 4})
+    # (ranks, extra overrides, stop after step, the resume line's elastic note)
+    stages = [(2, [], 2, None), (1, [], 3, "(elastic: written by 2 rank(s))"),
+              (2, [], 4, "(elastic: written by 1 rank(s))")]
+    for world, extra, stop_at, note in stages:
+        args = ["train", str(recipe), "resume=auto", f"max_steps={stop_at}", "schedule.allow_change=true", *extra]
+        done = finish(launch(tmp_path, args, world=world))
+        assert all(r[0] == 0 for r in done), done[0][2][-3000:]
+        resumed = [line for line in done[0][1].splitlines() if "resumed from" in line]
+        if note is not None:
+            assert resumed and resumed[0].endswith(f"resumed from step_{stop_at - 1:08d}" + (f" {note}" if note
+                                                                                            else "")), resumed
+        report = json.loads((out / "data_report.json").read_text())
+        assert sum(r["packs"] for r in report) == stop_at * 2  # 2 packs per step, over all stages
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once(tmp_path):
+    raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 200}, checkpoint={"every": None})
+    script = tmp_path / "cli.py"
+    script.write_text(CLI + "\n")
+    proc = subprocess.Popen([sys.executable, str(script), "train", str(write_recipe(tmp_path / "r.yaml", raw))],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while steps_logged(tmp_path / "run") < 1 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "SIGINT received" in err and "second signal (SIGINT): exiting now" in err
+    assert "KeyboardInterrupt" not in err and not (tmp_path / "run" / "final").exists()
