@@ -1,0 +1,83 @@
+"""Engines: the same `run_shard(job)` in this process, in local worker processes, or as a Ray Data map.
+
+- `inprocess`: shards one after the other in the calling process.
+- `local`: a `ProcessPoolExecutor` of `workers` spawned processes (spawn, not fork: model libraries' thread pools
+  do not survive a fork); each process builds the pipeline and loads its models once.
+- `ray`: Ray Data over the shard list (`ray.data.from_items(jobs).map(run, concurrency=workers)`), one shard per
+  row, on a local Ray instance with `workers` CPUs or an existing cluster at `address` (the output folder must then be
+  on storage every node sees). Ray is the optional extra `mindvl[ray]`.
+
+Outputs do not depend on the engine or the number of workers: every shard is a pure function of its input and the
+global plans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+from .pipeline import EngineConfig
+
+
+def run_inprocess(jobs: list[dict]) -> list[dict]:
+    from .runner import run_shard
+
+    return [run_shard(j) for j in jobs]
+
+
+def _worker_init() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: N workers use N cores, not N^2 threads
+
+
+def run_local(jobs: list[dict], workers: int) -> list[dict]:
+    from .runner import run_shard
+
+    if workers == 1 or len(jobs) == 1:
+        return run_inprocess(jobs)
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn"),
+                             initializer=_worker_init) as pool:
+        return list(pool.map(run_shard, jobs))
+
+
+def _ray_row(row: dict) -> dict:
+    from .runner import run_shard
+
+    return {"done": json.dumps(run_shard(json.loads(row["job"])))}
+
+
+def run_ray(jobs: list[dict], workers: int, address: str | None) -> list[dict]:
+    try:
+        import ray
+        import ray.data
+    except ImportError as exc:
+        raise ImportError("engine ray needs Ray Data: pip install 'mindvl[ray]'") from exc
+    if not ray.is_initialized():
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
+                         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1",
+                                                   "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+        except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"engine.address: cannot reach the Ray cluster at {address!r} ({first}); start it "
+                             "(`ray start --head`) or remove engine.address to run a local Ray instance") from exc
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ds = ray.data.from_items([{"job": json.dumps(j)} for j in jobs], override_num_blocks=len(jobs))
+    rows = ds.map(_ray_row, concurrency=workers, num_cpus=1).take_all()
+    return [json.loads(r["done"]) for r in rows]
+
+
+def make_executor(engine: EngineConfig) -> Callable[[list[dict]], list[dict]]:
+    if engine.name == "inprocess":
+        return run_inprocess
+    if engine.name == "local":
+        return lambda jobs: run_local(jobs, engine.workers)
+    if engine.name == "ray":
+        return lambda jobs: run_ray(jobs, engine.workers, engine.address)
+    raise ValueError(f"engine.name: unknown engine {engine.name!r}")
