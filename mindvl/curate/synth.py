@@ -99,7 +99,8 @@ def pairs_corpus(out: str, n_distinct: int, dup_fraction: float = 0.3, n_files: 
                 with open(os.path.join(out, name), "wb") as img_f:
                     img_f.write(data)
                 record = {"messages": [{"role": "user", "content": "<image>Describe the image."},
-                                       {"role": "assistant", "content": caption(rng)}], "images": [name]}
+                                       {"role": "assistant", "content": caption(rng)}], "images": [name],
+                          "id": name}
                 fh.write(json.dumps(record) + "\n")
         files.append(path)
     return PairsTruth(files, {n: o for n, _, o in entries if o}, [n for n, _, _ in entries])
