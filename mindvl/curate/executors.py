@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -48,6 +49,20 @@ def _ray_row(row: dict) -> dict:
     return {"done": json.dumps(run_shard(json.loads(row["job"])))}
 
 
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with one line, when a Ray address does not answer (Ray itself retries for minutes)."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rsplit("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"engine.address: cannot reach the Ray cluster at {address!r} ({exc}); start it "
+                         "(`ray start --head`) or remove engine.address to run a local Ray instance") from exc
+
+
 def run_ray(jobs: list[dict], workers: int, address: str | None) -> list[dict]:
     try:
         import ray
@@ -55,6 +70,8 @@ def run_ray(jobs: list[dict], workers: int, address: str | None) -> list[dict]:
     except ImportError as exc:
         raise ImportError("engine ray needs Ray Data: pip install 'mindvl[ray]'") from exc
     if not ray.is_initialized():
+        if address:
+            _check_reachable(address)
         try:
             if address:
                 ray.init(address=address, log_to_driver=False)
