@@ -1,0 +1,75 @@
+"""CLIP-score filtering and CLIP embeddings with a tiny random CLIP built from transformers' config classes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from curate_helpers import dropped, run
+
+from mindvl.curate.synth import pairs_corpus
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("faiss")
+
+TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "mindvl", "assets", "tokenizer", "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER)
+    tok.pad_token = tok.convert_ids_to_tokens(0)  # lowest id: CLIP's legacy pooling takes the highest id's position
+    cfg = CLIPConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "max_position_embeddings": 64, "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 32, "patch_size": 8},
+        projection_dim=16)
+    torch.manual_seed(0)
+    model = CLIPModel(cfg).eval()
+    d = tmp_path_factory.mktemp("clip")
+    model.save_pretrained(d)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def test_clip_threshold_keeps_exactly_the_pairs_above_it(tmp_path, clip_dir):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    truth = pairs_corpus(str(tmp_path / "in"), 24, dup_fraction=0.0, n_files=2, seed=4)
+    records = [json.loads(line) for f in truth.files for line in open(f)]
+    # the direct computation: transformers' own forward, one pair at a time, cosine = logits / logit_scale
+    model = CLIPModel.from_pretrained(clip_dir).eval()
+    proc, tok = AutoImageProcessor.from_pretrained(clip_dir), AutoTokenizer.from_pretrained(clip_dir)
+    direct = {}
+    with torch.no_grad():
+        for r in records:
+            image = Image.open(tmp_path / "in" / r["images"][0]).convert("RGB")
+            out = model(input_ids=tok([r["messages"][1]["content"]], return_tensors="pt")["input_ids"],
+                        pixel_values=proc(images=[image], return_tensors="pt")["pixel_values"])
+            direct[r["id"]] = float(out.logits_per_image[0, 0] / model.logit_scale.exp())
+    threshold = float(np.median(list(direct.values())))
+    report, items = run(truth.files, str(tmp_path / "out"),
+                        [{"clip_score": {"model": clip_dir, "threshold": threshold, "batch_size": 5}}])
+    above = {k for k, v in direct.items() if v >= threshold}
+    assert 0 < len(above) < len(records)
+    assert {it.record["id"] for it in items} == above
+    for it in items:
+        assert it.meta["clip_score"] == pytest.approx(direct[it.record["id"]], abs=1e-5)
+    assert dropped(report, "0:clip_score") == {"clip_score": len(records) - len(above)}
+    assert sum(report["histograms"]["0:clip_score"]["clip_score"]) == len(records)
+
+
+def test_clip_embeddings_feed_the_clustering(tmp_path, clip_dir):
+    truth = pairs_corpus(str(tmp_path / "in"), 30, dup_fraction=0.0, n_files=1, seed=5)
+    report, items = run(truth.files, str(tmp_path / "out"),
+                        [{"embed": {"model": clip_dir}}, {"cluster": {"k": 3, "target": 12, "floor": 2}}])
+    assert len(items) == 12 and all(it.meta["cluster"] in {"0", "1", "2"} for it in items)
+    assert sum(c["quota"] for c in report["plans"]["1:cluster"]["clusters"]) == 12
