@@ -40,7 +40,8 @@ def run(args) -> int:
         result = run_pipeline(cfg)
     except ImportError as exc:  # an optional extra is missing: say which, in one line
         raise ValueError(str(exc)) from exc
-    ran = f"{result.shards_run} shard-passes run" if result.shards_run else "nothing left to do (resumed a finished run)"
+    ran = (f"{result.shards_run} shard-passes run" if result.shards_run
+           else "nothing left to do (resumed a finished run)")
     print(f"curated {cfg.output}: {sum(d['written'] for d in result.done[-1])} records in "
           f"{len(result.done[-1])} shards; {ran}; {result.seconds:.1f} s; report: {result.out}/report.md")
     return 0

@@ -7,10 +7,13 @@ lines by block/paragraph/line). Both read every image.
 Intersection, at line level: texts are normalised (Unicode NFKC, case-folded, every character that is not a letter or
 digit removed, so spacing and punctuation differences do not count). A line of engine A is *agreed* when its
 normalised text occurs inside one line of engine B; when it does not, the lines of B that occur inside it are agreed
-instead (one engine split a line the other read whole). Agreed strings shorter than `min_chars` normalised
-characters are ignored. The kept text is the agreed lines in A's reading order, one per line. Only character
-sequences both engines read identically survive, which is why the intersection's precision is higher than either
-engine's.
+instead (one engine split a line the other read whole). Agreed pieces that overlap or touch inside the same line of
+the other engine are merged into that line's span (so a word cut in two boxes by one engine comes back whole; every
+character of the span was read by both). Agreed strings shorter than `min_chars` normalised characters are
+ignored. The kept text is the agreed lines in A's reading order, one per line; a single agreed piece is written with
+the spacing of the engine whose reading has more word breaks (the characters are the same by construction). Only
+character sequences both engines read identically survive, which is why the intersection's precision is higher than
+either engine's.
 
 `write_answer: true` puts the kept text in the record's assistant turn (an OCR training pair); records with no agreed
 line are dropped (`ocr_no_agreement`). Coverage: the characters of the kept text are counted (report: distinct
@@ -39,16 +42,65 @@ def normalise(text: str) -> str:
     return "".join(c for c in unicodedata.normalize("NFKC", text).casefold() if c.isalnum())
 
 
+def _span(raw: str, norm_start: int, norm_len: int) -> str:
+    """The part of `raw` whose normalised text is normalise(raw)[norm_start : norm_start + norm_len]."""
+    idx = [i for i, c in enumerate(raw) if normalise(c)]
+    return raw[idx[norm_start]: idx[norm_start + norm_len - 1] + 1]
+
+
+def _spaced(x: str, y: str) -> str:
+    """Of two readings with the same normalised text, the one with more word breaks (dropped spaces are the common
+    error of line recognisers on Latin text; ties: the first)."""
+    return y if len(y.split()) > len(x.split()) else x
+
+
+def _merge(intervals: list[tuple[int, int, str]]) -> list[tuple[int, int, list[str]]]:
+    """Merge (start, end, text) intervals that overlap or touch, in start order."""
+    out: list[tuple[int, int, list[str]]] = []
+    for s, e, t in sorted(intervals, key=lambda x: (x[0], x[1])):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e), [*out[-1][2], t])
+        else:
+            out.append((s, e, [t]))
+    return out
+
+
+def _reading(host_span: str, pieces: list[str]) -> str:
+    """The text of an agreed span: the host line's reading when several pieces were merged into it (their cuts are
+    not word breaks), else the better-spaced of the two readings."""
+    return host_span.strip() if len(pieces) > 1 else _spaced(host_span.strip(), pieces[0].strip())
+
+
 def intersect_lines(a: list[str], b: list[str], min_chars: int = 3) -> list[str]:
     """The agreed lines (see the module docstring), in A's order."""
     nb = [normalise(t) for t in b]
-    kept = []
+    kept: list[str] = []
+    group: list = []  # consecutive A lines agreeing inside the same B line: [host, [(start, end, text)]]
+
+    def flush() -> None:
+        if group:
+            host, intervals = group
+            for s, e, texts in _merge(intervals):
+                kept.append(_reading(_span(b[host], s, e - s), texts))
+            group.clear()
+
     for line in a:
         na = normalise(line)
-        if len(na) >= min_chars and any(na in x for x in nb):
-            kept.append(line.strip())
+        host = next((j for j, x in enumerate(nb) if len(na) >= min_chars and na in x), None)
+        if host is not None:
+            if group and group[0] != host:
+                flush()
+            if not group:
+                group.extend([host, []])
+            start = nb[host].find(na)
+            group[1].append((start, start + len(na), line))
             continue
-        kept.extend(t.strip() for t, x in zip(b, nb, strict=True) if len(x) >= min_chars and x in na)
+        flush()
+        pieces = [(na.find(x), na.find(x) + len(x), t) for t, x in zip(b, nb, strict=True)
+                  if len(x) >= min_chars and x in na]
+        for s, e, texts in _merge(pieces):
+            kept.append(_reading(_span(line, s, e - s), texts))
+    flush()
     return kept
 
 
