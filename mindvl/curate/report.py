@@ -41,9 +41,21 @@ def summarize(result) -> dict[str, Any]:
             for label, ex in d.get("extra", {}).items():
                 cur = extra.setdefault(label, {})
                 for k, v in ex.items():
-                    cur[k] = cur.get(k, 0) + v if isinstance(v, (int, float)) else v
+                    if isinstance(v, dict):  # counters (e.g. OCR character counts): summed key by key
+                        acc = cur.setdefault(k, {})
+                        for kk, vv in v.items():
+                            acc[kk] = acc.get(kk, 0) + vv
+                    elif isinstance(v, (int, float)):
+                        cur[k] = cur.get(k, 0) + v
+                    else:
+                        cur[k] = v
     for d in result.done[-1]:
         written += d["written"]
+    for ex in extra.values():
+        if "char_counts" in ex:
+            from .stages.ocr import coverage
+
+            ex["coverage"] = coverage(ex)
     for s in stages.values():
         s["records_per_s"] = s["in"] / s["seconds"] if s["seconds"] > 0 else None
     return {"stages": stages, "histograms": hist, "extra": extra, "written": written}

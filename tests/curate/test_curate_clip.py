@@ -73,3 +73,25 @@ def test_clip_embeddings_feed_the_clustering(tmp_path, clip_dir):
                         [{"embed": {"model": clip_dir}}, {"cluster": {"k": 3, "target": 12, "floor": 2}}])
     assert len(items) == 12 and all(it.meta["cluster"] in {"0", "1", "2"} for it in items)
     assert sum(c["quota"] for c in report["plans"]["1:cluster"]["clusters"]) == 12
+
+
+def test_low_clip_pairs_are_recaptioned_in_batches_as_single_chat_calls_would(tmp_path, clip_dir):
+    from tiny_mindvl import tiny_model_folder
+
+    from mindvl.infer.chat import chat, load_for_chat, pixel_limits
+
+    folder = tiny_model_folder(tmp_path / "vlm")
+    truth = pairs_corpus(str(tmp_path / "in"), 5, dup_fraction=0.0, n_files=1, seed=6)
+    report, items = run(truth.files, str(tmp_path / "out"), [
+        {"clip_score": {"model": clip_dir, "mark_below": 0.0}},
+        {"recaption": {"model": str(folder), "max_new_tokens": 6, "batch_size": 3, "prompt": "Caption it."}}])
+    low = [it for it in items if it.meta["clip_score"] < 0.0]
+    assert all(bool(it.meta.get("recaptioned")) == (it.meta["clip_score"] < 0.0) for it in items)
+    assert low, "the tiny random CLIP gave no pair a negative score; pick another seed"
+    model, tok = load_for_chat(folder, device="cpu")
+    lo, hi = pixel_limits(folder)
+    for it in low:
+        image = open(tmp_path / "in" / it.record["id"], "rb").read()
+        expected = chat(model, tok, "Caption it.", [image], max_new_tokens=6, min_pixels=lo, max_pixels=hi)
+        assert it.texts() == expected.strip()
+        assert it.meta["original_caption"] != it.texts()
