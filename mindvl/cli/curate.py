@@ -9,6 +9,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("curate", help="run a data-curation pipeline (filters, dedup, clustering + "
                                              "variance sampling, OCR) into trainable shards and a report")
     p.add_argument("pipeline", metavar="PIPELINE.yaml", help="the pipeline file (see recipes/curation/)")
+    p.add_argument("--inputs", nargs="+", default=None, metavar="PATH",
+                   help="input files or globs (override the file's `inputs`)")
     p.add_argument("--output", default=None, help="output folder (overrides the file's `output`)")
     p.add_argument("--engine", choices=("inprocess", "local", "ray"), default=None,
                    help="where shards run (default: the file's engine; `local` when --workers > 1)")
@@ -21,7 +23,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from mindvl.curate import PipelineConfig, run_pipeline
 
-    overrides = {"output": args.output, "seed": args.seed}
+    overrides = {"inputs": args.inputs, "output": args.output, "seed": args.seed}
     cfg = PipelineConfig.load(args.pipeline, overrides)
     engine = cfg.engine
     if args.workers is not None:

@@ -120,16 +120,13 @@ class PipelineConfig:
                 d = yaml.safe_load(f)
             except yaml.YAMLError as exc:
                 raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-        d = dict(d or {})
-        base = os.path.dirname(os.path.abspath(path))
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: the pipeline must be a mapping of inputs, output, stages ...")
         for key, value in (overrides or {}).items():
             if value is not None:
                 d[key] = value
-        cfg = cls.from_dict(d, path)
-        # Relative input paths in a pipeline file are relative to the file; the output to the working directory.
-        cfg.inputs = [p if os.path.isabs(os.path.expanduser(p)) or (overrides or {}).get("inputs")
-                      else os.path.join(base, p) for p in cfg.inputs]
-        return cfg
+        # Relative paths (inputs, output, model folders) are relative to the working directory, as in recipes.
+        return cls.from_dict(d, path)
 
     def build_stages(self) -> list[Stage]:
         return [REGISTRY[name](opts, f"stages[{i}].{name}", self.seed) for i, (name, opts) in enumerate(self.stages)]
