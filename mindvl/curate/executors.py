@@ -3,7 +3,7 @@
 - `inprocess`: shards one after the other in the calling process.
 - `local`: a `ProcessPoolExecutor` of `workers` spawned processes (spawn, not fork: model libraries' thread pools
   do not survive a fork); each process builds the pipeline and loads its models once.
-- `ray`: Ray Data over the shard list (`ray.data.from_items(jobs).map(run, concurrency=workers)`), one shard per
+- `ray`: Ray Data over the shard list (`ray.data.from_items(jobs).map(run)` on a task pool of `workers`), one shard per
   row, on a local Ray instance with `workers` CPUs or an existing cluster at `address` (the output folder must then be
   on storage every node sees). Ray is the optional extra `mindvl[ray]`.
 
@@ -86,7 +86,11 @@ def run_ray(jobs: list[dict], workers: int, address: str | None) -> list[dict]:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ds = ray.data.from_items([{"job": json.dumps(j)} for j in jobs], override_num_blocks=len(jobs))
-    rows = ds.map(_ray_row, concurrency=workers, num_cpus=1).take_all()
+    strategy = getattr(ray.data, "TaskPoolStrategy", None)
+    if strategy is not None:  # `concurrency=` is deprecated since Ray 2.51
+        rows = ds.map(_ray_row, compute=strategy(size=workers), num_cpus=1).take_all()
+    else:  # pragma: no cover - older Ray
+        rows = ds.map(_ray_row, concurrency=workers, num_cpus=1).take_all()
     return [json.loads(r["done"]) for r in rows]
 
 
