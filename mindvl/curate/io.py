@@ -90,7 +90,8 @@ def _jsonl_item(task: ShardTask, ordinal: int, raw: RawItem) -> Item:
         except OSError as exc:
             raise BadSample("missing_image", raw.where, f"image file not found or unreadable: {ref.name}") from exc
     record = json.loads(raw.line if raw.kind == "jsonl" else (raw.members or {})["json"])
-    return Item(f"{task.name}/{ordinal:08d}", _strip_image_names(record), images, raw.where)
+    return Item(f"{task.name}/{ordinal:08d}", _strip_image_names(record), images, raw.where,
+                meta={"source": task.path})
 
 
 def _iter_parquet(task: ShardTask) -> Iterator[Item | BadSample]:
@@ -140,7 +141,7 @@ def _parquet_item(task: ShardTask, ordinal: int, row: dict, where: str) -> Item:
     names = [f"{i}.png" for i in range(len(images))]
     parse_record(record if isinstance(record, dict) else None, where,
                  lambda name: ImageRef(name, images[names.index(name)]), names)
-    return Item(f"{task.name}/{ordinal:08d}", _strip_image_names(record), images, where)
+    return Item(f"{task.name}/{ordinal:08d}", _strip_image_names(record), images, where, meta={"source": task.path})
 
 
 def iter_input(task: ShardTask) -> Iterator[Item | BadSample]:

@@ -70,3 +70,16 @@ def test_low_clip_pairs_are_recaptioned_in_batches_as_single_chat_calls_would(tm
         expected = chat(model, tok, "Caption it.", [image], max_new_tokens=6, min_pixels=lo, max_pixels=hi)
         assert it.texts() == expected.strip()
         assert it.meta["original_caption"] != it.texts()
+
+
+def test_top_fraction_per_source_keeps_the_best_scored_half_of_each_file(tmp_path, clip_dir):
+    truth = pairs_corpus(str(tmp_path / "in"), 21, dup_fraction=0.0, n_files=2, seed=9)
+    _, scored = run(truth.files, str(tmp_path / "all"), [{"clip_score": {"model": clip_dir}}])
+    report, items = run(truth.files, str(tmp_path / "top"), [{"clip_score": {"model": clip_dir}},
+                                                            {"top_fraction": {"fraction": 0.5, "per": "source"}}])
+    expected = set()
+    for f in truth.files:
+        mine = sorted((it for it in scored if it.meta["source"] == f), key=lambda it: -it.meta["clip_score"])
+        expected |= {it.record["id"] for it in mine[: -(-len(mine) // 2)]}  # ceil(half) of each file
+    assert {it.record["id"] for it in items} == expected
+    assert dropped(report, "1:top_fraction") == {"below_top_fraction": len(scored) - len(expected)}

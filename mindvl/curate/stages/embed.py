@@ -8,7 +8,8 @@ L2-normalised).
 
 `clip_score`: cosine similarity of the first image and the caption (the assistant turns) in the model's joint space,
 stored in `meta["clip_score"]` and `arrays["clip_score"]`; `threshold` drops pairs below it (reason `clip_score`);
-`mark_below` only marks them (`meta["low_clip"]`), for the re-caption stage.
+`mark_below` only marks them (`meta["low_clip"]`), for the re-caption stage. `top_fraction` (a global stage after
+it) keeps the best-scoring fraction per source file instead of a fixed threshold.
 
 Folders hold `config.json` + weights, the image processor's and the tokenizer's files (what `save_pretrained` writes
 for the model, its image processor and its tokenizer). torch and transformers are imported only here.
@@ -16,6 +17,7 @@ for the model, its image processor and its tokenizer). torch and transformers ar
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from mindvl.data.image import ImageError
 
-from .base import Histogram, MapStage, Options, register
+from .base import GlobalStage, Histogram, MapStage, Options, register
 
 _MODELS: dict[str, Any] = {}  # one loaded model per folder per worker process
 
@@ -171,3 +173,54 @@ class ClipScore(MapStage):
                     item.meta["low_clip"] = True
                 kept.append(item)
         return kept, dropped
+
+
+@register
+class TopFraction(GlobalStage):
+    """Keep the `fraction` of records with the highest score (`field`, e.g. `clip_score` from a clip_score stage)
+    per source file (`per: source`) or over the whole corpus (`per: all`); ties by key. Drops: `below_top_fraction`."""
+
+    name = "top_fraction"
+
+    def __init__(self, cfg, where, seed):
+        super().__init__(cfg, where, seed)
+        self.o = Options(cfg, {"field": "clip_score", "fraction": 0.5, "per": "source"}, where)
+        if not 0 < self.o.fraction <= 1:
+            raise ValueError(f"{where}.fraction: must be in (0, 1], got {self.o.fraction}")
+        if self.o.per not in ("source", "all"):
+            raise ValueError(f"{where}.per: must be source or all, got {self.o.per!r}")
+
+    def annotate(self, batch):
+        kept, dropped = [], []
+        for item in batch:
+            score = item.meta.get(self.o.field)
+            if not isinstance(score, (int, float)):
+                dropped.append((item, f"no_{self.o.field}"))
+                continue
+            item.arrays[f"top_{self.o.field}"] = np.float64(score)
+            item.arrays["top_source"] = np.str_(item.meta.get("source", "") if self.o.per == "source" else "")
+            kept.append(item)
+        return kept, dropped
+
+    def plan(self, shards, workdir):
+        from ..io import read_sidecar
+
+        groups: dict[str, list[tuple[float, str]]] = {}
+        name = f"top_{self.o.field}"
+        for _, path in shards:
+            side = read_sidecar(path, (name, "top_source"))
+            if name not in side:
+                continue
+            keys, scores = side[name]
+            for k, sc, src in zip(keys, scores, side["top_source"][1], strict=True):
+                groups.setdefault(str(src), []).append((float(sc), k))
+        plans: dict[str, dict] = {}
+        report = {}
+        for src, members in sorted(groups.items()):
+            members.sort(key=lambda m: (-m[0], m[1]))
+            n_keep = math.ceil(self.o.fraction * len(members))
+            for _, k in members[n_keep:]:
+                plans.setdefault(k.split("/", 1)[0], {"drop": {}, "meta": {}})["drop"][k] = "below_top_fraction"
+            report[src or "all"] = {"records": len(members), "kept": n_keep,
+                                    "min_kept_score": members[n_keep - 1][0] if n_keep else None}
+        return plans, {"field": self.o.field, "fraction": self.o.fraction, "groups": report}
