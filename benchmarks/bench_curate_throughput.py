@@ -28,7 +28,7 @@ import time
 from mindvl.curate import PipelineConfig, run_pipeline
 from mindvl.curate.synth import pairs_corpus
 
-STAGES = [{"image_filter": {"min_side": 16}}, {"text_filter": {"min_words": 3}}, {"phash_dedup": {"max_distance": 10}},
+STAGES = [{"image_filter": {"min_side": 16}}, {"text_filter": {"min_words": 3}}, {"phash_dedup": {"max_distance": 8}},
           {"embed": {"thumbnail": 8}}]
 
 

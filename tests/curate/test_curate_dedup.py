@@ -26,7 +26,7 @@ def test_near_pairs_match_a_python_popcount():
 
 def test_duplicates_found_with_high_recall_and_no_false_drops(tmp_path):
     truth = pairs_corpus(str(tmp_path / "in"), 240, dup_fraction=0.5, n_files=3, seed=1)
-    report, items = run(truth.files, str(tmp_path / "out"), [{"phash_dedup": {"max_distance": 10}}], split=2)
+    report, items = run(truth.files, str(tmp_path / "out"), [{"phash_dedup": {"max_distance": 8}}], split=2)
     kept = {item.record["id"] for item in items}
     originals = [n for n in truth.names if n not in truth.original_of]
     dups = list(truth.original_of)
@@ -34,9 +34,9 @@ def test_duplicates_found_with_high_recall_and_no_false_drops(tmp_path):
     assert all(n in kept for n in originals), "a distinct image was dropped"
     recall = sum(n not in kept for n in dups) / len(dups)
     assert recall >= 0.95, recall
-    for kind in VARIANTS:  # every kind of duplicate is found, not just the easy ones
-        of_kind = [n for n in dups if f"_{kind}." in n]
-        assert sum(n not in kept for n in of_kind) / len(of_kind) >= 0.9, kind
+    for kind in VARIANTS:  # every kind is found, not just the easy ones; 2-5% crops are the hardest (0.97 of
+        of_kind = [n for n in dups if f"_{kind}." in n]  # 481 duplicates at distance 8 in benchmarks/RESULTS.md)
+        assert sum(n not in kept for n in of_kind) / len(of_kind) >= (0.85 if kind == "cropped" else 1.0), kind
     reasons = dropped(report, "0:phash_dedup")
     assert reasons.get("exact_duplicate", 0) == sum("_exact." in n for n in dups if n not in kept)
     assert sum(reasons.values()) == len(truth.names) - len(kept)

@@ -45,7 +45,7 @@ def test_jsonl_tar_and_parquet_inputs_curate_alike(tmp_path):
     records = [json.loads(line) for line in open(truth.files[0])]
     _as_tar(records, str(tmp_path / "in"), str(tmp_path / "pairs.tar"))
     _as_parquet(records, str(tmp_path / "in"), str(tmp_path / "pairs.parquet"))
-    stages = [{"image_filter": {"min_side": 16}}, {"phash_dedup": {"max_distance": 10}}]
+    stages = [{"image_filter": {"min_side": 16}}, {"phash_dedup": {"max_distance": 8}}]
     kept = {}
     for name, path in (("jsonl", truth.files[0]), ("tar", str(tmp_path / "pairs.tar")),
                        ("parquet", str(tmp_path / "pairs.parquet"))):

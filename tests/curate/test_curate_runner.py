@@ -16,7 +16,7 @@ from mindvl.curate.synth import pairs_corpus
 pytest.importorskip("faiss")
 pytest.importorskip("imagehash")
 
-STAGES = [{"image_filter": {"min_side": 16}}, {"text_filter": {"min_words": 3}}, {"phash_dedup": {"max_distance": 10}},
+STAGES = [{"image_filter": {"min_side": 16}}, {"text_filter": {"min_words": 3}}, {"phash_dedup": {"max_distance": 8}},
           {"embed": {"thumbnail": 6}}, {"cluster": {"k": 4, "target": 40, "floor": 2, "semdedup": 0.9995}}]
 
 
