@@ -33,14 +33,36 @@ def _worker_init() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: N workers use N cores, not N^2 threads
 
 
-def run_local(jobs: list[dict], workers: int) -> list[dict]:
-    from .runner import run_shard
+class LocalPool:
+    """`workers` spawned processes kept for the whole run (every segment reuses them: spawning and importing the
+    stages' libraries costs about a second a process)."""
 
-    if workers == 1 or len(jobs) == 1:
-        return run_inprocess(jobs)
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn"),
-                             initializer=_worker_init) as pool:
-        return list(pool.map(run_shard, jobs))
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __call__(self, jobs: list[dict]) -> list[dict]:
+        from .runner import run_shard
+
+        if self.workers == 1:
+            return run_inprocess(jobs)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"),
+                                             initializer=_worker_init)
+        return list(self._pool.map(run_shard, jobs))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def run_local(jobs: list[dict], workers: int) -> list[dict]:
+    pool = LocalPool(workers)
+    try:
+        return pool(jobs)
+    finally:
+        pool.close()
 
 
 def _ray_row(row: dict) -> dict:
@@ -98,7 +120,7 @@ def make_executor(engine: EngineConfig) -> Callable[[list[dict]], list[dict]]:
     if engine.name == "inprocess":
         return run_inprocess
     if engine.name == "local":
-        return lambda jobs: run_local(jobs, engine.workers)
+        return LocalPool(engine.workers)
     if engine.name == "ray":
         return lambda jobs: run_ray(jobs, engine.workers, engine.address)
     raise ValueError(f"engine.name: unknown engine {engine.name!r}")

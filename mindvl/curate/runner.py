@@ -261,7 +261,17 @@ def run_pipeline(cfg: PipelineConfig, execute: Callable[[list[dict]], list[dict]
     files = cfg.resolve_inputs()
     tasks = input_tasks(files, cfg.format, cfg.split)
     _check_fingerprint(layout, cfg)
+    own_executor = execute is None
     execute = execute or make_executor(cfg.engine)
+    try:
+        return _run_segments(cfg, layout, stages, tasks, execute, report, t0)
+    finally:
+        if own_executor and hasattr(execute, "close"):
+            execute.close()
+
+
+def _run_segments(cfg: PipelineConfig, layout: Layout, stages: list[Stage], tasks: list[ShardTask],
+                  execute: Callable[[list[dict]], list[dict]], report: bool, t0: float) -> RunResult:
     segs = segments(stages)
     base = {"config": cfg.to_dict(), "source": cfg.source, "out": layout.out, "fingerprint": cfg.fingerprint()}
     all_done: list[list[dict]] = []
