@@ -1,5 +1,8 @@
 """Curation throughput on 1 and 2 local workers and on Ray Data with 2 workers, and memory against corpus size.
 
+Wall seconds inside a stage include time a worker waits for a core, so on a shared machine they show contention;
+records per CPU-second (process time) show the stage's own cost, independent of the engine.
+
 Corpus: `mindvl.curate.synth.pairs_corpus` (160x160 PNG/JPEG images, 30% planted duplicates) in `--files` JSONL
 files, one shard each. Pipeline: image_filter -> text_filter -> phash_dedup -> embed (thumbnail) -> cluster
 (k-means, variance-proportional sampling to half the corpus). Arms alternate round by round; the best round of each
@@ -44,7 +47,7 @@ def one_run(files, out, n, engine) -> dict:
     run_pipeline(pipeline(files, out, n, engine))
     wall = time.perf_counter() - t0
     report = json.load(open(os.path.join(out, "report.json")))
-    return {"wall": wall, "stages": {k: (v["in"], v["seconds"]) for k, v in report["stages"].items()}}
+    return {"wall": wall, "stages": {k: (v["in"], v["seconds"], v["cpu_seconds"]) for k, v in report["stages"].items()}}
 
 
 def memory_child(n: int, tmp: str) -> None:
@@ -101,14 +104,15 @@ def main() -> None:
             print(f"| {arm} | {r['wall']:.1f} ({walls}) | {n_records / r['wall']:.0f} | "
                   f"{best['local x1']['wall'] / r['wall']:.2f}x |")
         labels = list(best["local x1"]["stages"])
-        print("\nper-stage records/s per worker (records in / seconds in the stage, summed over workers)")
-        print("| stage | " + " | ".join(arms) + " |")
-        print("|---|" + "---|" * len(arms))
+        print("\nper stage: records/s per worker (records in / wall seconds in the stage, summed over workers) and "
+              "records per CPU-second")
+        print("| stage | " + " | ".join(f"{a} wall | {a} CPU" for a in arms) + " |")
+        print("|---|" + "---|---|" * len(arms))
         for label in labels:
             cells = []
             for arm in arms:
-                n_in, sec = best[arm]["stages"].get(label, (0, 0.0))
-                cells.append(f"{n_in / sec:.0f}" if sec > 0 else "-")
+                n_in, sec, cpu = best[arm]["stages"].get(label, (0, 0.0, 0.0))
+                cells += [f"{n_in / sec:.0f}" if sec > 0 else "-", f"{n_in / cpu:.0f}" if cpu > 0 else "-"]
             print(f"| {label} | " + " | ".join(cells) + " |")
         print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     finally:

@@ -28,10 +28,11 @@ def summarize(result) -> dict[str, Any]:
             for label, s in d["stages"].items():
                 if label == "read" and d["segment"] > 0:
                     continue  # re-reading an intermediate shard is not input
-                acc = stages.setdefault(label, {"in": 0, "out": 0, "dropped": {}, "seconds": 0.0})
+                acc = stages.setdefault(label, {"in": 0, "out": 0, "dropped": {}, "seconds": 0.0, "cpu_seconds": 0.0})
                 acc["in"] += s["in"]
                 acc["out"] += s["out"]
                 acc["seconds"] += s["seconds"]
+                acc["cpu_seconds"] += s.get("cpu_seconds", 0.0)
                 for r, n in s["dropped"].items():
                     acc["dropped"][r] = acc["dropped"].get(r, 0) + n
             for label, hs in d.get("histograms", {}).items():

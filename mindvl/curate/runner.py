@@ -110,11 +110,13 @@ class _Counter:
         self.shard = shard
         self.stages: dict[str, dict[str, Any]] = {}
 
-    def add(self, label: str, n_in: int, kept: int, dropped: list[tuple[Item, str]], seconds: float) -> None:
-        s = self.stages.setdefault(label, {"in": 0, "out": 0, "dropped": {}, "seconds": 0.0})
+    def add(self, label: str, n_in: int, kept: int, dropped: list[tuple[Item, str]], seconds: float,
+            cpu_seconds: float) -> None:
+        s = self.stages.setdefault(label, {"in": 0, "out": 0, "dropped": {}, "seconds": 0.0, "cpu_seconds": 0.0})
         s["in"] += n_in
         s["out"] += kept
         s["seconds"] += seconds
+        s["cpu_seconds"] += cpu_seconds
         for item, reason in dropped:
             n = s["dropped"].get(reason, 0) + 1
             s["dropped"][reason] = n
@@ -197,10 +199,10 @@ def run_shard(job: dict) -> dict:
             for label, fn in steps:
                 if not batch:
                     break
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 n_in = len(batch)
                 batch, dropped = fn(batch)
-                counter.add(label, n_in, len(batch), dropped, time.perf_counter() - t0)
+                counter.add(label, n_in, len(batch), dropped, time.perf_counter() - t0, time.process_time() - c0)
             for item in batch:
                 if seg.last:
                     item.arrays = {}
