@@ -29,10 +29,6 @@ def run_inprocess(jobs: list[dict]) -> list[dict]:
     return [run_shard(j) for j in jobs]
 
 
-def _worker_init() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: N workers use N cores, not N^2 threads
-
-
 class LocalPool:
     """`workers` spawned processes kept for the whole run (every segment reuses them: spawning and importing the
     stages' libraries costs about a second a process)."""
@@ -47,8 +43,10 @@ class LocalPool:
         if self.workers == 1:
             return run_inprocess(jobs)
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"),
-                                             initializer=_worker_init)
+            # One core per worker (N workers use N cores, not N x cores threads): spawned children inherit the
+            # environment, and BLAS/OpenMP read it when they load.
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"))
         return list(self._pool.map(run_shard, jobs))
 
     def close(self) -> None:
