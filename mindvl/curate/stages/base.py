@@ -114,6 +114,42 @@ class MapStage(Stage):
         raise NotImplementedError
 
 
+class RecordFilter(MapStage):
+    """A map stage that keeps or drops each record on its own: `reason(item)` is None to keep it."""
+
+    def reason(self, item: Item) -> str | None:
+        raise NotImplementedError
+
+    def process(self, batch: list[Item]) -> tuple[list[Item], Dropped]:
+        kept, dropped = [], []
+        for item in batch:
+            r = self.reason(item)
+            if r:
+                dropped.append((item, r))
+            else:
+                kept.append(item)
+        return kept, dropped
+
+
+def with_first_image(batch: list[Item], keep_text_only: bool = False) -> tuple[list[tuple[Item, Any]], Dropped]:
+    """[(item, its first image decoded)], and the items dropped because that image does not decode (`undecodable`,
+    `decompression_bomb`) or is absent (`no_image`; with keep_text_only they are returned with None instead)."""
+    from mindvl.data.image import ImageError
+
+    out, dropped = [], []
+    for item in batch:
+        try:
+            image = item.first_image()
+        except ImageError as exc:
+            dropped.append((item, "undecodable" if exc.reason == "corrupt_image" else exc.reason))
+            continue
+        if image is None and not keep_text_only:
+            dropped.append((item, "no_image"))
+            continue
+        out.append((item, image))
+    return out, dropped
+
+
 class GlobalStage(Stage):
     kind = "global"
 

@@ -16,10 +16,8 @@ import hashlib
 
 import numpy as np
 
-from mindvl.data.image import ImageError
-
 from ..io import read_sidecar
-from .base import GlobalStage, Histogram, Options, register
+from .base import GlobalStage, Options, register, with_first_image
 
 BLOCK = 2048
 
@@ -68,7 +66,6 @@ def duplicate_groups(n: int, pairs: list[tuple[int, int]]) -> np.ndarray:
 @register
 class PhashDedup(GlobalStage):
     name = "phash_dedup"
-    histograms = {"nearest_distance": Histogram(0, 65, 65)}
 
     def __init__(self, cfg, where, seed):
         super().__init__(cfg, where, seed)
@@ -77,20 +74,12 @@ class PhashDedup(GlobalStage):
             raise ValueError(f"{where}.max_distance: must be in [0, 64], got {self.o.max_distance}")
 
     def annotate(self, batch):
-        kept, dropped = [], []
-        for item in batch:
-            try:
-                image = item.first_image()
-            except ImageError as exc:
-                dropped.append((item, "undecodable" if exc.reason == "corrupt_image" else exc.reason))
-                continue
-            if image is None:
-                kept.append(item)  # text-only records are not image duplicates
-                continue
-            item.arrays["phash"] = np.uint64(phash64(image))
-            item.arrays["sha1"] = np.frombuffer(hashlib.sha1(item.images[0]).digest()[:8], dtype="<u8")[0]
-            kept.append(item)
-        return kept, dropped
+        pairs, dropped = with_first_image(batch, keep_text_only=True)
+        for item, image in pairs:
+            if image is not None:  # text-only records are not image duplicates
+                item.arrays["phash"] = np.uint64(phash64(image))
+                item.arrays["sha1"] = np.frombuffer(hashlib.sha1(item.images[0]).digest()[:8], dtype="<u8")[0]
+        return [item for item, _ in pairs], dropped
 
     def plan(self, shards, workdir):
         keys, hashes, shas = [], [], []

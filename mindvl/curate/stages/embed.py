@@ -23,9 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mindvl.data.image import ImageError
-
-from .base import GlobalStage, Histogram, MapStage, Options, register
+from .base import GlobalStage, Histogram, MapStage, Options, register, with_first_image
 
 _MODELS: dict[str, Any] = {}  # one loaded model per folder per worker process
 
@@ -90,22 +88,6 @@ def thumbnail_embedding(image, side: int) -> np.ndarray:
     return (np.asarray(thumb, dtype=np.float32) / 255.0).reshape(-1)
 
 
-def _decoded(batch, dropped):
-    """Items whose first image decodes (others are dropped as undecodable), with that image."""
-    out = []
-    for item in batch:
-        try:
-            image = item.first_image()
-        except ImageError as exc:
-            dropped.append((item, "undecodable" if exc.reason == "corrupt_image" else exc.reason))
-            continue
-        if image is None:
-            dropped.append((item, "no_image"))
-            continue
-        out.append((item, image))
-    return out
-
-
 @register
 class Embed(MapStage):
     name = "embed"
@@ -121,8 +103,7 @@ class Embed(MapStage):
             load_clip(self.path)
 
     def process(self, batch):
-        dropped: list = []
-        pairs = _decoded(batch, dropped)
+        pairs, dropped = with_first_image(batch)
         if self.path is None:
             for item, image in pairs:
                 item.arrays["embedding"] = thumbnail_embedding(image, self.o.thumbnail)
@@ -153,8 +134,7 @@ class ClipScore(MapStage):
         load_clip(self.path)
 
     def process(self, batch):
-        dropped: list = []
-        pairs = _decoded(batch, dropped)
+        pairs, dropped = with_first_image(batch)
         model = load_clip(self.path)
         kept = []
         for a in range(0, len(pairs), self.o.batch_size):

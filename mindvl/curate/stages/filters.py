@@ -25,11 +25,11 @@ from urllib.parse import urlsplit
 from mindvl.data.image import ImageError
 
 from ..items import Item
-from .base import Dropped, Histogram, MapStage, Options, register
+from .base import Dropped, Histogram, Options, RecordFilter, register
 
 
 @register
-class ImageFilter(MapStage):
+class ImageFilter(RecordFilter):
     name = "image_filter"
     histograms = {"min_side": Histogram(0, 2048, 32), "aspect_ratio": Histogram(1, 8, 28)}
 
@@ -63,13 +63,6 @@ class ImageFilter(MapStage):
             if self.o.max_pixels is not None and w * h > self.o.max_pixels:
                 return "too_many_pixels"
         return None
-
-    def process(self, batch):
-        kept, dropped = [], []
-        for item in batch:
-            r = self.reason(item)
-            (dropped.append((item, r)) if r else kept.append(item))
-        return kept, dropped
 
 
 _URL = re.compile(r"(?:https?://|www\.)[^\s<>\"']+", re.IGNORECASE)
@@ -121,7 +114,7 @@ def host_blocked(url: str, domains: tuple[str, ...]) -> bool:
 
 
 @register
-class TextFilter(MapStage):
+class TextFilter(RecordFilter):
     name = "text_filter"
     histograms = {"chars": Histogram(0, 2000, 40), "repetition": Histogram(0, 1, 20), "noise": Histogram(0, 1, 20)}
 
@@ -169,13 +162,6 @@ class TextFilter(MapStage):
                 if host_blocked(u, self.domains):
                     return "blocked_domain"
         return None
-
-    def process(self, batch):
-        kept, dropped = [], []
-        for item in batch:
-            r = self.reason(item)
-            (dropped.append((item, r)) if r else kept.append(item))
-        return kept, dropped
 
 
 __all__ = ["Dropped", "ImageFilter", "TextFilter", "char_script", "noise", "repetition", "script_share"]

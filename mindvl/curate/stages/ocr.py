@@ -30,9 +30,7 @@ import shutil
 import subprocess
 import unicodedata
 
-from mindvl.data.image import ImageError
-
-from .base import Histogram, MapStage, Options, register
+from .base import Histogram, MapStage, Options, register, with_first_image
 
 ENGINES = ("rapidocr", "tesseract")
 _RAPID: dict[str, object] = {}
@@ -166,16 +164,9 @@ class Ocr(MapStage):
                 self.vocab = sorted({w.strip().casefold() for w in f if w.strip()})
 
     def process(self, batch):
-        kept, dropped = [], []
-        for item in batch:
-            try:
-                image = item.first_image()
-            except ImageError as exc:
-                dropped.append((item, "undecodable" if exc.reason == "corrupt_image" else exc.reason))
-                continue
-            if image is None:
-                dropped.append((item, "no_image"))
-                continue
+        pairs, dropped = with_first_image(batch)
+        kept = []
+        for item, image in pairs:
             a = rapidocr_lines(image, self.o.text_score)
             b = tesseract_lines(image, self.o.lang, self.o.psm)
             agreed = intersect_lines(a, b, self.o.min_chars)

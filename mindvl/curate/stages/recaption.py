@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindvl.data.image import ImageError
-
-from .base import MapStage, Options, register
+from .base import MapStage, Options, register, with_first_image
 
 _MODELS: dict[str, Any] = {}
 
@@ -56,17 +54,8 @@ class Recaption(MapStage):
         from mindvl.infer.chat import conversation_prompt, process_images, stop_ids, user_message
         from mindvl.infer.generate import generate
 
-        todo, dropped = [], []
-        for item in batch:
-            if not self._wanted(item):
-                continue
-            try:
-                image = item.first_image()
-            except ImageError as exc:
-                dropped.append((item, "undecodable" if exc.reason == "corrupt_image" else exc.reason))
-                continue
-            if image is not None:
-                todo.append((item, image))
+        todo, dropped = with_first_image([item for item in batch if self._wanted(item)], keep_text_only=True)
+        todo = [(item, image) for item, image in todo if image is not None]
         if todo:
             model, tok, (lo, hi) = self._load()
             for a in range(0, len(todo), self.o.batch_size):
