@@ -79,31 +79,37 @@ def pairs_corpus(out: str, n_distinct: int, dup_fraction: float = 0.3, n_files: 
     duplicates in corpus order (file order, then line order), so a dedup keeping the first keeps the original."""
     rng = random.Random(f"pairs:{seed}")
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
-    entries: list[tuple[str, bytes, str]] = []  # (name, bytes, original name or "")
-    dups: list[tuple[str, bytes, str]] = []
+
+    def save(name: str, data: bytes) -> None:  # images go to disk at once: memory stays flat in n
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
+
+    entries: list[tuple[str, str]] = []  # (name, original name or "")
+    dups: list[tuple[str, str]] = []
     for i in range(n_distinct):
         img = distinct_image(i, seed, size)
         name = f"images/d{i:05d}.png"
-        entries.append((name, encode(img, "PNG"), ""))
+        save(name, encode(img, "PNG"))
+        entries.append((name, ""))
         if rng.random() < dup_fraction:
             kind = variants[len(dups) % len(variants)]
             ext = "jpg" if kind == "reencoded" else "png"
-            dups.append((f"images/d{i:05d}_{kind}.{ext}", variant(img, kind, rng), name))
+            dup = f"images/d{i:05d}_{kind}.{ext}"
+            save(dup, variant(img, kind, rng))
+            dups.append((dup, name))
     entries += dups  # every duplicate after every original
     per_file = -(-len(entries) // n_files)
     files = []
     for f in range(n_files):
         path = os.path.join(out, f"pairs_{f:02d}.jsonl")
         with open(path, "w") as fh:
-            for name, data, _ in entries[f * per_file:(f + 1) * per_file]:
-                with open(os.path.join(out, name), "wb") as img_f:
-                    img_f.write(data)
+            for name, _ in entries[f * per_file:(f + 1) * per_file]:
                 record = {"messages": [{"role": "user", "content": "<image>Describe the image."},
                                        {"role": "assistant", "content": caption(rng)}], "images": [name],
                           "id": name}
                 fh.write(json.dumps(record) + "\n")
         files.append(path)
-    return PairsTruth(files, {n: o for n, _, o in entries if o}, [n for n, _, _ in entries])
+    return PairsTruth(files, {n: o for n, o in entries if o}, [n for n, _ in entries])
 
 
 FONT_SIZES = (18, 24, 32)
