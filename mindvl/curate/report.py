@@ -65,7 +65,7 @@ def summarize(result) -> dict[str, Any]:
 def _sorted_labels(labels) -> list[str]:
     def key(label: str):
         head = label.split(":", 1)[0]
-        return (-1, 0, label) if head == "read" else (int(head), label.endswith(":annotate"), label)
+        return (-1, 0, label) if head == "read" else (int(head), not label.endswith(":annotate"), label)
 
     return sorted(labels, key=key)
 
@@ -213,11 +213,16 @@ def _example_grid(out: str, clusters: list[dict], max_clusters: int = 12, thumb:
             images.setdefault(wanted[item.key], []).append(im)
     if not images:
         return None
+    from PIL import ImageDraw
+
     rows = sorted(images)
     cols = max(len(v) for v in images.values())
-    canvas = Image.new("RGB", (cols * (thumb + 4), len(rows) * (thumb + 4)), (255, 255, 255))
+    label_w = 48
+    canvas = Image.new("RGB", (label_w + cols * (thumb + 4), len(rows) * (thumb + 4)), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
     for r, name in enumerate(rows):
+        draw.text((4, r * (thumb + 4) + thumb // 2 - 6), name, fill=(0, 0, 0))  # the cluster, left of its row
         for c, im in enumerate(images[name]):
-            canvas.paste(im, (c * (thumb + 4), r * (thumb + 4)))
+            canvas.paste(im, (label_w + c * (thumb + 4), r * (thumb + 4)))
     canvas.save(os.path.join(out, "report_examples.png"))
     return "report_examples.png"
