@@ -25,7 +25,7 @@ import numpy as np
 
 from mindvl.data.records import parse_record
 from mindvl.data.schema import BadSample, ImageRef
-from mindvl.data.sources import IMAGE_EXTENSIONS, RawItem, Unit, item_to_conversation, iter_jsonl, iter_tar
+from mindvl.data.sources import RawItem, Unit, item_to_conversation, iter_jsonl, iter_tar
 
 from .items import Item, image_extension
 
@@ -169,8 +169,9 @@ def iter_shard(path: str, arrays_path: str | None = None) -> Iterator[Item]:
         if isinstance(raw, BadSample):
             raise ValueError(f"{path}: intermediate shard is unreadable ({raw}); delete it and rerun")
         members = raw.members or {}
-        images = [members[s] for s in sorted((s for s in members if s.split(".")[-1].lower() in IMAGE_EXTENSIONS
-                                              and s.split(".")[0].isdigit()), key=lambda s: int(s.split(".")[0]))]
+        # every "<n>.<ext>" member is image n, whatever its extension (undecodable bytes are written as .bin)
+        images = [members[s] for s in sorted((s for s in members if s.split(".")[0].isdigit()),
+                                             key=lambda s: int(s.split(".")[0]))]
         meta = json.loads(members.get("meta.json", b"{}"))
         item = Item(raw.key, json.loads(members["json"]), images, meta.pop("_where", raw.where), meta=meta)
         for name, (_, values) in arrays.items():

@@ -78,6 +78,15 @@ def test_local_workers_give_the_same_output_as_one_process(tmp_path, corpus):
             os.listdir(tmp_path / "two" / ".work" / "seg0") if f.endswith(".done.json")]
     assert len({d["pid"] for d in done}) == 2
     assert len(items1) == 40 and all("cluster" in it.meta for it in items1)
+    # no record is dropped silently: at every step in - out = counted drops, and each step feeds the next
+    chain = ["read", "0:image_filter", "1:text_filter", "2:phash_dedup:annotate", "2:phash_dedup", "3:embed",
+             "4:cluster:annotate", "4:cluster"]
+    st = report1["stages"]
+    assert list(st) and set(st) == set(chain)
+    for a, b in zip(chain, chain[1:], strict=False):
+        assert st[a]["in"] - st[a]["out"] == sum(st[a]["dropped"].values())
+        assert st[a]["out"] == st[b]["in"], (a, b)
+    assert st["4:cluster"]["out"] == report1["written"] == len(items1)
     assert os.path.exists(tmp_path / "one" / "report_clusters.png")
     assert os.path.exists(tmp_path / "one" / "report_examples.png")
 
