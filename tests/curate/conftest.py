@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "mindvl", "assets", "tokenizer", "tokenizer.json")
+from curate_helpers import TOKENIZER
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import os
 
 from mindvl.curate import PipelineConfig, iter_output, run_pipeline
 
+TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "mindvl", "assets", "tokenizer", "tokenizer.json")
+
 
 def run(inputs: list[str], out: str, stages: list[dict], **top) -> tuple[dict, list]:
     """Run a pipeline; returns (report.json, output Items)."""

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from curate_helpers import dropped, run
+from curate_helpers import TOKENIZER, dropped, run
 
 from mindvl.curate.synth import pairs_corpus
 
@@ -83,3 +83,33 @@ def test_top_fraction_per_source_keeps_the_best_scored_half_of_each_file(tmp_pat
         expected |= {it.record["id"] for it in mine[: -(-len(mine) // 2)]}  # ceil(half) of each file
     assert {it.record["id"] for it in items} == expected
     assert dropped(report, "1:top_fraction") == {"below_top_fraction": len(scored) - len(expected)}
+
+
+def test_siglip_folder_scores_match_its_own_logits(tmp_path):
+    from PIL import Image
+    from transformers import PreTrainedTokenizerFast, SiglipConfig, SiglipImageProcessor, SiglipModel
+
+    from mindvl.curate.stages.embed import ClipModel
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER)
+    tok.pad_token = tok.convert_ids_to_tokens(0)
+    cfg = SiglipConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 32, "patch_size": 8})
+    torch.manual_seed(0)
+    model = SiglipModel(cfg).eval()
+    model.save_pretrained(tmp_path)
+    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    images = [Image.new("RGB", (40, 30), (i * 40, 100, 200 - i * 30)) for i in range(3)]
+    texts = ["a red thing", "blue sky over water", "x"]
+    clip = ClipModel(str(tmp_path))
+    scores = (clip.image_embeddings(images) * clip.text_embeddings(texts)).sum(1)
+    with torch.no_grad():  # SigLIP's logits are scale * cosine + bias, with max-length padding
+        out = model(input_ids=tok(texts, padding="max_length", max_length=16, return_tensors="pt")["input_ids"],
+                    pixel_values=SiglipImageProcessor.from_pretrained(tmp_path)(images=images,
+                                                                               return_tensors="pt")["pixel_values"])
+        direct = torch.diagonal(out.logits_per_image - model.logit_bias) / model.logit_scale.exp()
+    np.testing.assert_allclose(scores, direct.numpy(), atol=1e-5)
