@@ -79,6 +79,9 @@ def _strip_image_names(record: dict) -> dict:
 
 def _jsonl_item(task: ShardTask, ordinal: int, raw: RawItem) -> Item:
     conv = item_to_conversation(raw)  # validation exactly as the trainer does it (BadSample on any problem)
+    if getattr(conv, "videos", None):
+        raise BadSample("video_unsupported", raw.where, "records with videos are not curated (image stages only); "
+                        "curate them apart")
     images = []
     for ref in conv.images:
         if ref.data is not None:
@@ -89,15 +92,19 @@ def _jsonl_item(task: ShardTask, ordinal: int, raw: RawItem) -> Item:
                 images.append(f.read())
         except OSError as exc:
             raise BadSample("missing_image", raw.where, f"image file not found or unreadable: {ref.name}") from exc
-    record = json.loads(raw.line if raw.kind == "jsonl" else (raw.members or {})["json"])
+    members = raw.members or {}
+    record = json.loads(raw.line) if raw.kind == "jsonl" else (json.loads(members["json"]) if "json" in members
+                                                               else {})
+    if getattr(conv, "kind", "chat") == "caption":
+        record["caption"] = conv.text  # a tar key's txt caption goes into the written record
     return Item(f"{task.name}/{ordinal:08d}", _strip_image_names(record), images, raw.where,
                 meta={"source": task.path})
 
 
 def _iter_parquet(task: ShardTask) -> Iterator[Item | BadSample]:
     """Parquet rows: a `json` (or `record`) column holding the record as a JSON string, or `messages` /
-    `conversations` columns (JSON strings or lists of structs); images in `images` (a list of binary or of
-    {bytes, path} structs) or `image` (binary or a struct)."""
+    `conversations` columns (JSON strings or lists of structs), or a `caption` (or document `text`) column; images
+    in `images` (a list of binary or of {bytes, path} structs) or `image` (binary or a struct)."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(task.path)
@@ -131,10 +138,11 @@ def _parquet_item(task: ShardTask, ordinal: int, row: dict, where: str) -> Item:
             raise BadSample("bad_json", where, f"malformed JSON in the record column ({exc})") from exc
     else:
         record = {}
-        for col in ("messages", "conversations", "system"):
+        for col in ("messages", "conversations", "system", "caption", "text"):
             value = row.get(col)
             if value is not None:
-                record[col] = json.loads(value) if isinstance(value, str) and col != "system" else value
+                record[col] = json.loads(value) if isinstance(value, str) and col in ("messages",
+                                                                                       "conversations") else value
     cells = row.get("images", row.get("image"))
     cells = [] if cells is None else (cells if isinstance(cells, list) else [cells])
     images = [_image_bytes(c, where) for c in cells]

@@ -38,9 +38,21 @@ class Item:
         images = self.pil_images()
         return images[0] if images else None
 
+    @property
+    def kind(self) -> str:
+        return record_kind(self.record)
+
     def texts(self, role: str = "assistant") -> str:
         """The text of the messages of `role` (assistant: the caption/answer; user: the prompt; all), placeholders
-        removed, joined by newlines."""
+        removed, joined by newlines. A caption record's caption counts as the assistant's; a document's text as
+        every role's."""
+        kind = self.kind
+        if kind == "caption":
+            return str(self.record.get("caption", self.record.get("text", ""))).strip() if role != "user" else ""
+        if kind == "document":
+            parts = self.record.get("texts", [self.record.get("text", "")])
+            text = "\n".join(p for p in (parts if isinstance(parts, list) else [parts]) if isinstance(p, str))
+            return text.replace("<image>", "").strip()
         out = []
         for m in messages_of(self.record):
             r = message_role(m)
@@ -49,7 +61,10 @@ class Item:
         return "\n".join(t for t in out if t)
 
     def set_answer(self, text: str) -> None:
-        """Replace the last assistant message's text (re-captioning, OCR answers)."""
+        """Replace the last assistant message's text, or a caption record's caption (re-captioning, OCR answers)."""
+        if self.kind == "caption":
+            self.record["caption"] = text
+            return
         msgs = messages_of(self.record)
         for m in reversed(msgs):
             if message_role(m) == "assistant":
@@ -59,6 +74,16 @@ class Item:
                     m["value"] = text
                 return
         raise ValueError(f"{self.where}: record has no assistant message to replace")
+
+
+def record_kind(record: dict) -> str:
+    """chat | caption | document, as mindvl.data.records.parse_record decides it (curate writes a tar key's txt
+    caption into the record's `caption`)."""
+    if "messages" in record or "conversations" in record:
+        return "chat"
+    if "texts" in record or ("text" in record and "caption" not in record and not isinstance(record.get("image"), str)):
+        return "document"
+    return "caption"
 
 
 def messages_of(record: dict) -> list[dict]:

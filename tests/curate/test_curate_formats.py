@@ -57,3 +57,35 @@ def test_jsonl_tar_and_parquet_inputs_curate_alike(tmp_path):
         kept[name] = sorted(zip(ids, (it.images[0] for it in items), strict=True))
     assert kept["jsonl"] == kept["tar"] == kept["parquet"]
     assert 0 < len(kept["jsonl"]) < len(records)
+
+
+def test_caption_records_and_txt_shards_are_filtered_on_their_caption(tmp_path):
+    from mindvl.data.sources import Unit, item_to_conversation, iter_tar
+
+    truth = pairs_corpus(str(tmp_path / "in"), 6, dup_fraction=0.0, n_files=1, seed=10)
+    records = [json.loads(line) for line in open(truth.files[0])]
+    captions = ["A short one.", "tiny", "A long enough caption here.", "", "Another good caption.", "ok ok"]
+    with open(tmp_path / "caps.jsonl", "w") as f:  # mindvl's caption layout: one image and its caption
+        for r, c in zip(records[:3], captions[:3], strict=True):
+            f.write(json.dumps({"image": os.path.join(tmp_path, "in", r["images"][0]), "caption": c}) + "\n")
+    with tarfile.open(tmp_path / "caps.tar", "w") as tf:  # WebDataset captions: image + txt, no json
+        for i, (r, c) in enumerate(zip(records[3:], captions[3:], strict=True)):
+            for name, data in ((f"c{i}.png", open(tmp_path / "in" / r["images"][0], "rb").read()),
+                               (f"c{i}.txt", c.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    report, items = run([str(tmp_path / "caps.jsonl"), str(tmp_path / "caps.tar")], str(tmp_path / "out"),
+                        [{"text_filter": {"min_words": 2}}, {"phash_dedup": {}}])
+    assert sorted(it.texts() for it in items) == ["A long enough caption here.", "A short one.",
+                                                  "Another good caption.", "ok ok"]
+    assert report["stages"]["read"]["dropped"] == {"empty_caption": 1}
+    assert report["stages"]["0:text_filter"]["dropped"] == {"too_few_words": 1}
+    # the written shards read back through mindvl.data as caption records with the same captions
+    got = []
+    for shard in sorted(os.listdir(tmp_path / "out" / "shards")):
+        for raw, _, _ in iter_tar(str(tmp_path / "out" / "shards" / shard), 0, 0, Unit(0, 0, 1), None, 0):
+            conv = item_to_conversation(raw)
+            assert conv.kind == "caption" and len(conv.images) == 1
+            got.append(conv.text)
+    assert sorted(got) == sorted(it.texts() for it in items)
