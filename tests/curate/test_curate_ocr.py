@@ -66,3 +66,14 @@ def test_two_engine_ocr_on_rendered_text(tmp_path):
     assert prec["kept"] >= max(prec["rapidocr"], prec["tesseract"])
     ex = report["extra"]["0:ocr"]
     assert ex["ocr_images"] == 8 and ex["lines_kept"] == len(pred["kept"])
+
+
+def test_coverage_of_the_kept_text_against_a_vocabulary():
+    from mindvl.curate.stages.ocr import coverage
+
+    extra = {"char_counts": {"a": 3, "b": 1, "c": 2}, "vocabulary": ["ab", "cd", "zz"], "vocab_word_counts": {"ab": 2}}
+    cov = coverage(extra)
+    assert cov["distinct_characters"] == 3 and cov["rarest_characters"] == "bca"
+    assert cov["vocabulary_words_covered"] == "1/3 (33.3%)"
+    assert cov["vocabulary_characters_covered"] == "3/5 (60.0%)"  # a b c of a b c d z
+    assert cov["missing_words"] == "cd zz"
