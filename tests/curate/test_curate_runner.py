@@ -73,10 +73,10 @@ def test_local_workers_give_the_same_output_as_one_process(tmp_path, corpus):
     assert report1["stages"].keys() == report2["stages"].keys()
     for label, s in report1["stages"].items():
         assert (s["in"], s["out"], s["dropped"]) == tuple(report2["stages"][label][k] for k in ("in", "out", "dropped"))
-    # the two runs really used two processes
-    done = [json.load(open(tmp_path / "two" / ".work" / "seg0" / f)) for f in
-            os.listdir(tmp_path / "two" / ".work" / "seg0") if f.endswith(".done.json")]
-    assert len({d["pid"] for d in done}) == 2
+    # the second run's shards ran in worker processes (how many of the two took work depends on scheduling)
+    done = [json.load(open(tmp_path / "two" / ".work" / seg / f)) for seg in ("seg0", "seg1", "seg2")
+            for f in os.listdir(tmp_path / "two" / ".work" / seg) if f.endswith(".done.json")]
+    assert len(done) == 18 and os.getpid() not in {d["pid"] for d in done}
     assert len(items1) == 40 and all("cluster" in it.meta for it in items1)
     # no record is dropped silently: at every step in - out = counted drops, and each step feeds the next
     chain = ["read", "0:image_filter", "1:text_filter", "2:phash_dedup:annotate", "2:phash_dedup", "3:embed",
