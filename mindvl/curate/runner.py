@@ -4,8 +4,9 @@ The stage list is cut at every global stage into *segments*. Segment k, run inde
 engine's workers: apply global stage k-1's plan (drop/annotate by key), run the map stages, run global stage k's
 `annotate`, write the shard (intermediate: `OUT/.work/seg<k>/<shard>.tar` + sidecar arrays; last segment:
 `OUT/shards/<shard>.tar`). Between segments the driver runs the global stage's `plan` over the sidecars and saves
-one plan file per shard. Memory per worker is one batch plus the stage's models; the driver holds what a global
-plan needs (see each global stage).
+one plan file per shard. Memory per worker is one batch, the stages' models and one shard's sidecar vectors (an
+embedding row per record of the shard: 100k records x 768 float32 = 300 MB; `split` makes shards smaller); the
+driver holds what a global plan needs (see each global stage).
 
 Resume: a shard is done when its `.done.json` exists (written after the shard was renamed into place), a plan when
 its `summary.json` exists; a rerun skips both, so an interrupted run redoes only unfinished shards and never
