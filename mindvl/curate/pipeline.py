@@ -1,0 +1,165 @@
+"""The pipeline file (`mindvl curate PIPELINE.yaml`): inputs, output, engine and the ordered stages.
+
+```yaml
+inputs: [data/pairs/*.jsonl]     # files or globs: JSONL (+ images), WebDataset .tar shards, .parquet
+format: auto                     # auto (by extension) | jsonl | tar | parquet
+split: 1                         # cut every input file into this many shards (more parallelism, finer resume)
+output: curated/                 # shards/*.tar (trainable by `mindvl train`), report.{md,json}, *.png
+seed: 0
+batch_size: 64                   # records per batch handed to each stage
+engine: {name: local, workers: 2, address: null}   # inprocess | local | ray (address: an existing Ray cluster)
+stages:                          # in order; each is {stage_name: {options}}
+  - image_filter: {min_side: 64, max_aspect_ratio: 4}
+  - text_filter: {min_words: 3, scripts: [latin], max_repetition: 0.3}
+  - phash_dedup: {max_distance: 8}
+  - embed: {model: thumbnail}
+  - cluster: {k: 64, max_cluster_size: 5000, target: 100000, floor: 10, semdedup: 0.95}
+```
+Validation happens at load, before any work: unknown keys, unknown stage names, wrong option types and missing
+model folders raise one-line errors naming the key (`stages[3].cluster.k: ...`).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .io import INPUT_FORMATS
+from .stages import REGISTRY, Stage
+
+ENGINES = ("inprocess", "local", "ray")
+_TOP_KEYS = ("inputs", "format", "split", "output", "seed", "batch_size", "engine", "stages")
+
+
+@dataclass
+class EngineConfig:
+    name: str = "inprocess"
+    workers: int = 1
+    address: str | None = None  # Ray: an existing cluster ("host:port" or "ray://..."); None starts a local one
+
+
+@dataclass
+class PipelineConfig:
+    inputs: list[str]
+    output: str
+    stages: list[tuple[str, dict]]
+    format: str = "auto"
+    split: int = 1
+    seed: int = 0
+    batch_size: int = 64
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    source: str = "<dict>"  # the file it came from, for messages
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> PipelineConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: the pipeline must be a mapping")
+        for key in d:
+            if key not in _TOP_KEYS:
+                raise ValueError(f"{source}: {key}: unknown key (known: {', '.join(_TOP_KEYS)})")
+        inputs = d.get("inputs")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(p, str) for p in inputs):
+            raise ValueError(f"{source}: inputs: a non-empty list of files or globs is required")
+        output = d.get("output")
+        if not isinstance(output, str) or not output:
+            raise ValueError(f"{source}: output: an output folder is required")
+        fmt = d.get("format", "auto")
+        if fmt not in INPUT_FORMATS:
+            raise ValueError(f"{source}: format: must be one of {', '.join(INPUT_FORMATS)}, got {fmt!r}")
+        ints = {}
+        for key, default, lo in (("split", 1, 1), ("seed", 0, None), ("batch_size", 64, 1)):
+            v = d.get(key, default)
+            if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
+                raise ValueError(f"{source}: {key}: expected an integer{f' >= {lo}' if lo else ''}, got {v!r}")
+            ints[key] = v
+        eng = d.get("engine", {}) or {}
+        if isinstance(eng, str):
+            eng = {"name": eng}
+        if not isinstance(eng, dict):
+            raise ValueError(f"{source}: engine: must be a mapping {{name, workers, address}}")
+        for key in eng:
+            if key not in ("name", "workers", "address"):
+                raise ValueError(f"{source}: engine.{key}: unknown key (known: address, name, workers)")
+        engine = EngineConfig(eng.get("name", "inprocess"), eng.get("workers", 1), eng.get("address"))
+        check_engine(engine, f"{source}: engine")
+        raw_stages = d.get("stages")
+        if not isinstance(raw_stages, list) or not raw_stages:
+            raise ValueError(f"{source}: stages: a non-empty list of {{stage_name: options}} is required")
+        stages = []
+        for i, entry in enumerate(raw_stages):
+            where = f"stages[{i}]"
+            if isinstance(entry, str):
+                entry = {entry: {}}
+            if not isinstance(entry, dict) or len(entry) != 1:
+                raise ValueError(f"{source}: {where}: must be one {{stage_name: options}} mapping")
+            (name, opts), = entry.items()
+            if name not in REGISTRY:
+                raise ValueError(f"{source}: {where}: unknown stage {name!r} (known: {', '.join(sorted(REGISTRY))})")
+            stages.append((name, dict(opts or {})))
+        cfg = cls(list(inputs), output, stages, fmt, ints["split"], ints["seed"], ints["batch_size"], engine, source)
+        try:
+            cfg.build_stages()  # validate every stage's options (and model folders) now, not hours later
+        except (ValueError, FileNotFoundError) as exc:
+            raise type(exc)(f"{source}: {exc}") from exc
+        return cfg
+
+    @classmethod
+    def load(cls, path: str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"pipeline file not found: {path}")
+        with open(path) as f:
+            try:
+                d = yaml.safe_load(f)
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: the pipeline must be a mapping of inputs, output, stages ...")
+        for key, value in (overrides or {}).items():
+            if value is not None:
+                d[key] = value
+        # Relative paths (inputs, output, model folders) are relative to the working directory, as in recipes.
+        return cls.from_dict(d, path)
+
+    def build_stages(self) -> list[Stage]:
+        return [REGISTRY[name](opts, f"stages[{i}].{name}", self.seed) for i, (name, opts) in enumerate(self.stages)]
+
+    def resolve_inputs(self) -> list[str]:
+        files: list[str] = []
+        for pattern in self.inputs:
+            pattern = os.path.expanduser(pattern)
+            matched = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+            matched = [m for m in matched if os.path.isfile(m)]
+            if not matched:
+                raise FileNotFoundError(f"{self.source}: inputs: no file matches {pattern!r}")
+            files.extend(matched)
+        return files
+
+    def to_dict(self) -> dict:
+        return {"inputs": self.inputs, "format": self.format, "split": self.split, "output": self.output,
+                "seed": self.seed, "batch_size": self.batch_size,
+                "engine": {"name": self.engine.name, "workers": self.engine.workers, "address": self.engine.address},
+                "stages": [{name: opts} for name, opts in self.stages]}
+
+    def fingerprint(self) -> str:
+        """What decides the output (not the engine or worker count): a resumed run must match it."""
+        d = self.to_dict()
+        d.pop("engine")
+        d.pop("output")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_engine(engine: EngineConfig, where: str) -> None:
+    if engine.name not in ENGINES:
+        raise ValueError(f"{where}.name: unknown engine {engine.name!r} (known: {', '.join(ENGINES)})")
+    if not isinstance(engine.workers, int) or isinstance(engine.workers, bool) or engine.workers < 1:
+        raise ValueError(f"{where}.workers: expected an integer >= 1, got {engine.workers!r}")
+    if engine.address is not None and not isinstance(engine.address, str):
+        raise ValueError(f"{where}.address: expected a string, got {engine.address!r}")

@@ -1,0 +1,206 @@
+"""Image embeddings and CLIP scores from a local CLIP or SigLIP folder (transformers' classes), or a model-free
+thumbnail embedding.
+
+`embed`: `item.arrays["embedding"]` for the clustering stage. `model: thumbnail` is the model-free embedding (the
+first image box-resized to `thumbnail x thumbnail` RGB, values / 255, flattened): cheap, deterministic, and enough
+for near-identical content; `model: /path/to/clip-or-siglip` uses the model's image tower (`get_image_features`,
+L2-normalised).
+
+`clip_score`: cosine similarity of the first image and the caption (the assistant turns) in the model's joint space,
+stored in `meta["clip_score"]` and `arrays["clip_score"]`; `threshold` drops pairs below it (reason `clip_score`);
+`mark_below` only marks them (`meta["low_clip"]`), for the re-caption stage. `top_fraction` (a global stage after
+it) keeps the best-scoring fraction per source file instead of a fixed threshold.
+
+Folders hold `config.json` + weights, the image processor's and the tokenizer's files (what `save_pretrained` writes
+for the model, its image processor and its tokenizer). torch and transformers are imported only here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .base import GlobalStage, Histogram, MapStage, Options, register, with_first_image
+
+_MODELS: dict[str, Any] = {}  # one loaded model per folder per worker process
+
+
+def check_model_folder(path: str, where: str) -> str:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{where}: model folder not found: {path} (a local CLIP/SigLIP folder; hubs are "
+                                "not used)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{where}: {path} has no config.json; save the model with save_pretrained")
+    return os.path.abspath(path)
+
+
+class ClipModel:
+    """A local CLIP/SigLIP model: normalised image and text embeddings in its joint space."""
+
+    def __init__(self, path: str):
+        try:
+            import torch
+            from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - environment
+            raise ImportError("CLIP stages need transformers and torch: pip install transformers") from exc
+        self.torch = torch
+        torch.set_num_threads(1)
+        self.model = AutoModel.from_pretrained(path).eval()
+        self.image_processor = AutoImageProcessor.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.is_siglip = "siglip" in type(self.model).__name__.lower()
+
+    @staticmethod
+    def _tensor(out: Any):
+        return out if not hasattr(out, "pooler_output") else out.pooler_output
+
+    def image_embeddings(self, images: list) -> np.ndarray:
+        with self.torch.no_grad():
+            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            e = self._tensor(self.model.get_image_features(pixel_values=pixels))
+            e = e / e.norm(dim=-1, keepdim=True)
+        return e.float().numpy()
+
+    def text_embeddings(self, texts: list[str]) -> np.ndarray:
+        padding = "max_length" if self.is_siglip else True  # SigLIP was trained on max-length padding
+        with self.torch.no_grad():
+            tok = self.tokenizer(texts, padding=padding, truncation=True, return_tensors="pt",
+                                 max_length=self.model.config.text_config.max_position_embeddings)
+            e = self._tensor(self.model.get_text_features(
+                input_ids=tok["input_ids"], attention_mask=None if self.is_siglip else tok.get("attention_mask")))
+            e = e / e.norm(dim=-1, keepdim=True)
+        return e.float().numpy()
+
+
+def load_clip(path: str) -> ClipModel:
+    if path not in _MODELS:
+        _MODELS[path] = ClipModel(path)
+    return _MODELS[path]
+
+
+def thumbnail_embedding(image, side: int) -> np.ndarray:
+    from PIL import Image
+
+    thumb = image.convert("RGB").resize((side, side), Image.Resampling.BOX)
+    return (np.asarray(thumb, dtype=np.float32) / 255.0).reshape(-1)
+
+
+@register
+class Embed(MapStage):
+    name = "embed"
+
+    def __init__(self, cfg, where, seed):
+        super().__init__(cfg, where, seed)
+        self.o = Options(cfg, {"model": "thumbnail", "thumbnail": 8, "batch_size": 32}, where)
+        self.o.positive("thumbnail", "batch_size")
+        self.path = None if self.o.model == "thumbnail" else check_model_folder(self.o.model, f"{where}.model")
+
+    def setup(self):
+        if self.path is not None:
+            load_clip(self.path)
+
+    def process(self, batch):
+        pairs, dropped = with_first_image(batch)
+        if self.path is None:
+            for item, image in pairs:
+                item.arrays["embedding"] = thumbnail_embedding(image, self.o.thumbnail)
+        else:
+            model = load_clip(self.path)
+            for a in range(0, len(pairs), self.o.batch_size):
+                chunk = pairs[a:a + self.o.batch_size]
+                for (item, _), e in zip(chunk, model.image_embeddings([im for _, im in chunk]), strict=True):
+                    item.arrays["embedding"] = e
+        return [item for item, _ in pairs], dropped
+
+
+@register
+class ClipScore(MapStage):
+    name = "clip_score"
+    histograms = {"clip_score": Histogram(-1, 1, 40)}
+
+    def __init__(self, cfg, where, seed):
+        super().__init__(cfg, where, seed)
+        self.o = Options(cfg, {"model": "", "threshold": None, "mark_below": None, "batch_size": 32,
+                               "field": "assistant"},
+                         where, {"threshold": (float,), "mark_below": (float,)})
+        if not self.o.model:
+            raise ValueError(f"{where}.model: required (a local CLIP/SigLIP folder)")
+        self.path = check_model_folder(self.o.model, f"{where}.model")
+
+    def setup(self):
+        load_clip(self.path)
+
+    def process(self, batch):
+        pairs, dropped = with_first_image(batch)
+        model = load_clip(self.path)
+        kept = []
+        for a in range(0, len(pairs), self.o.batch_size):
+            chunk = pairs[a:a + self.o.batch_size]
+            img = model.image_embeddings([im for _, im in chunk])
+            txt = model.text_embeddings([item.texts(self.o.field) or " " for item, _ in chunk])
+            for (item, _), score in zip(chunk, (img * txt).sum(1), strict=True):
+                score = float(score)
+                self.observe("clip_score", score)
+                item.meta["clip_score"] = score
+                item.arrays["clip_score"] = np.float32(score)
+                if self.o.threshold is not None and score < self.o.threshold:
+                    dropped.append((item, "clip_score"))
+                    continue
+                if self.o.mark_below is not None and score < self.o.mark_below:
+                    item.meta["low_clip"] = True
+                kept.append(item)
+        return kept, dropped
+
+
+@register
+class TopFraction(GlobalStage):
+    """Keep the `fraction` of records with the highest score (`field`, e.g. `clip_score` from a clip_score stage)
+    per source file (`per: source`) or over the whole corpus (`per: all`); ties by key. Drops: `below_top_fraction`."""
+
+    name = "top_fraction"
+
+    def __init__(self, cfg, where, seed):
+        super().__init__(cfg, where, seed)
+        self.o = Options(cfg, {"field": "clip_score", "fraction": 0.5, "per": "source"}, where)
+        if not 0 < self.o.fraction <= 1:
+            raise ValueError(f"{where}.fraction: must be in (0, 1], got {self.o.fraction}")
+        if self.o.per not in ("source", "all"):
+            raise ValueError(f"{where}.per: must be source or all, got {self.o.per!r}")
+
+    def annotate(self, batch):
+        kept, dropped = [], []
+        for item in batch:
+            score = item.meta.get(self.o.field)
+            if not isinstance(score, (int, float)):
+                dropped.append((item, f"no_{self.o.field}"))
+                continue
+            item.arrays[f"top_{self.o.field}"] = np.float64(score)
+            item.arrays["top_source"] = np.str_(item.meta.get("source", "") if self.o.per == "source" else "")
+            kept.append(item)
+        return kept, dropped
+
+    def plan(self, shards, workdir):
+        from ..io import read_sidecar
+
+        groups: dict[str, list[tuple[float, str]]] = {}
+        name = f"top_{self.o.field}"
+        for _, path in shards:
+            side = read_sidecar(path, (name, "top_source"))
+            if name not in side:
+                continue
+            keys, scores = side[name]
+            for k, sc, src in zip(keys, scores, side["top_source"][1], strict=True):
+                groups.setdefault(str(src), []).append((float(sc), k))
+        plans: dict[str, dict] = {}
+        report = {}
+        for src, members in sorted(groups.items()):
+            members.sort(key=lambda m: (-m[0], m[1]))
+            n_keep = math.ceil(self.o.fraction * len(members))
+            for _, k in members[n_keep:]:
+                plans.setdefault(k.split("/", 1)[0], {"drop": {}, "meta": {}})["drop"][k] = "below_top_fraction"
+            report[src or "all"] = {"records": len(members), "kept": n_keep,
+                                    "min_kept_score": members[n_keep - 1][0] if n_keep else None}
+        return plans, {"field": self.o.field, "fraction": self.o.fraction, "groups": report}
