@@ -26,6 +26,7 @@ class ProcessConfig:
     max_patches: int | None = None  # a sample with more patch rows can never fit a pack
     default_system: str | None = DEFAULT_SYSTEM
     train_on_prompt: bool = False
+    image_resize: str = "pil"  # mindvl.data.image.resize_rgb method
 
 
 def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessConfig, source: int = 0,
@@ -36,7 +37,7 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     for img in conv.images:
         try:
             image = load_image(img.data if img.data is not None else img.name, cfg.max_image_pixels)
-            pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels)
+            pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels, resize=cfg.image_resize)
         except ImageError as exc:
             raise BadSample(exc.reason, conv.where, f"{exc}") from exc
         pixels.append(pv)

@@ -41,7 +41,7 @@ class PackStream:
         self.alloc_pixels = None  # optional [P] -> float32 [P, 1176] allocator for pack pixel rows (shared memory)
         self._process_cfgs = [
             ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
-                          cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt)
+                          cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt, cfg.image_resize)
             for i in range(len(cfg.sources))
         ]
 

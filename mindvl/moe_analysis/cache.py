@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mindvl.moe_analysis import _compiled
 from mindvl.moe_analysis._routing import Routing, as_routing, parse_cache_slots
 
 POLICIES = ("lru", "lfu", "belady", "fsf", "static")
@@ -116,10 +117,15 @@ def hit_rate(
     pooled_slots = parse_cache_slots(ratios, routing.k * routing.num_layers)[1] if pooled else ()
     layer_rates = layer_mean = pooled_rates = None
     static = _static_hits(routing, layer_slots, pooled_slots) if policy == "static" else None
+    compiled = static is None and _compiled.available()
+    starts, ends = routing.offsets[:-1], routing.offsets[1:]
     if per_layer:
         hits = np.zeros((routing.num_layers, len(ratios)), np.int64)
         if static is not None:
             hits = static[0]
+        elif compiled:
+            hits = _compiled.simulate(routing.ids, np.arange(routing.num_layers), starts, ends, routing.num_experts,
+                                      policy, segment, layer_slots, lookup, pin, warm_start).sum(1)
         else:
             for chunk in _layer_chunks(routing):
                 got = _run(chunk, routing.num_experts, policy, segment, layer_slots, lookup, pin, warm_start)
@@ -132,6 +138,9 @@ def hit_rate(
         items = routing.num_experts * routing.num_layers
         if static is not None:
             hits = static[1]
+        elif compiled:
+            hits = _compiled.simulate(routing.ids, np.array([-1]), starts, ends, routing.num_experts, policy,
+                                      segment, pooled_slots, lookup, pin, warm_start).sum((0, 1))
         else:
             for chunk in _pooled_chunks(routing):
                 hits += _run(chunk, items, policy, segment, pooled_slots, lookup, pin, warm_start).sum(0)
