@@ -220,6 +220,7 @@ def _stack_stream(items, T, W, num_items, depth, segment, one, keys, lookup_pre,
     """
     n = 0  # stack entries in use
     pos[:num_items] = depth  # level of every expert; `depth` = in no cache
+    level_hits = np.zeros(depth + 1, np.int64)  # accesses that found their expert at each level (depth: absent)
     for t in range(T):
         if segment > 0 and t + segment - 1 < T:  # fsf: token t+m-1 joins the look-ahead window
             for j in range(W):
@@ -228,18 +229,13 @@ def _stack_stream(items, T, W, num_items, depth, segment, one, keys, lookup_pre,
                     prio[lv] += one
         if lookup_pre:
             for j in range(W):
-                lv = pos[items[t * W + j]]
-                for i in range(slots.shape[0]):
-                    if lv < slots[i] and lv < depth:
-                        hits[i] += 1
+                level_hits[pos[items[t * W + j]]] += 1
         for j in range(W):
             it = items[t * W + j]
             key = keys[t * W + j]
             old = pos[it]
             if not lookup_pre:
-                for i in range(slots.shape[0]):
-                    if old < slots[i] and old < depth:
-                        hits[i] += 1
+                level_hits[old] += 1
             if old == 0:
                 prio[0] = key
                 continue
@@ -268,6 +264,8 @@ def _stack_stream(items, T, W, num_items, depth, segment, one, keys, lookup_pre,
                 n = 1
             stack[0], prio[0] = it, key
             pos[it] = 0
+    for i in range(slots.shape[0]):  # a cache of c slots holds levels 0..c-1
+        hits[i] += level_hits[: min(slots[i], depth)].sum()
     return hits
 
 
