@@ -155,7 +155,8 @@ def load_image(source: str | os.PathLike | bytes, max_image_pixels: int = DEFAUL
         except (OSError, SyntaxError, ValueError, Image.UnidentifiedImageError) as exc:
             raise ImageError("corrupt_image", f"image {name} is corrupt or truncated: {exc}") from exc
         try:
-            image = ImageOps.exif_transpose(image)
+            # In place: without an orientation tag the default returns a full copy of the image for nothing.
+            ImageOps.exif_transpose(image, in_place=True)
         except Exception as exc:  # a malformed EXIF block must not take the corpus down
             raise ImageError("corrupt_image", f"image {name} has an unreadable EXIF block: {exc}") from exc
     return image
