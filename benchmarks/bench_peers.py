@@ -269,7 +269,7 @@ def section_train(args, folder: Path) -> list[str]:
             print(f"  train round {r} {arm}: {results[arm][-1]}", flush=True)
     loss0 = {a: results[a][0]["loss0"] for a in arms}
     agree = max(abs(loss0[a] - loss0["mindvl"]) for a in arms) / abs(loss0["mindvl"])
-    if agree > 1e-3:
+    if agree > 1e-5:  # float32 losses over thousands of tokens: a leak across samples moves them far more
         raise SystemExit(f"step-0 losses disagree ({loss0}): the arms do not train the same thing")
     tps = {a: [x["tokens_per_s"] for x in results[a]] for a in arms}
     opt = {a: [x["optimizer_s"] for x in results[a]] for a in arms}
