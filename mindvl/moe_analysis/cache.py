@@ -32,11 +32,13 @@ one cache serves for all layers (expert ids offset by layer·E, a token's access
 1's, ...). `round(ρ·k)` (half up) gives the slots actually used, which the results report. A cache with more
 slots than experts behaves like one holding every expert.
 
-**Implementation.** The policies are stack-free per-size simulations, vectorised across every independent cache
-at once (sequences × layers × cache sizes), looping only over token positions and the k (or L·k) accesses of a
-token, which are inherently sequential. Priorities that do not depend on the cache (next use, future counts, use
-counts) are precomputed from one sort of all accesses; the look-ahead counts of cached experts are kept current by
-adding one when an expert enters the far end of the window.
+**Implementation.** With numba installed, `mindvl.moe_analysis._compiled` runs every policy but `static` as compiled
+kernels: one stream at a time, all cache sizes in one stack-algorithm pass (per-size simulations when pinned). The
+numpy fallback below gives the same numbers (tested). The numpy policies are stack-free per-size simulations,
+vectorised across every independent cache at once (sequences × layers × cache sizes), looping only over token
+positions and the k (or L·k) accesses of a token, which are inherently sequential. Priorities that do not depend
+on the cache (next use, future counts, use counts) are precomputed from one sort of all accesses; the look-ahead
+counts of cached experts are kept current by adding one when an expert enters the far end of the window.
 """
 
 from __future__ import annotations
