@@ -313,11 +313,11 @@ def simulate(ids: np.ndarray, layers: np.ndarray, starts: np.ndarray, ends: np.n
     # One unit of a (count, stamp) key lies above every stamp, so keys order lexicographically; int32 buffers
     # whenever the keys fit halve the stream's footprint in the L1/L2 caches.
     one = 1 << int(accesses + num_items + 1).bit_length()
-    key_dtype = np.int32 if (t_max + segment_or(segment) + 2) * one < 2**31 else np.int64
+    key_dtype = np.int32 if (t_max + _segment_or(segment) + 2) * one < 2**31 else np.int64
     c_max = min(max(slots), num_items)
     hits = np.zeros((len(layers) * len(starts), len(slots)), np.int64)
     _simulate(ids, np.asarray(layers, np.int64), starts, ends, num_experts, num_items, POLICY_CODES[policy],
-              segment_or(segment), np.asarray(slots, np.int64), lookup == "pre", bool(pin), bool(warm), one,
+              _segment_or(segment), np.asarray(slots, np.int64), lookup == "pre", bool(pin), bool(warm), one,
               np.empty(accesses, np.int32), np.empty(accesses, key_dtype), np.empty(accesses, np.bool_),
               np.empty((2, num_items), np.int32), np.empty(num_items, np.int32), np.empty(num_items, np.int32),
               np.empty(c_max, np.int32), np.empty(c_max, np.int64), np.empty(c_max, np.int32),
@@ -325,5 +325,5 @@ def simulate(ids: np.ndarray, layers: np.ndarray, starts: np.ndarray, ends: np.n
     return hits.reshape(len(layers), len(starts), len(slots))
 
 
-def segment_or(segment: int | None) -> int:
+def _segment_or(segment: int | None) -> int:
     return int(segment or 0)
