@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--cache-ratios", default="0.5,1,2,4")
     ap.add_argument("--pooled-stride", type=int, default=16)
     ap.add_argument("--skip-scaling", action="store_true", help="skip section 4")
+    ap.add_argument("--table-only", action="store_true",
+                    help="time only the full per-layer table (SRP + SCH at every segment + LRU/LFU/Belady/static)")
     args = ap.parse_args()
     segments = tuple(int(x) for x in args.segments.split(","))
     ratios = tuple(float(x) for x in args.cache_ratios.split(","))
@@ -56,6 +58,17 @@ def main() -> None:
           f"on {os.cpu_count()} CPUs")
     trace = timed("generate synthetic trace", tokens, synthetic_trace, args.layers, args.experts, args.k,
                   [args.seq_len] * num_seqs, keep=args.keep, skew=args.skew, seed=0)
+
+    from mindvl.moe_analysis import _compiled
+    from mindvl.moe_analysis.report import analyze
+
+    kernels = "numba kernels" if _compiled.available() else "numpy fallback"
+    rep = timed(f"0. full table, per-layer caches ({kernels})", tokens, analyze, trace, segments, ratios, pooled=False)
+    print("   SRP " + "  ".join(f"m={r['segment']}: {r['srp']:.4f}" for r in rep["srp"]))
+    for name, r in rep["hit_rates"].items():
+        print(f"   {name:8s} hit rate " + "  ".join(f"{v:.4f}" for v in r["layer_mean"]))
+    if args.table_only:
+        return
 
     print("\n1. SRP (model level, all layers)")
     res = timed(f"SRP, segments {args.segments} together", tokens, srp_curve, trace, segments=segments)

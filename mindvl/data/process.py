@@ -43,6 +43,7 @@ class ProcessConfig:
     video: VideoSettings = field(default_factory=VideoSettings)
     tokens_per_second: int = 2
     box_format: str = "qwen2.5-vl"
+    image_resize: str = "pil"  # mindvl.data.image.resize_rgb method
 
 
 def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
@@ -51,7 +52,7 @@ def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], l
     for img in conv.images:
         try:
             image = load_image(img.data if img.data is not None else img.name, cfg.max_image_pixels)
-            pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels)
+            pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels, resize=cfg.image_resize)
         except ImageError as exc:
             raise BadSample(exc.reason, conv.where, f"{exc}") from exc
         if conv.coords is not None:  # boxes in the text follow the image through smart_resize

@@ -51,8 +51,10 @@ class PackStream:
         self._process_cfgs = [
             ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
                           cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt,
-                          cfg.sources[i].caption_prompts, cfg.seed, video_settings(cfg.video),
-                          cfg.video.tokens_per_second or 2, cfg.box_format)  # 2: Qwen2.5-VL, when no model says
+                          caption_prompts=cfg.sources[i].caption_prompts, seed=cfg.seed,
+                          video=video_settings(cfg.video),
+                          tokens_per_second=cfg.video.tokens_per_second or 2,  # 2: Qwen2.5-VL, when no model says
+                          box_format=cfg.box_format, image_resize=cfg.image_resize)
             for i in range(len(cfg.sources))
         ]
 

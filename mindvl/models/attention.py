@@ -95,6 +95,9 @@ def attend(
 
 
 _SHORT = 128
+# A bucket of equal-length sequences in at most this many consecutive runs is attended run by run on views of the
+# row (ViT windows of one image, a batch of equal prompts); more runs are gathered into one call.
+_MAX_RUNS = 8
 
 
 def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
@@ -113,8 +116,20 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
             key = ("pow2", (n - 1).bit_length()) if n <= _SHORT and window is None else ("exact", n)
             buckets.setdefault(key, []).append(i)
 
+    out = None  # [T, Hq, Dv], when some bucket is written in place
     out_rows, out_index = [], []
-    for members in buckets.values():
+    for (kind, n), members in buckets.items():
+        runs = _consecutive_runs(members, starts, n) if kind == "exact" and window is None else None
+        if runs is not None and len(runs) <= _MAX_RUNS:
+            # Equal-length sequences that follow each other in the row are a [B, n] view: no gather, no scatter.
+            if out is None:
+                out = q.new_empty(total, hq, v.shape[-1])
+            for first, count in runs:
+                a, b = first, first + count * n
+                ob = _sdpa_call(q[a:b].unflatten(0, (count, n)), k[a:b].unflatten(0, (count, n)),
+                                v[a:b].unflatten(0, (count, n)), None, causal, scale)
+                out[a:b] = ob.flatten(0, 1)
+            continue
         seg_len = [lengths[i] for i in members]
         width = max(seg_len)
         seg_start = torch.tensor([starts[i] for i in members], device=q.device)
@@ -136,8 +151,23 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
         ob = _sdpa_call(qb, kb, vb, mask, causal and mask is None, scale)  # [B, L, Hq, Dv]
         out_rows.append(ob[valid])
         out_index.append(gather[valid])
+    if not out_rows:
+        return out
     rows, index = torch.cat(out_rows), torch.cat(out_index)
-    return rows.new_empty(total, hq, rows.shape[-1]).index_copy(0, index, rows)
+    if out is None:
+        return rows.new_empty(total, hq, rows.shape[-1]).index_copy(0, index, rows)
+    return out.index_copy_(0, index, rows)
+
+
+def _consecutive_runs(members: list[int], starts: list[int], n: int) -> list[tuple[int, int]]:
+    """Maximal runs of sequences of length n that follow each other in the row: [(first token, count)]."""
+    runs: list[tuple[int, int]] = []
+    for i in members:
+        if runs and runs[-1][0] + runs[-1][1] * n == starts[i]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((starts[i], 1))
+    return runs
 
 
 def _sdpa_call(q, k, v, mask, is_causal, scale):

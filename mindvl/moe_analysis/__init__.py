@@ -6,7 +6,8 @@
 - `report`: the analysis behind `mindvl moe-analyze` (tables, JSON, plots, cache-size guidance).
 - `synthetic`: routing traces with tunable locality, for tests and benchmarks.
 
-Only numpy is needed here; router tracing (which needs torch) lives in `mindvl.moe_analysis.trace`.
+Only numpy is needed here; numba (the optional `fast` extra) runs the same computations as compiled kernels
+(`_compiled`, about 10x faster). Router tracing (which needs torch) lives in `mindvl.moe_analysis.trace`.
 """
 
 from mindvl.moe_analysis.cache import POLICIES, HitRateResult, hit_rate

@@ -32,11 +32,13 @@ one cache serves for all layers (expert ids offset by layer·E, a token's access
 1's, ...). `round(ρ·k)` (half up) gives the slots actually used, which the results report. A cache with more
 slots than experts behaves like one holding every expert.
 
-**Implementation.** The policies are stack-free per-size simulations, vectorised across every independent cache
-at once (sequences × layers × cache sizes), looping only over token positions and the k (or L·k) accesses of a
-token, which are inherently sequential. Priorities that do not depend on the cache (next use, future counts, use
-counts) are precomputed from one sort of all accesses; the look-ahead counts of cached experts are kept current by
-adding one when an expert enters the far end of the window.
+**Implementation.** With numba installed, `mindvl.moe_analysis._compiled` runs every policy but `static` as compiled
+kernels: one stream at a time, all cache sizes in one stack-algorithm pass (per-size simulations when pinned). The
+numpy fallback below gives the same numbers (tested). The numpy policies are stack-free per-size simulations,
+vectorised across every independent cache at once (sequences × layers × cache sizes), looping only over token
+positions and the k (or L·k) accesses of a token, which are inherently sequential. Priorities that do not depend
+on the cache (next use, future counts, use counts) are precomputed from one sort of all accesses; the look-ahead
+counts of cached experts are kept current by adding one when an expert enters the far end of the window.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mindvl.moe_analysis import _compiled
 from mindvl.moe_analysis._routing import Routing, as_routing, parse_cache_slots
 
 POLICIES = ("lru", "lfu", "belady", "fsf", "static")
@@ -116,10 +119,15 @@ def hit_rate(
     pooled_slots = parse_cache_slots(ratios, routing.k * routing.num_layers)[1] if pooled else ()
     layer_rates = layer_mean = pooled_rates = None
     static = _static_hits(routing, layer_slots, pooled_slots) if policy == "static" else None
+    compiled = static is None and _compiled.available()
+    starts, ends = routing.offsets[:-1], routing.offsets[1:]
     if per_layer:
         hits = np.zeros((routing.num_layers, len(ratios)), np.int64)
         if static is not None:
             hits = static[0]
+        elif compiled:
+            hits = _compiled.simulate(routing.ids, np.arange(routing.num_layers), starts, ends, routing.num_experts,
+                                      policy, segment, layer_slots, lookup, pin, warm_start).sum(1)
         else:
             for chunk in _layer_chunks(routing):
                 got = _run(chunk, routing.num_experts, policy, segment, layer_slots, lookup, pin, warm_start)
@@ -132,6 +140,9 @@ def hit_rate(
         items = routing.num_experts * routing.num_layers
         if static is not None:
             hits = static[1]
+        elif compiled:
+            hits = _compiled.simulate(routing.ids, np.array([-1]), starts, ends, routing.num_experts, policy,
+                                      segment, pooled_slots, lookup, pin, warm_start).sum((0, 1))
         else:
             for chunk in _pooled_chunks(routing):
                 hits += _run(chunk, items, policy, segment, pooled_slots, lookup, pin, warm_start).sum(0)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mindvl.moe_analysis import _compiled
 from mindvl.moe_analysis._routing import Routing, as_routing
 from mindvl.moe_analysis.cache import HitRateResult, hit_rate
 
@@ -103,6 +104,9 @@ def window_count_histograms(routing: Routing, segments: Sequence[int]) -> dict[i
     [t_j-m+1, t_j], after use i's fall the number in [t_i+1, t_i+m]. Sorting the uses by (expert, sequence, time)
     once per layer turns both into index differences found by one binary search per segment.
     """
+    if _compiled.available():
+        starts, ends = routing.offsets[:-1], routing.offsets[1:]
+        return {m: _compiled.srp_histograms(routing.ids, starts, ends, m, routing.num_experts) for m in segments}
     lengths = routing.lengths
     seq_of_tok = routing.seq_of_token
     num_seqs, k, num_experts = lengths.shape[0], routing.k, routing.num_experts

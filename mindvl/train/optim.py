@@ -7,45 +7,69 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 
 from mindvl.config import OptimSection, ScheduleSection
 
 
+def _kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """The fastest AdamW implementation torch has for one (type, device, dtype) group: the fused kernel (one pass per
+    parameter reading/writing param, grad, m and v once) where the device supports it for floating-point tensors --
+    including FSDP2's DTensors, whose fused/foreach ops dispatch to their local shards -- else the multi-tensor
+    (foreach) path, else torch's default. torch's own default takes the per-parameter loop on CPU and for DTensors."""
+    p = params[0]
+    if p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices():
+        return {"fused": True}
+    if p.device.type in _get_foreach_kernels_supported_devices():
+        return {"foreach": True}
+    return {}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed). Frozen parameters are not
-    passed in, so they hold no optimizer state."""
-    decay, no_decay = [], []
+    passed in, so they hold no optimizer state. Parameters are grouped by (decay, tensor type, device, dtype) so each
+    group runs one fused kernel; a resumed run on the same device type takes the same kernels, so resume stays exact."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    if not decay and not no_decay:
+            key = (p.dim() >= 2, type(p).__name__, str(p.device), str(p.dtype))
+            groups.setdefault(key, []).append(p)
+    if not groups:
         raise ValueError("phase.trainable: nothing to train (every parameter is frozen)")
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # torch's default implementation per device (multi-tensor on accelerators, per-parameter on CPU): a resumed run
-    # on the same device type takes the same kernels, so resume stays exact.
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    # Decayed groups first, then in first-seen order: the group order is part of the optimizer's state_dict.
+    order = sorted(groups, key=lambda k: not k[0])
+    param_groups = [{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0, **_kernel(groups[k])}
+                    for k in order]
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """The global L2 norm of the gradients of `params` before clipping (a plain 0-d tensor), after clipping them to
-    `max_norm` when given (None: norm only), as `torch.nn.utils.clip_grad_norm_` does. Parameters may live on
-    different DeviceMeshes (expert parallelism puts the experts on a 2-D mesh, FSDP the rest on the world mesh):
-    one norm per mesh, combined, then the same scale on every group (foreach ops refuse mixed meshes)."""
+    `max_norm` when given (None: the norm only), as `torch.nn.utils.clip_grad_norm_` does.
+
+    - Parameters may live on different DeviceMeshes (expert parallelism puts the experts on a 2-D mesh, FSDP the rest
+      on the world mesh): one norm per mesh, combined, then the same scale on every group (foreach ops refuse mixed
+      meshes).
+    - Multi-tensor kernels on every device (torch's default loops per tensor on CPU and for DTensors).
+    - No rescale when the norm is within bounds: torch would multiply every gradient by exactly 1.0, a full pass over
+      them for an identical result. The check reads the norm back to the host, which the trainer does anyway to log it.
+    """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not norms:
         return torch.zeros(())
     total = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
-    if max_norm is not None:
+    # torch's clip coefficient max_norm / (norm + 1e-6) is < 1, or NaN: only then do the gradients change
+    if max_norm is not None and not float(total) + 1e-6 <= max_norm:
         for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 
 

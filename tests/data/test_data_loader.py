@@ -149,7 +149,8 @@ def test_per_source_pixels(tmp_path, synth_dir, tok):
 
 def test_pack_pixels_bit_exact_through_worker_processes(tmp_path, tok):
     """End to end through a DataLoader worker (shared-memory pixel rows): the pack's pixel_values and grids equal
-    transformers' PIL processor run on the same images in order of appearance."""
+    transformers' PIL processor run on the same images in order of appearance (the `pil` resize, the bit-exact
+    reference; the default `torch` resize is checked in test_data_image_fast.py)."""
     hf_module = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
     from data_helpers import png_bytes
     from PIL import Image
@@ -159,7 +160,7 @@ def test_pack_pixels_bit_exact_through_worker_processes(tmp_path, tok):
         (tmp_path / f"{i}.png").write_bytes(png_bytes(h, w, seed=i))
     recs = [qa("<image>a", "x", images=["0.png"]), qa("two <image> and <image>", "y", images=["1.png", "2.png"])]
     cfg = DataConfig.from_dict({"sources": [str(write_jsonl(tmp_path / "d.jsonl", recs))], "seq_len": 4096,
-                                "pack_buffer": 2, "num_workers": 1})
+                                "pack_buffer": 2, "num_workers": 1, "image_resize": "pil"})
     (pack,) = list(build_loader(cfg, tok, max_epochs=1))
     proc = hf_module.Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     ref = proc(images=[Image.open(tmp_path / f"{i}.png") for i in range(3)], return_tensors="np")
