@@ -96,9 +96,9 @@ def main() -> None:
         for world in args.worlds:
             r = plan(recipe, world, DEVICES["h100-80g"], recipe_name=phase)
             b = dict(r.breakdown)
-            if args.before:  # the old loop held all of the step's packs; the trace holds the 2-pack window
-                per_pack = b["data_buffers"] / 2
-                extra = int(per_pack * (r.accumulation - 2))
+            if args.before:  # the old loop held all of the step's packs (fp32 pixel rows); the trace, its window
+                per_pack = r.packs[0]["patches"] * 1176 * 4
+                extra = int(per_pack * r.accumulation - b["data_buffers"])
                 b["data_buffers"] += extra
                 r.peak_bytes_per_rank += extra
             cells = []

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 _INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -129,8 +129,3 @@ def fake_world(world_size: int) -> Iterator[FakeWorld]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_process_group(world_size), _dtensor_own_fake_mode():
         yield FakeWorld(world_size, mode)
-
-
-def fake_tensors(tree):
-    """Every real floating tensor in `tree` as a fake one (the tracker counts it, nothing is allocated)."""
-    return tree_map_only(torch.Tensor, lambda t: t, tree)
