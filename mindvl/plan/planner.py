@@ -42,8 +42,9 @@ def model_config(recipe: Recipe, preset: str | None = None) -> tuple[MindVLConfi
         from mindvl.data import load_tokenizer
         from mindvl.train.materialize import model_source
         from mindvl.train.parallel import ParallelEnv
+        from mindvl.train.preflight import tokenizer_source
 
-        tok = load_tokenizer(DataConfig.from_dict(recipe.data).tokenizer)
+        tok = load_tokenizer(tokenizer_source(recipe))  # the trainer's choice (train.preflight)
         config, _ = model_source(recipe, tok, ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo"))
         return config, "model.arch"
     from mindvl.checkpoint import hf
@@ -131,9 +132,10 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     notes = []
     if sample_data:
         from mindvl.data import load_tokenizer
+        from mindvl.train.preflight import tokenizer_source
 
         shards = recipe.batch.data_shards or world_size
-        packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(data_cfg.tokenizer), shards=shards)
+        packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(tokenizer_source(recipe)), shards=shards)
         notes.append(f"pack shapes: the first {len(packs)} packs of the recipe's sources")
     else:
         packs = worst_case_packs(data_cfg, config)

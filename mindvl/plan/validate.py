@@ -23,6 +23,7 @@ def measure_real_step(recipe, micro_batches: tuple[int, ...] = (1, 2)) -> dict:
     from mindvl.train.optim import build_optimizer
     from mindvl.train.parallel import destroy, init_distributed, parallelize
     from mindvl.train.phases import apply_phase
+    from mindvl.train.preflight import tokenizer_source
     from mindvl.train.step import optimizer_step
     from mindvl.train.trainer import ShardedBatches
 
@@ -32,7 +33,7 @@ def measure_real_step(recipe, micro_batches: tuple[int, ...] = (1, 2)) -> dict:
     try:
         pcfg = plan_parallel(recipe)
         data_cfg = DataConfig.from_dict(recipe.data)
-        tok = load_tokenizer(data_cfg.tokenizer)
+        tok = load_tokenizer(tokenizer_source(recipe))  # the trainer's choice (train.preflight)
 
         def prepare(meta):
             apply_phase(meta, recipe.trainable_modules)

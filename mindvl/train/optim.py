@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 
 from mindvl.config import OptimSection, ScheduleSection
@@ -66,8 +67,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.
     if not norms:
         return torch.zeros(())
     total = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
-    # torch's clip coefficient max_norm / (norm + 1e-6) is < 1, or NaN: only then do the gradients change
-    if max_norm is not None and not float(total) + 1e-6 <= max_norm:
+    # torch's clip coefficient max_norm / (norm + 1e-6) is < 1, or NaN: only then do the gradients change. A fake
+    # tensor (the planner's simulated step) has no value to read: clip, the costlier branch.
+    if max_norm is not None and (is_fake(total) or not float(total) + 1e-6 <= max_norm):
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
