@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_mindvl import tiny_model
 
 from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.data.synth import generate
-from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 
 @pytest.fixture(scope="module")
@@ -21,17 +21,6 @@ def packs(tmp_path_factory):
                                 "pack_buffer": 6, "max_pixels": 64 * 28 * 28})
     tok = load_tokenizer()
     return tok, [p.to_torch() for p in itertools.islice(build_loader(cfg, tok, max_epochs=1), 3)]
-
-
-def tiny_model(tok) -> MindVL:
-    sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, mrope_section=[1, 1, 2])
-    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
-    model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
-                                vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
-    model.init_weights(seed=0)
-    return model
 
 
 def test_pack_positions_equal_the_models_own(packs):

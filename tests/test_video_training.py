@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from tiny_mindvl import tiny_model
 
 from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.data.video import write_test_video
-from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 
 def qa(question: str, answer: str) -> dict:
@@ -37,12 +37,7 @@ def test_pack_with_every_kind_trains_and_matches_samples_one_by_one(tmp_path):
     p = pack.to_torch()
     assert p["image_grid_thw"].tolist() == [[1, 4, 6], [2, 4, 6], [1, 4, 6]]
     sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, mrope_section=[1, 1, 2])
-    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
-    model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
-                                vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
-    model.init_weights(seed=0, std=0.1)
+    model = tiny_model(tok, std=0.1)
     loss_sum, count = model(**p)
     loss_sum.backward()
     assert model.visual.patch_embed.weight.grad.abs().sum() > 0

@@ -1,5 +1,6 @@
-"""A tiny random MindVL on mindvl's default tokenizer, saved as `mindvl export` saves one (tokenizer included): the
-model folder the generation, chat, evaluation and lmms-eval adapter tests run against."""
+"""Tiny random MindVLs on mindvl's default tokenizer: in memory (`tiny_model`), or saved as `mindvl export` saves one,
+tokenizer included (`tiny_model_folder`: the model folder the generation, chat, evaluation and lmms-eval adapter
+tests run against)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 
-def tiny_model_folder(path: Path, seed: int = 3, std: float = 0.1) -> Path:
-    tok = load_tokenizer(None)
+def tiny_model(tok=None, hidden_size: int = 32, head_dim: int = 8, mrope_section=(1, 1, 2), seed: int = 0,
+               std: float = 0.02) -> MindVL:
+    """A 2-layer M-RoPE MindVL with a 2-block vision tower on `tok` (default: mindvl's tokenizer), seeded weights."""
+    tok = tok or load_tokenizer(None)
     sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      mrope_section=[2, 3, 3])
+    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 3 // 2,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      mrope_section=list(mrope_section))
     vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
     model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
                                 vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
     model.init_weights(seed=seed, std=std)
+    return model
+
+
+def tiny_model_folder(path: Path, seed: int = 3, std: float = 0.1) -> Path:
+    model = tiny_model(hidden_size=64, head_dim=16, mrope_section=(2, 3, 3), seed=seed, std=std)
     return save_pretrained(model, path, side_files_from=DEFAULT_TOKENIZER_PATH.parent)
