@@ -13,7 +13,7 @@ import sys
 
 # Sub-command modules, in the order `mindvl --help` lists them.
 COMMAND_MODULES = ("quickstart", "train", "export", "convert", "merge", "chat", "eval", "search_resolution", "data",
-                   "moe_trace", "moe_analyze")
+                   "moe_trace", "moe_analyze", "ablate")
 
 
 def build_parser() -> argparse.ArgumentParser:
