@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from mindvl.quickstart import SFT_VARIANTS, sft_overrides
 
 ABLATIONS = ("merge", "resolution", "phases", "lm-merge")
+RUN_ORDER = ("merge", "resolution", "lm-merge", "phases")  # cheapest first: phases adds the 4-phase chain
 SFT_4K = "sft-1024"  # the middle SFT variant: the paper's 3-phase model and its "4K" model of Table 7
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from mindvl.quickstart import DEFAULT_SETTING, PX, eval_settings, recipe_dir, run_phase, write_benchmarks
 
-from .plan import CLAIMS, MERGES, SCALES, STAGES, Scale, labels_for, stages_for
+from .plan import CLAIMS, MERGES, RUN_ORDER, SCALES, STAGES, Scale, labels_for, stages_for
 from .text_eval import TEXT_TASK, evaluate_text
 
 RESULTS = "results.json"
@@ -95,34 +95,44 @@ def _benchmarks(folder: Path, n: int) -> dict[str, Path]:
 
 def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, overrides: list[str],
              benches: dict[str, Path], log=print) -> dict[str, Any]:
-    """One seed's training, merges and evaluations; returns (and stores as seed<s>/results.json) its scores."""
+    """One seed's training, merges and evaluations; returns (and stores as seed<s>/results.json) its scores.
+
+    Claims are worked through cheapest first and results.json is rewritten after each, so a seed stopped part-way
+    already holds the finished claims' numbers (and a rerun picks up from there)."""
     from mindvl.eval.runner import write_json
 
     root = out / f"seed{seed}"
-    labels = labels_for(claims)
     done = root / RESULTS
+    result: dict[str, Any] = {"seed": seed, "claims": [], "models": {}, "training": {}, "scores": {},
+                              "eval_seconds": 0.0}
     if done.is_file():
-        saved = json.loads(done.read_text())
-        if set(labels) <= set(saved["models"]):
+        result = json.loads(done.read_text())
+        if set(claims) <= set(result["claims"]):
             log(f"seed {seed}: reused {done}")
-            return saved
-    training: dict[str, Any] = {}
-    models: dict[str, Path] = {}
-    for name in stages_for(labels):
-        stage = STAGES[name]
-        parent = models[stage.parent] if stage.parent else None
-        extra = [*stage.extra, f"max_steps={sc.steps[stage.recipe]}", *seed_overrides(seed), *overrides]
-        summary = run_phase(name, recipes / stage.recipe, root, out / "synth", parent, extra, log)
-        training[name] = {k: v for k, v in summary.items() if k != "recipe"}
-        models[name] = Path(summary["final"])
-    for name in [m for m in MERGES if m in labels]:
-        models[name] = make_merge(name, root, models, log)
-
-    t0 = time.perf_counter()
-    scores = evaluate_models({label: models[label] for label in labels}, claims, root / "eval", benches, sc, log)
-    result = {"seed": seed, "models": {label: str(models[label]) for label in labels}, "training": training,
-              "scores": scores, "eval_seconds": round(time.perf_counter() - t0, 1)}
-    write_json(done, result)
+            return result
+    models = {label: Path(path) for label, path in result["models"].items()}
+    for claim in sorted(claims, key=RUN_ORDER.index):
+        if claim in result["claims"]:
+            continue
+        labels = labels_for([claim])
+        for name in stages_for(labels):
+            stage = STAGES[name]
+            parent = models[stage.parent] if stage.parent else None
+            extra = [*stage.extra, f"max_steps={sc.steps[stage.recipe]}", *seed_overrides(seed), *overrides]
+            summary = run_phase(name, recipes / stage.recipe, root, out / "synth", parent, extra, log)
+            result["training"][name] = {k: v for k, v in summary.items() if k != "recipe"}
+            models[name] = Path(summary["final"])
+        for name in [m for m in MERGES if m in labels]:
+            models[name] = make_merge(name, root, models, log)
+        t0 = time.perf_counter()
+        scores = evaluate_models({label: models[label] for label in labels}, [claim], root / "eval", benches, sc,
+                                 log)
+        for label, per in scores.items():
+            result["scores"].setdefault(label, {}).update(per)
+        result["eval_seconds"] = round(result["eval_seconds"] + time.perf_counter() - t0, 1)
+        result["models"] = {label: str(path) for label, path in models.items()}
+        result["claims"].append(claim)
+        write_json(done, result)
     return result
 
 
