@@ -67,12 +67,14 @@ def analyse_claim(claim: Claim, per_seed: list[dict[str, Any]], verdicts: bool) 
     comparisons = [compare(claim, c, per_seed, verdicts) for c in claim.comparisons]
     secondary = [compare(claim, c, per_seed, verdicts) for c in claim.secondary]
     verdict = claim_verdict([c["verdict"] for c in comparisons]) if verdicts else None
-    return {"statement": claim.statement, "metric": claim.metric, "grid": claim.grid, "variants": variants,
+    return {"statement": claim.statement, "seeds": [s["seed"] for s in per_seed], "metric": claim.metric,
+            "grid": claim.grid, "variants": variants,
             "comparisons": comparisons, "secondary": secondary, "verdict": verdict}
 
 
 def analyse(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool = True) -> dict[str, Any]:
-    """The whole analysis (what ablation.json holds, less its config)."""
+    """The whole analysis (what ablation.json holds, less its config). Each claim is analysed over the seeds that
+    finished it (all of them, except in a report of a run still under way)."""
     training: dict[str, Any] = {}
     for s in per_seed:
         for stage, t in s["training"].items():
@@ -80,5 +82,6 @@ def analyse(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool = 
                                                 "seconds": []})
             for key in ("first_loss", "last_loss", "seconds"):
                 entry[key].append(t[key])
-    return {"seeds": len(per_seed), "claims": {c: analyse_claim(CLAIMS[c], per_seed, verdicts) for c in claims},
+    finished = {c: [s for s in per_seed if c in s.get("claims", claims)] for c in claims}
+    return {"seeds": len(per_seed), "claims": {c: analyse_claim(CLAIMS[c], finished[c], verdicts) for c in claims},
             "training": training, "eval_seconds": [s["eval_seconds"] for s in per_seed]}

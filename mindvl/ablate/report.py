@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mindvl.eval.resolution_search import box_plot
 from mindvl.quickstart import pyplot
 
 from .analysis import METRICS
@@ -24,10 +25,11 @@ def _ci(ci: dict[str, Any] | None) -> str:
     return f"{100 * ci['mean']:+.1f} [{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]"
 
 
-def claim_section(name: str, claim: dict[str, Any], n_seeds: int, plots: list[Path], out: Path) -> list[str]:
+def claim_section(name: str, claim: dict[str, Any], plots: list[Path], out: Path) -> list[str]:
     verdict = claim["verdict"] or "no verdict (one-seed trial)"
     lines = [f"## {name}: {verdict}", "", f"*Claim:* {claim['statement']}", "",
-             f"Exact match in %, mean ± std over {n_seeds} seed(s), at the training resolution:", "",
+             f"Exact match in %, mean ± std over {len(claim['seeds'])} seed(s) "
+             f"({', '.join(str(s) for s in claim['seeds'])}), at the training resolution:", "",
              "| variant | model | " + " | ".join(METRICS) + " |", "|" + " --- |" * (2 + len(METRICS))]
     for vname, v in claim["variants"].items():
         cells = [_pct(v["metrics"][m]["mean"], v["metrics"][m]["std"]) for m in METRICS]
@@ -61,8 +63,10 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
     lines = ["# mindvl ablation report", "",
              f"Claims {', '.join(cfg['claims'])}; {n} seed(s); scale `{cfg['scale']}` (steps {cfg['steps']}); "
              f"{cfg['bench_items']} held-out items per benchmark; grid `{cfg['grid']}` (x 28 x 28 pixels)"
-             + (f"; overrides {cfg['overrides']}" if cfg["overrides"] else "") + f". Whole run {analysis['seconds']} s "
-             "(reused runs count their original time below, not here).", "",
+             + (f"; overrides {cfg['overrides']}" if cfg["overrides"] else "") + ". "
+             + ("A report of the claims finished so far (`--report-only`)." if cfg.get("report_only") else
+                f"Whole run {analysis['seconds']} s (reused runs count their original time below, not here)."),
+             "",
              "Verdicts: *supported* when the 95% interval over seeds of every claimed difference lies above 0 (for "
              "\">=\": above minus the margin), *not supported* when one lies wholly on the wrong side, else "
              "*inconclusive* at this scale.", "", "| claim | verdict |", "| --- | --- |"]
@@ -72,14 +76,18 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
     for name, claim in analysis["claims"].items():
         plots = [p for p in (plot_claim(out, name, claim),) if p is not None]
         if claim["grid"]:
-            plots += [p for p in (box_plot(out, name, claim, b) for b in
-                                  next(iter(claim["variants"].values()))["grid"]) if p is not None]
-        lines += claim_section(name, claim, n, plots, out)
+            # Figure 4: one box per model over the grid's settings (each setting's score averaged over seeds).
+            settings = {v: entry["settings"] for v, entry in claim["variants"].items()}
+            plots += [p for p in (box_plot(settings, b, "exact match (mean over seeds)",
+                                           out / f"{name}_boxplot_{b}.png")
+                                  for b in next(iter(settings.values()))) if p is not None]
+        lines += claim_section(name, claim, plots, out)
     lines += ["## Training (every variant trained: loss at its first and last logged step)", "",
-              "| stage | steps | first loss | last loss | seconds per seed |", "| --- | --- | --- | --- | --- |"]
+              "| stage | steps | first loss (mean over seeds) | last loss | seconds per seed |",
+              "| --- | --- | --- | --- | --- |"]
     for stage, t in analysis["training"].items():
-        first = sum(t["first_loss"]) / n
-        last = sum(t["last_loss"]) / n
+        first = sum(t["first_loss"]) / len(t["first_loss"])
+        last = sum(t["last_loss"]) / len(t["last_loss"])
         lines.append(f"| {stage} | {t['steps']} | {first:.3f} | {last:.3f} | "
                      f"{', '.join(f'{s:.0f}' for s in t['seconds'])} |")
     lines += ["", f"Evaluation seconds per seed: {', '.join(f'{s:.0f}' for s in analysis['eval_seconds'])}.", ""]
@@ -102,32 +110,11 @@ def plot_claim(out: Path, name: str, claim: dict[str, Any]) -> Path | None:
         ax.errorbar([i + 0.15], [m["mean"]], yerr=[m["std"] or 0.0], fmt="o", color="black", capsize=4)
     ax.set_xticks(range(len(names)), names, rotation=15)
     ax.set_ylabel(f"{metric} exact match")
+    ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"{name}: per seed (dots), mean ± std (black)")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     path = out / f"{name}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def box_plot(out: Path, name: str, claim: dict[str, Any], bench: str) -> Path | None:
-    """Figure 4: one box per model over the grid's settings (seed-mean per setting)."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    names = list(claim["variants"])
-    data = [list(claim["variants"][v]["settings"][bench].values()) for v in names]
-    fig, ax = plt.subplots(figsize=(1.8 + 1.2 * len(names), 3.6))
-    ax.boxplot(data, showmeans=True)
-    for i, values in enumerate(data, start=1):
-        ax.scatter([i] * len(values), values, s=10, alpha=0.6)
-    ax.set_xticks(range(1, len(names) + 1), names, rotation=15)
-    ax.set_ylabel(f"{bench} exact match (mean over seeds)")
-    ax.set_title(f"{bench}: across (min, max) pixel settings")
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    path = out / f"{name}_boxplot_{bench}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

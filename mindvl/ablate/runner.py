@@ -49,19 +49,29 @@ def check_request(claims: list[str], seeds: int, scale: str | Scale, verdicts: b
 
 def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Scale = "tiny",
                  recipes: str | Path | None = None, overrides: list[str] | None = None, verdicts: bool = True,
-                 log=print) -> dict[str, Any]:
+                 log=print, report_only: bool = False) -> dict[str, Any]:
     """Train, merge and evaluate seeds 0..seeds-1 for `claims`, then write OUT/report.md, PNGs and ablation.json;
-    returns the analysis (see mindvl.ablate.analysis.analyse). `scale` names one of SCALES or is a Scale."""
-    from mindvl.eval.runner import write_json
+    returns the analysis (see mindvl.ablate.analysis.analyse). `scale` names one of SCALES or is a Scale.
 
-    from .analysis import analyse
-    from .report import write_report
-
+    `report_only`: train nothing; report the claims that enough seeds (2, or 1 without verdicts) have finished so far
+    (e.g. while a long ablation is still running in another process)."""
     check_request(claims, seeds, scale, verdicts)
     out = Path(out)
     recipes = Path(recipes) if recipes else recipe_dir()
     sc = scale if isinstance(scale, Scale) else SCALES[scale]
     start = time.perf_counter()
+    config = {"claims": claims, "seeds": seeds, "scale": scale if isinstance(scale, str) else "custom",
+              "steps": sc.steps, "bench_items": sc.bench_items, "grid": sc.grid, "overrides": list(overrides or []),
+              "recipes": str(recipes), "report_only": report_only}
+    if report_only:
+        files = [out / f"seed{seed}" / RESULTS for seed in range(seeds)]
+        per_seed = [json.loads(p.read_text()) for p in files if p.is_file()]
+        need = 2 if verdicts else 1
+        ready = [c for c in claims if sum(c in s["claims"] for s in per_seed) >= need]
+        if not ready:
+            raise ValueError(f"{out}: no claim of {', '.join(claims)} is finished by {need} seed(s) yet; nothing to "
+                             "report")
+        return _finish(ready, per_seed, verdicts, out, config, start, log)
     benches = _benchmarks(out / "bench", sc.bench_items)
     per_seed = []
     for seed in range(seeds):
@@ -69,11 +79,18 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
         log(f"--- seed {seed} ---")
         per_seed.append(run_seed(claims, seed, out, recipes, sc, list(overrides or []), benches, log))
         log(f"seed {seed} done in {time.perf_counter() - t0:.0f} s")
+    return _finish(claims, per_seed, verdicts, out, config, start, log)
+
+
+def _finish(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool, out: Path, config: dict[str, Any],
+            start: float, log) -> dict[str, Any]:
+    from mindvl.eval.runner import write_json
+
+    from .analysis import analyse
+    from .report import write_report
+
     analysis = analyse(claims, per_seed, verdicts)
-    analysis["config"] = {"claims": claims, "seeds": seeds, "scale": scale if isinstance(scale, str) else "custom",
-                          "steps": sc.steps,
-                          "bench_items": sc.bench_items, "grid": sc.grid, "overrides": list(overrides or []),
-                          "recipes": str(recipes)}
+    analysis["config"] = {**config, "claims": claims}
     analysis["seconds"] = round(time.perf_counter() - start, 1)
     write_json(out / "ablation.json", analysis)
     report = write_report(out, analysis)
@@ -115,7 +132,7 @@ def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, 
         if claim in result["claims"]:
             continue
         labels = labels_for([claim])
-        for name in stages_for(labels):
+        for name in [n for n in stages_for(labels) if n not in models]:  # shared stages: once per seed
             stage = STAGES[name]
             parent = models[stage.parent] if stage.parent else None
             extra = [*stage.extra, f"max_steps={sc.steps[stage.recipe]}", *seed_overrides(seed), *overrides]

@@ -15,6 +15,8 @@ def register(subparsers) -> None:
     p.add_argument("--recipes", default=None, help="folder with text/warmup/pretrain/multitask/sft.yaml (default: "
                    "the tiny ones)")
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
+    p.add_argument("--report-only", action="store_true", help="train nothing: report the claims the seeds under "
+                   "--out have finished so far (e.g. while the ablation runs in another process)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every training run (e.g. "
                    "optim.lr=5e-4); they are part of each run's recipe, so a rerun with other ones needs a new --out")
     p.set_defaults(func=run)
@@ -25,5 +27,5 @@ def run(args) -> int:
 
     claims = parse_ablations(args.ablation)
     run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
-                 verdicts=not args.no_verdict)
+                 verdicts=not args.no_verdict, report_only=args.report_only)
     return 0
