@@ -78,9 +78,9 @@ def analyse(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool = 
     training: dict[str, Any] = {}
     for s in per_seed:
         for stage, t in s["training"].items():
-            entry = training.setdefault(stage, {"steps": t["steps"], "first_loss": [], "last_loss": [],
-                                                "seconds": []})
-            for key in ("first_loss", "last_loss", "seconds"):
+            keys = [k for k in ("first_loss", "last_loss", "loss_start", "loss_end", "seconds") if k in t]
+            entry = training.setdefault(stage, {"steps": t["steps"], **{k: [] for k in keys}})
+            for key in keys:
                 entry[key].append(t[key])
     finished = {c: [s for s in per_seed if c in s.get("claims", claims)] for c in claims}
     return {"seeds": len(per_seed), "claims": {c: analyse_claim(CLAIMS[c], finished[c], verdicts) for c in claims},

@@ -89,6 +89,9 @@ def _finish(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool, o
     from .analysis import analyse
     from .report import write_report
 
+    for s in per_seed:  # single packs are noisy: the report compares the first and last tenth of each run
+        for t in s["training"].values():
+            t["loss_start"], t["loss_end"] = loss_ends(Path(t["final"]).parent / "metrics.jsonl")
     analysis = analyse(claims, per_seed, verdicts)
     analysis["config"] = {**config, "claims": claims}
     analysis["seconds"] = round(time.perf_counter() - start, 1)
@@ -96,6 +99,13 @@ def _finish(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool, o
     report = write_report(out, analysis)
     log(f"ablation done in {analysis['seconds']} s; report: {report}")
     return analysis
+
+
+def loss_ends(metrics: Path) -> tuple[float, float]:
+    """Mean loss over the first and over the last tenth of a run's logged steps (at least one step each)."""
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if line.strip()]
+    k = max(1, len(losses) // 10)
+    return sum(losses[:k]) / k, sum(losses[-k:]) / k
 
 
 def _benchmarks(folder: Path, n: int) -> dict[str, Path]:
