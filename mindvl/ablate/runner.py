@@ -71,6 +71,9 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
         if not ready:
             raise ValueError(f"{out}: no claim of {', '.join(claims)} is finished by {need} seed(s) yet; nothing to "
                              "report")
+        # The runs may have used another budget than the one named now: report what they were trained with.
+        trained = {name: t["steps"] for s in per_seed for name, t in s["training"].items()}
+        config.update(scale="as trained", steps=trained)
         return _finish(ready, per_seed, verdicts, out, config, start, log)
     benches = _benchmarks(out / "bench", sc.bench_items)
     per_seed = []

@@ -10,8 +10,8 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 2 for a verdict; default 3)")
     p.add_argument("--out", default="runs/ablate", help="output folder; a rerun reuses finished runs (default "
                    "runs/ablate)")
-    p.add_argument("--scale", default="tiny", help="step budget: tiny (the whole suite, 3 seeds, <= 60 min on 2 idle "
-                   "cores) or small (the tiny recipes' own step counts)")
+    p.add_argument("--scale", default="tiny", help="step budget: tiny (the tiny recipes' own step counts; the whole "
+                   "suite with 3 seeds in ~45 min on 2 idle cores) or small (twice the steps)")
     p.add_argument("--recipes", default=None, help="folder with text/warmup/pretrain/multitask/sft.yaml (default: "
                    "the tiny ones)")
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
