@@ -68,8 +68,8 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
                 f"Whole run {analysis['seconds']} s (reused runs count their original time below, not here)."),
              "",
              "Verdicts: *supported* when the 95% interval over seeds of every claimed difference lies above 0 (for "
-             "\">=\": above minus the margin), *not supported* when one lies wholly on the wrong side, else "
-             "*inconclusive* at this scale.", "", "| claim | verdict |", "| --- | --- |"]
+             "\">=\": above minus the margin), *not supported* when one lies wholly at or below 0 (for \">=\": "
+             "below 0), else *inconclusive* at this scale.", "", "| claim | verdict |", "| --- | --- |"]
     for name, claim in analysis["claims"].items():
         lines.append(f"| {name} | {claim['verdict'] or '—'} |")
     lines.append("")

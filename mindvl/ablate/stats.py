@@ -91,13 +91,14 @@ def bootstrap_ci(a: np.ndarray, b: np.ndarray, resamples: int = BOOTSTRAP_RESAMP
 def comparison_verdict(ci: Interval, relation: str = ">", margin: float = 0.0) -> str:
     """One comparison's verdict from its seed-level interval of (claimed better) - (other).
 
-    `>`: supported when the whole interval is above 0, not supported when it is wholly below 0, else inconclusive.
+    `>`: supported when the whole interval is above 0, not supported when it lies at or below 0 (including the
+    degenerate [0, 0] of variants that scored the same in every seed: "higher" did not happen), else inconclusive.
     `>=`: non-inferiority with `margin`: supported when the interval lies above -margin, not supported when it lies
     wholly below 0 (the other variant is better), else inconclusive."""
     if ci.low is None or ci.high is None:
         return INCONCLUSIVE
     if relation == ">":
-        return SUPPORTED if ci.low > 0 else NOT_SUPPORTED if ci.high < 0 else INCONCLUSIVE
+        return SUPPORTED if ci.low > 0 else NOT_SUPPORTED if ci.high <= 0 else INCONCLUSIVE
     if relation == ">=":
         return SUPPORTED if ci.low > -margin else NOT_SUPPORTED if ci.high < 0 else INCONCLUSIVE
     raise ValueError(f"unknown relation {relation!r} (use > or >=)")

@@ -73,6 +73,7 @@ def test_verdict_rules():
     assert comparison_verdict(Interval(0.05, 0.01, 0.09, 3)) == SUPPORTED
     assert comparison_verdict(Interval(-0.05, -0.09, -0.01, 3)) == NOT_SUPPORTED
     assert comparison_verdict(Interval(0.01, -0.02, 0.04, 3)) == INCONCLUSIVE
+    assert comparison_verdict(Interval(0.0, 0.0, 0.0, 3)) == NOT_SUPPORTED  # equal in every seed: not higher
     # ">=" within a 2-point margin: a small, certain deficit is still "no worse", a clear one is not.
     assert comparison_verdict(Interval(-0.005, -0.01, 0.0, 3), ">=", 0.02) == SUPPORTED
     assert comparison_verdict(Interval(-0.05, -0.08, -0.03, 3), ">=", 0.02) == NOT_SUPPORTED
