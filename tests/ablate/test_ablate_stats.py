@@ -83,20 +83,20 @@ def test_verdict_rules():
     assert claim_verdict([SUPPORTED, INCONCLUSIVE, NOT_SUPPORTED]) == NOT_SUPPORTED
 
 
-def _seed(merged_hits: int, sft_hits: dict[str, int], n: int = 20) -> dict:
+def _seed(seed: int, merged_hits: int, sft_hits: dict[str, int], n: int = 20) -> dict:
     """One seed's scores: `hits` right answers out of n OCR items (the first ones), nothing else right."""
     def score(hits: int) -> dict:
         return {"items": {"ocrbench": [1.0] * hits + [0.0] * (n - hits), "chartqa": [0.0] * n,
                           "docvqa": [0.0] * n}, "text": [0.0] * n}
     scores = {name: score(h) for name, h in sft_hits.items()} | {"merged": score(merged_hits)}
-    return {"scores": scores, "training": {"multitask": {"steps": 5, "first_loss": 5.0, "last_loss": 1.0,
+    return {"seed": seed, "scores": scores, "training": {"multitask": {"steps": 5, "first_loss": 5.0, "last_loss": 1.0,
                                                         "seconds": 2.0}}, "eval_seconds": 1.0}
 
 
 def test_merge_claim_numbers_and_verdicts():
-    seeds = [_seed(15, {"sft-512": 10, "sft-1024": 12, "sft-2048": 11}),
-             _seed(16, {"sft-512": 11, "sft-1024": 12, "sft-2048": 13}),
-             _seed(14, {"sft-512": 9, "sft-1024": 11, "sft-2048": 12})]
+    seeds = [_seed(0, 15, {"sft-512": 10, "sft-1024": 12, "sft-2048": 11}),
+             _seed(1, 16, {"sft-512": 11, "sft-1024": 12, "sft-2048": 13}),
+             _seed(2, 14, {"sft-512": 9, "sft-1024": 11, "sft-2048": 12})]
     claim = analyse(["merge"], seeds)["claims"]["merge"]
     merged = claim["variants"]["merged"]["metrics"]["ocrbench"]
     assert merged["values"] == [0.75, 0.8, 0.7] and merged["std"] == pytest.approx(0.05)
@@ -108,7 +108,7 @@ def test_merge_claim_numbers_and_verdicts():
     assert cmp["sft-1024"]["seed_ci"]["low"] == pytest.approx(statistics.mean(d) - half)
     assert all(c["verdict"] == SUPPORTED for c in claim["comparisons"]) and claim["verdict"] == SUPPORTED
     # One seed where an SFT model wins by far makes the interval straddle 0: inconclusive, not supported.
-    seeds[2] = _seed(8, {"sft-512": 9, "sft-1024": 11, "sft-2048": 18})
+    seeds[2] = _seed(2, 8, {"sft-512": 9, "sft-1024": 11, "sft-2048": 18})
     assert analyse(["merge"], seeds)["claims"]["merge"]["verdict"] == INCONCLUSIVE
     no_verdict = analyse(["merge"], seeds[:1], verdicts=False)["claims"]["merge"]
     assert no_verdict["verdict"] is None and no_verdict["comparisons"][0]["seed_ci"]["low"] is None
