@@ -133,10 +133,16 @@ def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, 
 
     root = out / f"seed{seed}"
     done = root / RESULTS
-    result: dict[str, Any] = {"seed": seed, "claims": [], "models": {}, "training": {}, "scores": {},
-                              "eval_seconds": 0.0}
+    budget = {"steps": sc.steps, "bench_items": sc.bench_items, "grid": sc.grid, "overrides": overrides,
+              "recipes": str(recipes)}
+    result: dict[str, Any] = {"seed": seed, "budget": budget, "claims": [], "models": {}, "training": {},
+                              "scores": {}, "eval_seconds": 0.0}
     if done.is_file():
         result = json.loads(done.read_text())
+        if result.get("budget", budget) != budget:
+            keys = sorted(k for k in budget if result["budget"].get(k) != budget[k])
+            raise ValueError(f"{done} was made with another budget (differs in {', '.join(keys)}); write to another "
+                             "--out or delete it")
         if set(claims) <= set(result["claims"]):
             log(f"seed {seed}: reused {done}")
             return result

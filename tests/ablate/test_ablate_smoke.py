@@ -88,3 +88,7 @@ def test_ablate_all_smoke_and_resume(tmp_path):
     reused = [line.split(":")[0].strip() for line in lines if "reused" in line]
     assert sorted(reused) == sorted(set(STAGES) - {"4phase-sft"})
     assert again["claims"] == analysis["claims"]
+    # Another budget into the same folder is refused in one line rather than mixed with these runs.
+    other = Scale({**SMOKE.steps, "sft.yaml": STEPS + 1}, SMOKE.bench_items, SMOKE.grid)
+    with pytest.raises(ValueError, match="another budget"):
+        run_ablation(["merge"], 1, out, other, recipes, verdicts=False, log=lambda line: None)
