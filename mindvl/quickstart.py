@@ -8,6 +8,9 @@ Each phase starts from the previous phase's exported weights with a fresh optimi
 SFT runs all start from the multitask model, like the paper's 2K/4K/8K variants. The recipes are the tiny ones
 shipped in `mindvl/recipes/tiny`; the SFT variants are `sft.yaml` with `data.seq_len` and `data.max_pixels`
 overridden. The untrained model (the warm-up's random initial weights) is evaluated too, as the floor.
+
+The building blocks (`run_phase`: one resumable phase; `sft_overrides`, `eval_settings`, `write_benchmarks`) are
+also what `mindvl ablate` composes, so the ablation measures this very pipeline.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from mindvl.config import load_recipe
+from mindvl.eval.runner import EvalSettings
 from mindvl.train.trainer import train
 
 PX = 28 * 28
@@ -82,10 +86,9 @@ def sft_overrides(seq_len: int, max_px: int) -> list[str]:
     return [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"]
 
 
-def train_phases(out: Path, recipes: Path, overrides: list[str], log=print,
-                 init: Path | None = None) -> dict[str, Any]:
-    """Warm-up (from `init`, default the recipe's seeded weights) -> multitask -> three SFT variants; returns
-    {phase: summary} with each phase's `final` folder. Finished phases under OUT are reused."""
+def train_phases(out: Path, recipes: Path, overrides: list[str], log=print) -> dict[str, Any]:
+    """Warm-up -> multitask -> three SFT variants; returns {phase: summary} with each phase's `final` folder.
+    Finished phases under OUT are reused."""
     cache = out / "synth"
     phases: dict[str, Any] = {}
 
@@ -93,17 +96,15 @@ def train_phases(out: Path, recipes: Path, overrides: list[str], log=print,
         phases[name] = run_phase(name, recipes / recipe, out, cache, parent, [*extra, *overrides], log)
         return Path(phases[name]["final"])
 
-    warm = run("warmup", "warmup.yaml", init, [])
+    warm = run("warmup", "warmup.yaml", None, [])
     multi = run("multitask", "multitask.yaml", warm, [])
     for name, (seq_len, max_px) in SFT_VARIANTS.items():
         run(name, "sft.yaml", multi, sft_overrides(seq_len, max_px))
     return phases
 
 
-def eval_settings() -> Any:
+def eval_settings() -> EvalSettings:
     """How the quickstart and the ablation evaluate the tiny models."""
-    from mindvl.eval.runner import EvalSettings
-
     # The tiny recipes train without a system turn; answers are short, so 16 new tokens bound every generation.
     return EvalSettings(system=None, max_new_tokens=16, batch_size=16)
 
