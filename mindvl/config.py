@@ -33,10 +33,12 @@ ALIASES = {
     "overwrite": "overwrite",
 }
 
-PHASES = ("warmup", "multitask", "sft")
+PHASES = ("warmup", "pretrain", "multitask", "sft")
 MODULES = ("visual", "projector", "language_model")
-# What each paper phase trains (Table 1): the warm-up aligns the towers through the MLP adaptor alone.
-PHASE_TRAINABLE = {"warmup": ["projector"], "multitask": list(MODULES), "sft": list(MODULES)}
+# What each paper phase trains (Table 1): the warm-up aligns the towers through the MLP adaptor alone. `pretrain` is
+# the extra phase of the paper's 4-phase ablation (Table 17: ViT + MLP adaptor, the LLM frozen).
+PHASE_TRAINABLE = {"warmup": ["projector"], "pretrain": ["visual", "projector"], "multitask": list(MODULES),
+                   "sft": list(MODULES)}
 
 
 @dataclass
@@ -56,7 +58,7 @@ class ModelSection:
 
 @dataclass
 class PhaseSection:
-    name: str = "multitask"  # warmup | multitask | sft
+    name: str = "multitask"  # warmup | pretrain | multitask | sft
     trainable: list[str] | None = None  # default: PHASE_TRAINABLE[name]
 
 

@@ -8,6 +8,9 @@ Each phase starts from the previous phase's exported weights with a fresh optimi
 SFT runs all start from the multitask model, like the paper's 2K/4K/8K variants. The recipes are the tiny ones
 shipped in `mindvl/recipes/tiny`; the SFT variants are `sft.yaml` with `data.seq_len` and `data.max_pixels`
 overridden. The untrained model (the warm-up's random initial weights) is evaluated too, as the floor.
+
+The building blocks (`run_phase`: one resumable phase; `sft_overrides`, `eval_settings`, `write_benchmarks`) are
+also what `mindvl ablate` composes, so the ablation measures this very pipeline.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 import torch
 
 from mindvl.config import load_recipe
-from mindvl.train.trainer import RunResult, train
+from mindvl.eval.runner import EvalSettings
+from mindvl.train.trainer import train
 
 PX = 28 * 28
 # name -> (data.seq_len, data.max_pixels in 28x28 units): the paper's 2K/4K/8K SFT with 1280/3072/4096 x 28 x 28,
@@ -37,32 +41,79 @@ def recipe_dir() -> Path:
     return Path(__file__).resolve().parent / "recipes" / "tiny"
 
 
-def _phase(path: Path, out: Path, cache: Path, init: Path | None, extra: list[str]) -> RunResult:
-    items = [f"output_dir={out}", f"data.synth_cache={cache}", *extra]
+PHASE_SUMMARY = "phase.json"  # written into a phase's folder when it finished: what a rerun reuses
+
+
+def run_phase(name: str, recipe: Path, root: Path, cache: Path, init: Path | None, extra: list[str],
+              log=print) -> dict[str, Any]:
+    """Train `recipe` into ROOT/NAME from `init` (or its own seeded weights) unless that folder already holds a
+    finished run of the same recipe; returns {steps, first_loss, last_loss, seconds, final}.
+
+    Resumable: a finished phase is reused (its `phase.json`), an interrupted one continues from its last checkpoint
+    (`resume=auto`). Reusing a phase trained with another recipe would mix results silently, so that is an error."""
+    from mindvl.eval.runner import write_json
+
+    out = root / name
+    items = [f"output_dir={out}", f"data.synth_cache={cache}", *extra, "resume=auto"]
     if init is not None:
         items.append(f"init_from={init}")
-    return train(load_recipe(path, items))
+    cfg = load_recipe(recipe, items)
+    done = out / PHASE_SUMMARY
+    if done.is_file():
+        summary = json.loads(done.read_text())
+        if summary["recipe"] != cfg.to_dict():
+            before, now = summary["recipe"], cfg.to_dict()
+            keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+            raise ValueError(f"{out} holds a finished {name} run of another recipe (differs in {', '.join(keys)}); "
+                             "write to another output folder or delete it")
+        log(f"{name:>9}: reused ({summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
+            f"{summary['last_loss']:.3f})")
+        return summary
+    t0 = time.perf_counter()
+    result = train(cfg)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in records]  # the whole run's, also when it resumed after an interruption
+    summary = {"steps": result.steps, "first_loss": losses[0], "last_loss": losses[-1],
+               "seconds": round(time.perf_counter() - t0, 1), "final": str(result.final_dir), "recipe": cfg.to_dict()}
+    write_json(done, summary)
+    log(f"{name:>9}: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} in {result.steps} steps "
+        f"({summary['seconds']} s)")
+    return summary
+
+
+def sft_overrides(seq_len: int, max_px: int) -> list[str]:
+    """An SFT variant of `sft.yaml`: its sequence length and max_pixels (in 28 x 28 units)."""
+    return [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"]
 
 
 def train_phases(out: Path, recipes: Path, overrides: list[str], log=print) -> dict[str, Any]:
-    """Warm-up -> multitask -> three SFT variants; returns {phase: summary} with each phase's `final` folder."""
+    """Warm-up -> multitask -> three SFT variants; returns {phase: summary} with each phase's `final` folder.
+    Finished phases under OUT are reused."""
     cache = out / "synth"
     phases: dict[str, Any] = {}
 
-    def run(name: str, recipe: str, init: Path | None, extra: list[str]) -> Path:
-        t0 = time.perf_counter()
-        result = _phase(recipes / recipe, out / name, cache, init, [*extra, *overrides])
-        phases[name] = {"steps": result.steps, "first_loss": result.losses[0], "last_loss": result.losses[-1],
-                        "seconds": round(time.perf_counter() - t0, 1), "final": str(result.final_dir)}
-        log(f"{name:>9}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {result.steps} steps "
-            f"({phases[name]['seconds']} s)")
-        return result.final_dir
+    def run(name: str, recipe: str, parent: Path | None, extra: list[str]) -> Path:
+        phases[name] = run_phase(name, recipes / recipe, out, cache, parent, [*extra, *overrides], log)
+        return Path(phases[name]["final"])
 
     warm = run("warmup", "warmup.yaml", None, [])
     multi = run("multitask", "multitask.yaml", warm, [])
     for name, (seq_len, max_px) in SFT_VARIANTS.items():
-        run(name, "sft.yaml", multi, [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"])
+        run(name, "sft.yaml", multi, sft_overrides(seq_len, max_px))
     return phases
+
+
+def eval_settings() -> EvalSettings:
+    """How the quickstart and the ablation evaluate the tiny models."""
+    # The tiny recipes train without a system turn; answers are short, so 16 new tokens bound every generation.
+    return EvalSettings(system=None, max_new_tokens=16, batch_size=16)
+
+
+def write_benchmarks(out: Path, bench_items: int) -> dict[str, Path]:
+    """The held-out synthetic OCRBench (digit strips) / ChartQA / DocVQA files under OUT."""
+    from mindvl.eval.synth_bench import write_synthetic_benchmarks
+
+    return write_synthetic_benchmarks(out, n=bench_items, seed=BENCH_SEED, ocr_task="digits")
 
 
 def save_untrained(out: Path, recipes: Path) -> Path:
@@ -86,8 +137,7 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
                bench_items: int = BENCH_ITEMS, grid: str = QUICK_GRID, log=print) -> dict[str, Any]:
     from mindvl.checkpoint.merge import merge_checkpoints
     from mindvl.eval.resolution_search import parse_grid, search_resolution
-    from mindvl.eval.runner import EvalSettings, write_json
-    from mindvl.eval.synth_bench import write_synthetic_benchmarks
+    from mindvl.eval.runner import write_json
 
     out = Path(out)
     recipes = Path(recipes) if recipes else recipe_dir()
@@ -101,12 +151,10 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     log(f"   merged: {len(sft)} SFT models -> {merged}")
 
     t0 = time.perf_counter()
-    benches = write_synthetic_benchmarks(out / "bench", n=bench_items, seed=BENCH_SEED, ocr_task="digits")
+    benches = write_benchmarks(out / "bench", bench_items)
     checkpoints = {"untrained": save_untrained(out, recipes),
                    **{name: Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS}, "merged": merged}
-    # The tiny recipes train without a system turn; answers are short, so 16 new tokens bound every generation.
-    settings = EvalSettings(system=None, max_new_tokens=16, batch_size=16)
-    search = search_resolution(checkpoints, benches, parse_grid(grid), out / "search", settings, device="cpu",
+    search = search_resolution(checkpoints, benches, parse_grid(grid), out / "search", eval_settings(), device="cpu",
                                log=lambda line: None)
     summary["search_seconds"] = round(time.perf_counter() - t0, 1)
     summary["evaluation"] = {label: {bench: {"score": per[DEFAULT_SETTING],
@@ -160,7 +208,7 @@ def write_report(out: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -173,7 +221,7 @@ def _pyplot():
 
 def plot_losses(out: Path, phases: list[str]) -> Path | None:
     """Every phase's loss against the cumulative optimizer step, one colour per phase (SFT variants overlap)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -197,7 +245,7 @@ def plot_losses(out: Path, phases: list[str]) -> Path | None:
 
 def plot_scores(out: Path, summary: dict[str, Any]) -> Path | None:
     """Exact match per benchmark and checkpoint at the training resolution (grouped bars)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     labels = list(summary["evaluation"])

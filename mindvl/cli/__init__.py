@@ -14,7 +14,7 @@ import sys
 
 # Sub-command modules, in the order `mindvl --help` lists them.
 COMMAND_MODULES = ("quickstart", "train", "plan", "export", "convert", "merge", "chat", "eval", "search_resolution",
-                   "data", "curate", "moe_trace", "moe_analyze")
+                   "data", "curate", "moe_trace", "moe_analyze", "ablate")
 
 
 def build_parser() -> argparse.ArgumentParser:

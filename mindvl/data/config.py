@@ -14,7 +14,8 @@ from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIX
 from .template import DEFAULT_SYSTEM
 
 SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
-SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits")  # digits: short digit strings, the quickstart's learnable OCR task
+# digits: short digit strings, the quickstart's learnable OCR task; reverse: text only, the ablation's text probe
+SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse")
 
 
 def _check_keys(d: Any, cls: type, where: str) -> dict:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix; GENERATORS also has "digits"
-SYNTH_VERSION = 2  # bump when the generator's output changes, so cached sets are regenerated
+TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix; GENERATORS also has "digits", TEXT_GENERATORS "reverse"
+SYNTH_VERSION = 3  # bump when the generator's output changes, so cached sets are regenerated
 
 WORDS = (
     "apple river mountain signal quantum harbor velvet copper garden silent orbit lantern meadow crystal thunder "
@@ -188,15 +188,30 @@ def _doc(rng: random.Random) -> tuple[Image.Image, str, str]:
     return img, f"According to the document, what is the {key.lower()}?", fields[key]
 
 
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    """Text only: write a 3-6 digit number backwards. A skill a tiny language model learns in a few hundred steps and
+    that vision-language training on images alone erodes: the ablation's text-ability probe (claim 4)."""
+    text = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 6)))
+    q = rng.choice(("Write {} backwards.", "Reverse the digits {}.", "What is {} reversed?")).format(text)
+    return q, text[::-1]
+
+
 GENERATORS: dict[str, Callable[[random.Random], tuple[Image.Image, str, str]]] = {
     "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc, "digits": _digits,
 }
+# Text-only tasks: (question, answer) with no image.
+TEXT_GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"reverse": _reverse}
 
 
-def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Image, str]:
-    """Sample i: (record without its image path, image, task). A pure function of (seed, i, tasks)."""
+def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Image | None, str]:
+    """Sample i: (record without its image path, image or None for a text task, task). A pure function of
+    (seed, i, tasks)."""
     rng = random.Random(f"mindvl-synth:{seed}:{i}")
     task = tasks[rng.randrange(len(tasks))]
+    if task in TEXT_GENERATORS:
+        question, answer = TEXT_GENERATORS[task](rng)
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return {"messages": turns}, None, task
     img, question, answer = GENERATORS[task](rng)
     prompt = f"<image>{question}" if rng.random() < 0.8 else f"{question}\n<image>"
     record = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
@@ -208,8 +223,8 @@ def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Im
 def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[str] = TASKS) -> Path:
     """Write n samples to out_dir/data.jsonl and out_dir/images/; returns the JSONL path."""
     for t in tasks:
-        if t not in GENERATORS:
-            raise ValueError(f"unknown synth task {t!r} (known: {', '.join(GENERATORS)})")
+        if t not in GENERATORS and t not in TEXT_GENERATORS:
+            raise ValueError(f"unknown synth task {t!r} (known: {', '.join([*GENERATORS, *TEXT_GENERATORS])})")
     if n <= 0:
         raise ValueError(f"--n must be > 0, got {n}")
     out = Path(out_dir)
@@ -218,9 +233,10 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[
     with open(jsonl, "w") as f:
         for i in range(n):
             record, img, task = make_record(i, seed, list(tasks))
-            name = f"images/{task}_{i:07d}.png"
-            img.save(out / name, format="PNG")
-            record["images"] = [name]
+            if img is not None:
+                name = f"images/{task}_{i:07d}.png"
+                img.save(out / name, format="PNG")
+                record["images"] = [name]
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return jsonl
 

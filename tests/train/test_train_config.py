@@ -21,7 +21,7 @@ def test_overrides_and_aliases(tmp_path):
     ("optim.lrr=1", "optim.lrr: unknown key"),
     ("max_steps=abc", "budget.max_steps: expected an integer"),
     ("logging.tensorboard=3", "logging.tensorboard: expected true/false"),
-    ("phase.name=pretrain", "phase.name: must be one of"),
+    ("phase.name=finetune", "phase.name: must be one of"),
     ("data.seq_len=-1", "data.seq_len: must be > 0"),
     ("schedule.decay=step", "schedule.decay: must be"),
     ("phase.trainable=[vision]", "phase.trainable: unknown module"),

@@ -1,0 +1,87 @@
+"""Turn per-seed scores into the ablation's numbers: per variant mean and spread over seeds, the claimed paired
+differences with intervals (over seeds; over items as a second view) and a verdict per claim.
+
+Input: a list (one entry per seed) of `runner.run_seed` results, whose `scores[label]` hold per-item exact matches
+at the training resolution (`items[bench]`), the text probe's (`text`) and, for claim 2's models, the exact match at
+every setting of the resolution grid (`grid[bench][setting]`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .plan import CLAIMS, GRID_STATS, Claim, Comparison
+from .stats import bootstrap_ci, claim_verdict, comparison_verdict, mean_std, paired_ci
+
+METRICS = ("ocrbench", "chartqa", "docvqa", "text")  # exact match on each synthetic benchmark, and the text probe
+_STAT = {"min": np.min, "median": np.median, "max": np.max}
+
+
+def item_vector(score: dict[str, Any], metric: str) -> list[float]:
+    return score["text"] if metric == "text" else score["items"][metric]
+
+
+def value(score: dict[str, Any], metric: str, stat: str | None = None) -> float:
+    """One model's (one seed's) number: mean exact match on `metric`, or `stat` of it over the grid's settings."""
+    if stat is not None:
+        return float(_STAT[stat](list(score["grid"][metric].values())))
+    return float(np.mean(item_vector(score, metric)))
+
+
+def _summary(values: list[float]) -> dict[str, Any]:
+    mean, std = mean_std(values)
+    return {"values": values, "mean": mean, "std": std}
+
+
+def compare(claim: Claim, cmp: Comparison, per_seed: list[dict[str, Any]], verdicts: bool) -> dict[str, Any]:
+    metric = cmp.metric or claim.metric
+    better, other = claim.variants[cmp.better], claim.variants[cmp.other]
+    a = [value(s["scores"][better], metric, cmp.stat) for s in per_seed]
+    b = [value(s["scores"][other], metric, cmp.stat) for s in per_seed]
+    seed_ci = paired_ci(a, b)
+    item_ci = None
+    if cmp.stat is None:  # a min/median/max over settings has no per-item form
+        ia = np.array([item_vector(s["scores"][better], metric) for s in per_seed])
+        ib = np.array([item_vector(s["scores"][other], metric) for s in per_seed])
+        item_ci = bootstrap_ci(ia, ib).to_dict()
+    return {"comparison": cmp.label(claim.metric), "better": cmp.better, "other": cmp.other, "metric": metric,
+            "stat": cmp.stat, "relation": cmp.relation, "margin": cmp.margin, "seed_ci": seed_ci.to_dict(),
+            "item_ci": item_ci, "verdict": comparison_verdict(seed_ci, cmp.relation, cmp.margin) if verdicts else None}
+
+
+def analyse_claim(claim: Claim, per_seed: list[dict[str, Any]], verdicts: bool) -> dict[str, Any]:
+    variants: dict[str, Any] = {}
+    for name, label in claim.variants.items():
+        scores = [s["scores"][label] for s in per_seed]
+        entry: dict[str, Any] = {"model": label, "metrics": {m: _summary([value(x, m) for x in scores])
+                                                             for m in METRICS}}
+        if claim.grid:
+            entry["grid"] = {bench: {stat: _summary([value(x, bench, stat) for x in scores]) for stat in GRID_STATS}
+                             for bench in scores[0]["grid"]}
+            # Per setting, the seed-mean: what the box plots draw (one box per model over the grid's settings).
+            entry["settings"] = {bench: {st: float(np.mean([x["grid"][bench][st] for x in scores]))
+                                         for st in scores[0]["grid"][bench]} for bench in scores[0]["grid"]}
+        variants[name] = entry
+    comparisons = [compare(claim, c, per_seed, verdicts) for c in claim.comparisons]
+    secondary = [compare(claim, c, per_seed, verdicts) for c in claim.secondary]
+    verdict = claim_verdict([c["verdict"] for c in comparisons]) if verdicts else None
+    return {"statement": claim.statement, "seeds": [s["seed"] for s in per_seed], "metric": claim.metric,
+            "grid": claim.grid, "variants": variants,
+            "comparisons": comparisons, "secondary": secondary, "verdict": verdict}
+
+
+def analyse(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool = True) -> dict[str, Any]:
+    """The whole analysis (what ablation.json holds, less its config). Each claim is analysed over the seeds that
+    finished it (all of them, except in a report of a run still under way)."""
+    training: dict[str, Any] = {}
+    for s in per_seed:
+        for stage, t in s["training"].items():
+            keys = [k for k in ("first_loss", "last_loss", "loss_start", "loss_end", "seconds") if k in t]
+            entry = training.setdefault(stage, {"steps": t["steps"], **{k: [] for k in keys}})
+            for key in keys:
+                entry[key].append(t[key])
+    finished = {c: [s for s in per_seed if c in s.get("claims", claims)] for c in claims}
+    return {"seeds": len(per_seed), "claims": {c: analyse_claim(CLAIMS[c], finished[c], verdicts) for c in claims},
+            "training": training, "eval_seconds": [s["eval_seconds"] for s in per_seed]}

@@ -1,0 +1,171 @@
+"""What the ablation trains and evaluates: stages (training phases built on the quickstart's recipes), derived models
+(merges), the checkpoints each claim compares, and the step budget per scale.
+
+Per seed, every claim draws on one chain, so shared models are trained once (paper names in brackets):
+
+    text ─> warmup ─> multitask ─┬─> sft-512 ─┐
+    (base LLM)          [2-phase] ├─> sft-1024 ┼─> merged        [MindVL-8B: claims 1, 2]
+                                  └─> sft-2048 ┘  [3-phase = sft-1024: claim 3; 4K: claim 4]
+             warmup ─> sft-1024 (2phase-sft)                     [2-phase*]
+             warmup ─> pretrain (ViT + projector) ─> multitask ─> sft-1024 (4phase-sft)   [4-phase]
+    sft-1024's language model averaged with text's ─> lm-merged                            [claim 4]
+
+`text` stands in for the paper's pretrained LLM: the language model alone learns a text-only task first, so the
+vision-language phases have a text ability to erode and the LM merge something to restore. Seed s sets the training
+seed, the model's init seed and the data order (`seed`, `model.init_seed`, `data.seed`); the synthetic data sets and
+the benchmarks are the same for every seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mindvl.quickstart import SFT_VARIANTS, sft_overrides
+
+ABLATIONS = ("merge", "resolution", "phases", "lm-merge")
+RUN_ORDER = ("merge", "resolution", "lm-merge", "phases")  # cheapest first: phases adds the 4-phase chain
+SFT_4K = "sft-1024"  # the middle SFT variant: the paper's 3-phase model and its "4K" model of Table 7
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One training run: `recipe` (a file of the recipe folder) from `parent`'s final weights (None: seeded init)."""
+
+    name: str
+    recipe: str
+    parent: str | None
+    extra: tuple[str, ...] = ()
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in [
+    Stage("text", "text.yaml", None),
+    Stage("warmup", "warmup.yaml", "text"),
+    Stage("multitask", "multitask.yaml", "warmup"),
+    *[Stage(name, "sft.yaml", "multitask", tuple(sft_overrides(*v))) for name, v in SFT_VARIANTS.items()],
+    Stage("2phase-sft", "sft.yaml", "warmup", tuple(sft_overrides(*SFT_VARIANTS[SFT_4K]))),
+    Stage("4phase-pretrain", "pretrain.yaml", "warmup"),
+    Stage("4phase-multitask", "multitask.yaml", "4phase-pretrain"),
+    Stage("4phase-sft", "sft.yaml", "4phase-multitask", tuple(sft_overrides(*SFT_VARIANTS[SFT_4K]))),
+]}
+# Models made without training: name -> (kind, inputs).
+MERGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "merged": ("average", tuple(SFT_VARIANTS)),
+    "lm-merged": ("language-model", (SFT_4K, "text")),
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Variant `better` is claimed to beat `other` (`>`), or to be no worse within `margin` (`>=`), on `metric`
+    (default: the claim's) at the training resolution, or on `stat` (min | median | max) of it over the grid."""
+
+    better: str
+    other: str
+    relation: str = ">"
+    margin: float = 0.0
+    metric: str | None = None
+    stat: str | None = None
+
+    def label(self, default_metric: str) -> str:
+        what = f"{self.stat} {self.metric or default_metric}" if self.stat else (self.metric or default_metric)
+        return f"{self.better} {self.relation} {self.other} ({what})"
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str
+    statement: str
+    variants: dict[str, str]  # display name -> model label
+    metric: str  # the metric the verdict is on: a benchmark's exact match (ocrbench, chartqa, docvqa) or text
+    comparisons: tuple[Comparison, ...]
+    grid: bool = False  # evaluated over the resolution grid (claim 2), else at the training resolution only
+    secondary: tuple[Comparison, ...] = field(default=())  # shown with intervals, not part of the verdict
+
+
+GRID_STATS = ("min", "median", "max")
+NON_INFERIORITY = 0.02  # claim 3's ">=": 3-phase may trail 4-phase by at most 2 points of exact match
+_SFTS = {name: name for name in SFT_VARIANTS}
+CLAIMS: dict[str, Claim] = {
+    "merge": Claim(
+        "merge", "Averaging the three SFT models (2K/4K/8K with their max_pixels) beats every one of them (Table 6).",
+        {**_SFTS, "merged": "merged"}, "ocrbench",
+        tuple(Comparison("merged", name) for name in SFT_VARIANTS)),
+    "resolution": Claim(
+        "resolution", "The merged model is more robust to test-time resolution: higher minimum, median and maximum "
+        "over the resolution grid (Figure 4, appendix C.1).",
+        {**_SFTS, "merged": "merged"}, "ocrbench",
+        tuple(Comparison("merged", name, stat=stat) for stat in GRID_STATS for name in SFT_VARIANTS), grid=True),
+    "phases": Claim(
+        "phases", "Three phases beat the alternatives (Table 17): 3-phase > 2-phase > 2-phase*, and 3-phase >= "
+        "4-phase.",
+        {"3-phase": SFT_4K, "2-phase": "multitask", "2-phase*": "2phase-sft", "4-phase": "4phase-sft"}, "ocrbench",
+        (Comparison("3-phase", "2-phase"), Comparison("2-phase", "2-phase*"),
+         Comparison("3-phase", "4-phase", ">=", NON_INFERIORITY))),
+    "lm-merge": Claim(
+        "lm-merge", "Merging the language model with its base restores text ability after vision-language training "
+        "(Table 7).",
+        {"base LLM": "text", "SFT 4K": SFT_4K, "LM-merged": "lm-merged"}, "text",
+        (Comparison("LM-merged", "SFT 4K"),),
+        secondary=(Comparison("LM-merged", "SFT 4K", ">=", NON_INFERIORITY, metric="ocrbench"),)),
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Optimizer steps per recipe (the tiny recipes' own counts at `small`), benchmark items and the grid."""
+
+    steps: dict[str, int]
+    bench_items: int
+    grid: str  # in 28 x 28 units, see mindvl.eval.resolution_search.parse_grid
+
+
+# The digit strips are 4 merged tokens, so for OCR only min_pixels (upscaling) changes the input; for charts and
+# documents max_pixels does. `tiny` is the tiny recipes' own step counts (the quickstart's, whose models read 62-76% of
+# held-out digit strips): the whole suite with 3 seeds is ~45 min on 2 idle cores (RESULTS.md). A first budget of
+# multitask 1200 / SFT 200 steps left 2 of 3 seeds unable to read at all (0% OCR), which decides nothing.
+SCALES: dict[str, Scale] = {
+    "tiny": Scale({"text.yaml": 300, "warmup.yaml": 60, "pretrain.yaml": 200, "multitask.yaml": 2000,
+                   "sft.yaml": 300}, bench_items=100, grid="4,6,8:16,64"),
+    "small": Scale({"text.yaml": 600, "warmup.yaml": 120, "pretrain.yaml": 400, "multitask.yaml": 4000,
+                    "sft.yaml": 600}, bench_items=200, grid="4,6,8,16:16,48,64"),
+}
+
+
+def parse_ablations(spec: str) -> list[str]:
+    """`all` or comma-separated names -> the ablations in canonical order; an unknown name is a one-line error."""
+    names = list(ABLATIONS) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown or not names:
+        raise ValueError(f"unknown ablation {', '.join(unknown) or repr(spec)}; choose from "
+                         f"{', '.join(ABLATIONS)} or all")
+    return [n for n in ABLATIONS if n in names]
+
+
+def labels_for(claims: list[str]) -> list[str]:
+    """Every model label the claims compare, in a stable order."""
+    out: list[str] = []
+    for c in claims:
+        for label in CLAIMS[c].variants.values():
+            if label not in out:
+                out.append(label)
+    return out
+
+
+def stages_for(labels: list[str]) -> list[str]:
+    """The training stages the labels need (their ancestors included), parents before children."""
+    needed: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in MERGES:
+            for inp in MERGES[name][1]:
+                visit(inp)
+            return
+        stage = STAGES[name]
+        if stage.parent is not None:
+            visit(stage.parent)
+        if name not in needed:
+            needed.append(name)
+
+    for label in labels:
+        visit(label)
+    return [s for s in STAGES if s in needed]
