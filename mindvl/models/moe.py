@@ -233,39 +233,102 @@ class TopKRouter(nn.Module):
         return weights, ids
 
 
+def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` can run here (else the exact `unbind(0)` fallback is used).
+
+    Its kernels need fp32/bf16 operands whose rows are 16-byte aligned (CPU backward checks strides), and under
+    FakeTensorMode / torch.compile its meta function accepts bf16 only.
+    """
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if any(w.dtype != x.dtype or (w.shape[-1] * w.element_size()) % 16 or (w.shape[-2] * w.element_size()) % 16
+           for w in weights):
+        return False
+    if x.device.type == "cuda" and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 8):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    if (torch.compiler.is_compiling() or is_fake(x)) and x.dtype != torch.bfloat16:
+        return False
+    return True
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
+                   use_grouped_mm: bool) -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert (expert e owns rows offsets[e-1]:offsets[e]) times weight [E, out, in]^T.
+
+    -> [N, out]. One grouped GEMM (`F.grouped_mm`, int32 end offsets), or, where it cannot run, one matmul per
+    expert over `weight.unbind(0)`: unbinding once gives every expert a view whose gradient lands in ONE [E, ...]
+    buffer (indexing `weight[e]` per expert would allocate and zero-fill a full [E, out, in] gradient per expert).
+    """
+    if use_grouped_mm:
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    assert counts is not None
+    parts = [F.linear(chunk, w) for chunk, w in zip(x.split(counts), weight.unbind(0), strict=True)]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+class LocalTokenDispatch:
+    """Routes (token, slot) rows to the experts held by this process: all of them (the default, no communication).
+
+    Expert parallelism (mindvl.train.expert_parallel) swaps in a dispatcher with the same three methods that sends
+    rows to the ranks owning their experts. The model never imports torch.distributed.
+    """
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [N, H] sorted by global expert id, counts [E] int64 -> (rows for the local experts sorted by local
+        expert, their per-local-expert counts [E_local])."""
+        return rows, counts
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Expert outputs in the order `dispatch` returned -> outputs in the order `dispatch` was given."""
+        return out
+
+    def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The experts parameter as this process holds it -> a plain [E_local, ...] tensor."""
+        return weight
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as [E, ...] tensors: gate_proj/up_proj [E, I, H], down_proj [E, H, I].
 
-    forward(x [T, H], ids [T, k], weights [T, k] fp32) -> [T, H] in x.dtype. Loops over the experts that received
-    tokens (one host sync per layer for the counts), gathering their tokens and scattering back with index_add:
-    no [T, E, ...] tensor is ever built. Accumulation follows transformers 5.x (each expert's output is weighted
-    in fp32, then cast to x.dtype before it is added).
+    forward(x [T, H], ids [T, k], weights [T, k] fp32) -> [T, H] in x.dtype. The T*k (token, slot) rows are sorted by
+    expert once (stable: token order within an expert), handed to the dispatcher (a no-op on one process, all-to-all
+    under expert parallelism), run through one grouped GEMM per projection and scattered back with one index_add.
+    No Python loop over experts and no [T, E, ...] tensor. Accumulation follows transformers 5.x (each row's output is
+    weighted in fp32, then cast to x.dtype before it is added).
     """
 
     def __init__(self, num_experts: int, hidden: int, inner: int, act: str) -> None:
         super().__init__()
+        self.num_experts = num_experts  # global E (under expert parallelism this process holds a slice)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
         self.act = activation(act)
+        self.dispatcher: LocalTokenDispatch = LocalTokenDispatch()
+        self.use_grouped_mm = True  # False forces the unbind fallback (benchmarks, tests)
+
+    def experts_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [N, H] grouped by (local) expert with counts [E_local] -> SwiGLU outputs [N, H]."""
+        d = self.dispatcher
+        gate, up, down = d.local_weight(self.gate_proj), d.local_weight(self.up_proj), d.local_weight(self.down_proj)
+        grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
+        offsets = counts.cumsum(0).to(torch.int32)
+        split = None if grouped else counts.tolist()
+        h = self.act(grouped_linear(rows, gate, offsets, split, grouped)) * grouped_linear(rows, up, offsets, split,
+                                                                                           grouped)
+        return grouped_linear(h, down, offsets, split, grouped)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        order = flat.argsort(stable=True)  # (token, slot) rows grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
         tokens, slot_weights = order // k, weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            sel = tokens[start : start + count]
-            h = x[sel]
-            y = F.linear(self.act(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e]), self.down_proj[e])
-            out.index_add_(0, sel, (y * slot_weights[start : start + count, None]).to(out.dtype))
-            start += count
-        return out
+        rows, local_counts = self.dispatcher.dispatch(x[tokens], counts)
+        y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
+        return torch.zeros_like(x).index_add_(0, tokens, (y * slot_weights[:, None]).to(x.dtype))
 
 
 class MoE(nn.Module):
