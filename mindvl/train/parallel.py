@@ -1,6 +1,7 @@
 """Devices, process groups and parallelism, applied to the model from outside (torchrun's environment).
 
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
+- expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
   head), with a bf16 MixedPrecisionPolicy on accelerators (fp32 reductions) and full fp32 on CPU.
 - activation checkpointing and torch.compile per block, as options.
@@ -107,16 +108,43 @@ def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.
         for b in blocks(model):
             b.compile()
     use_fsdp = cfg.fsdp == "on" or (cfg.fsdp == "auto" and env.distributed)
+    if cfg.expert_parallel > 1 and not use_fsdp:
+        raise ValueError("parallel.expert_parallel: expert parallelism needs FSDP (parallel.fsdp on or auto, and "
+                         "more than one process)")
     if use_fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        from .expert_parallel import shard_experts
+
         mp = MixedPrecisionPolicy(param_dtype=param_dtype(cfg, env.device), reduce_dtype=torch.float32)
+        # experts first (EP over their own mesh dimension), then the rest over the whole world
+        mesh = shard_experts(model, cfg.expert_parallel, env.world_size, env.device.type, mp)
+        mesh = mesh if mesh is not None else init_device_mesh(env.device.type, (env.world_size,))
         for b in blocks(model):
             fully_shard(b, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """torch's clip_grad_norm_ over parameters that may live on different DeviceMeshes (expert parallelism puts the
+    experts on a 2-D mesh, FSDP the rest on the world mesh): one total norm per mesh, combined, then one clip.
+    Returns the global L2 norm before clipping."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    for group in groups.values():  # scaling, too, runs per mesh (foreach ops refuse mixed meshes)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return float(total)
 
 
 def all_reduce_sum(value: torch.Tensor, env: ParallelEnv) -> torch.Tensor:

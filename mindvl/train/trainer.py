@@ -43,7 +43,16 @@ from mindvl.models.moe import update_router_bias
 from .materialize import build_model
 from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
 from .optim import build_optimizer, build_scheduler
-from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
+from .parallel import (
+    ParallelEnv,
+    all_reduce_sum,
+    barrier,
+    clip_grad_norm,
+    destroy,
+    init_distributed,
+    parallelize,
+    param_dtype,
+)
 from .phases import apply_phase
 
 
@@ -186,8 +195,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         grad_norm = None
         if recipe.optim.grad_clip is not None:
             params = [p for p in model.parameters() if p.requires_grad]
-            gn = torch.nn.utils.clip_grad_norm_(params, recipe.optim.grad_clip)
-            grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+            grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)  # mesh-aware (expert parallelism)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
