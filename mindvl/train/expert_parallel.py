@@ -15,8 +15,9 @@ exchanges.
 
 Gradient scale: the trainer multiplies the loss by W because FSDP averages over the ranks of its mesh. Expert
 slices are reduced over "efsdp" only (W / N ranks), but their gradient already sums the tokens of all N EP ranks
-(the all-to-all backward brings them), so their FSDP divide factor is set to W: every parameter's gradient is then
-the same global-token average as on one process.
+(the all-to-all backward brings them), so the dispatcher scales the experts' local gradient by 1/N (exact for powers
+of two) and every parameter's gradient is the same global-token average as on one process. (FSDP's
+`set_gradient_divide_factor` would do it with a PREMUL_SUM reduction, which gloo lacks.)
 
 Router-bias balancing and MaxVio: routers are replicated and count the tokens THIS rank routes (before dispatch), so
 summing the counts over the whole world (what the trainer does for data parallelism) gives the global per-expert
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -77,16 +79,13 @@ class AllToAllTokenDispatch(LocalTokenDispatch):
         self._pending: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from torch.distributed.nn.functional import all_to_all_single
-
         n, lo = self.size, self.local
         # received[s * lo + l]: rows rank s sends to my local expert l
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         send = counts.view(n, lo).sum(1).tolist()
         recv = received.view(n, lo).sum(1).tolist()
-        out = rows.new_empty(sum(recv), rows.shape[1])
-        got = all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
+        got = all_to_all_single_autograd(rows.contiguous(), recv, send, self.group)
         # got is ordered by (source rank, local expert): reorder by local expert (stable: source rank, then token)
         local_ids = torch.arange(lo, device=counts.device).repeat(n).repeat_interleave(received)
         order = local_ids.argsort(stable=True)
@@ -94,15 +93,26 @@ class AllToAllTokenDispatch(LocalTokenDispatch):
         return got[order], received.view(n, lo).sum(0)
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_to_all_single
-
         order, send, recv = self._pending.pop()
         by_source = torch.empty_like(out).index_copy(0, order, out)  # undo the sort by local expert
-        back = out.new_empty(sum(send), out.shape[1])
-        return all_to_all_single(back, by_source.contiguous(), send, recv, group=self.group)
+        return all_to_all_single_autograd(by_source.contiguous(), send, recv, self.group)
 
     def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.to_local() if isinstance(weight, DTensor) else weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        return _ScaleGrad.apply(local, 1.0 / self.size)  # see "Gradient scale" above
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[RoutedExperts]:
@@ -131,5 +141,4 @@ def shard_experts(model: nn.Module, size: int, world_size: int, device_type: str
     mesh = expert_mesh(device_type, world_size, size)
     for m in apply_expert_parallel(model, mesh):
         fully_shard(m, mesh=mesh["efsdp"], mp_policy=mp_policy)
-        m.set_gradient_divide_factor(float(world_size))  # see "Gradient scale" above
     return mesh._flatten("dp")
