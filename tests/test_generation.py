@@ -177,13 +177,6 @@ def test_filtering_matches_transformers_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(got.softmax(-1), ref.softmax(-1))
 
 
-def test_moe_language_model_has_no_cache_yet(models):
-    model = MindVL(models["q3"][1].config)
-    model.language_model = torch.nn.Identity()  # stands in for the MoE decoder (a different class)
-    with pytest.raises(NotImplementedError, match="KV-cache generation supports the dense"):
-        model.new_kv_cache(1, 8)
-
-
 # ------------------------------------------------------------------------------------------------------ chat
 
 

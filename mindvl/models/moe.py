@@ -33,7 +33,10 @@ changes nothing. The correction bias is kept in float32 however the model is cas
 Tracing: `with record_routing(model) as routers:` makes every router keep, per forward, its top-k expert ids and
 routing weights in descending weight order (`router.records`); mindvl.moe_analysis.trace reads them.
 
-Not here: a KV cache for MLA (generation with this family is not supported yet) and multi-token prediction.
+Generation: `forward(..., cache=MLACache)` prefills / decodes with a cache of latents and rope keys
+(mindvl.models.mla_cache). Experts run as grouped GEMMs (`F.grouped_mm`, or an exact `unbind(0)` fallback where it
+cannot run); their `dispatcher` (a no-op here) is where expert parallelism plugs in from outside
+(mindvl.train.expert_parallel). Not here: multi-token prediction.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from torch import nn
 from .attention import attend
 from .config import TextConfig
 from .layers import GatedMLP, RMSNorm, activation, inverse_frequencies, rotate_half
+from .mla_cache import LayerMLA, MLACache
 
 # transformers' DeepseekV3RMSNorm default, used for q_a_layernorm / kv_a_layernorm regardless of rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -160,16 +164,21 @@ class MLAttention(nn.Module):
             self.scale *= _yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
         self.backend = "auto"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                max_seqlen: int, kv: LayerMLA | None = None) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_pass, q_rot = q.view(n, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(n, self.num_heads, self.nope + self.v_dim)
-        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(kv_latent)  # [T, r]: what an MLA cache stores
         rotate = apply_rotary_interleaved if self.interleaved else apply_rotary_half
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None, :], cos, sin)  # k_rot: one head, shared
+        if kv is not None:
+            out = kv.attend_latent(self.kv_b_proj.weight, q_pass, q_rot, latent, k_rot[:, 0], self.v_dim,
+                                   self.scale, cu_seqlens, max_seqlen, self.backend)
+            return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+        kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope + self.v_dim)
+        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_pass, q_rot], dim=-1)  # [T, nh, nope + rope]
         k = torch.cat([k_pass, k_rot.expand(n, self.num_heads, self.rope)], dim=-1)
         out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=self.scale, backend=self.backend)
@@ -358,8 +367,8 @@ class MoEDecoderLayer(nn.Module):
         else:
             self.mlp = MoE(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen):  # x [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerMLA | None = None):  # x [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -382,14 +391,27 @@ class MoETextModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+        max_seqlen: int, cache: MLACache | None = None,
     ) -> torch.Tensor:
-        """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm)."""
+        """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
+
+        With `cache` (an MLACache): an empty cache takes a prefill (T packed prompt tokens, cu_seqlens [B+1]); a
+        filled one takes a decode step (T = B, one token per sequence, cu_seqlens unused), as TextModel.
+        """
         cos, sin = mla_rope_cos_sin(position_ids, self.cfg)
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates in x.dtype
         x = inputs_embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+        if cache is None:
+            for layer in self.layers:
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+            return self.norm(x)
+        if not isinstance(cache, MLACache) or len(cache.keys) != len(self.layers):
+            raise ValueError(f"MoETextModel needs an MLACache of {len(self.layers)} layers (model.new_kv_cache)")
+        cache.begin(x.shape[0], cu_seqlens, x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerMLA(cache, i))
+        cache.commit()
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
