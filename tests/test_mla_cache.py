@@ -96,3 +96,35 @@ def test_greedy_generate_matches_transformers_deepseek_v3(models):
                 steps.append(model.decode_step(torch.tensor([token]), pos + k, cache)[0])
         for got, ref in zip(steps, ref_logits, strict=True):
             assert H.rel_err(got, ref) <= TOL
+
+
+def test_deepseek_v3_model_folder_chats_evaluates_and_searches(tmp_path, capsys):
+    """The commands that refused DeepSeek-V3 models before the MLA cache: chat, eval, search-resolution."""
+    from tiny_mindvl import tiny_model_folder
+
+    from mindvl.cli import main as cli_main
+    from mindvl.eval.benchmarks import BENCHMARKS
+    from mindvl.eval.runner import EvalSettings, evaluate_benchmark, read_predictions
+    from mindvl.eval.synth_bench import write_synthetic_benchmarks
+    from mindvl.infer import chat, load_for_chat
+
+    px = 28 * 28
+    folder = tiny_model_folder(tmp_path / "ds", moe=True)
+    benches = write_synthetic_benchmarks(tmp_path / "bench", n=3, seed=1, ocr_task="digits")
+    model, tok = load_for_chat(folder, device="cpu")
+    assert model.config.text.is_moe
+    assert cli_main(["chat", str(folder), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip() == chat(model, tok, "Hello", [], max_new_tokens=4).strip()
+
+    settings = EvalSettings(min_pixels=4 * px, max_pixels=16 * px, system=None, batch_size=2, max_new_tokens=5)
+    evaluate_benchmark(model, tok, "chartqa", benches["chartqa"], settings, tmp_path / "p.jsonl")
+    items = list(BENCHMARKS["chartqa"].load(benches["chartqa"]))
+    for row, item in zip(read_predictions(tmp_path / "p.jsonl"), items, strict=True):  # batched == one by one
+        assert row["prediction"] == chat(model, tok, item.prompt, item.images, system=None, min_pixels=4 * px,
+                                         max_pixels=16 * px, max_new_tokens=5).strip()
+
+    out = tmp_path / "search"
+    assert cli_main(["search-resolution", f"ds={folder}", "--bench", f"ocrbench={benches['ocrbench']}", "--grid",
+                     "4:16", "--out", str(out), "--no-system", "--limit", "2", "--max-new-tokens", "3",
+                     "--device", "cpu"]) == 0
+    assert set(json.loads((out / "results.json").read_text())["scores"]["ds"]["ocrbench"]) == {"min4_max16"}

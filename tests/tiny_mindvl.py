@@ -9,13 +9,23 @@ from mindvl.checkpoint import save_pretrained
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
+# A tiny DeepSeek-V3 decoder (MLA + 16 routed experts, top-2 of 4 groups) for `tiny_model_folder(moe=True)`.
+TINY_MOE_TEXT = dict(family="deepseek_v3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=16,
+                     num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                     kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                     head_dim=16, mrope_section=[2, 3, 3])
 
-def tiny_model_folder(path: Path, seed: int = 3, std: float = 0.1) -> Path:
+
+def tiny_model_folder(path: Path, seed: int = 3, std: float = 0.1, moe: bool = False) -> Path:
     tok = load_tokenizer(None)
     sp = tok.special
-    text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      mrope_section=[2, 3, 3])
+    if moe:
+        text = TextConfig(vocab_size=tok.vocab_size, **TINY_MOE_TEXT)
+    else:
+        text = TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          mrope_section=[2, 3, 3])
     vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
     model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=sp.image_pad, video_token_id=sp.video_pad,
                                 vision_start_token_id=sp.vision_start, vision_end_token_id=sp.vision_end))
