@@ -333,7 +333,9 @@ class RoutedExperts(nn.Module):
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) rows grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # [E] int64; a fixed-size scatter, not bincount (whose output size depends on the data: fake tensors)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
         tokens, slot_weights = order // k, weights.reshape(-1)[order]
         rows, local_counts = self.dispatcher.dispatch(x[tokens], counts)
         y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
