@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -80,6 +81,8 @@ class AllToAllTokenDispatch(LocalTokenDispatch):
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, lo = self.size, self.local
+        if is_fake(counts):  # the planner (fake tensors): no routing to read, so assume perfectly balanced routing
+            return self._balanced_dispatch(rows)
         # received[s * lo + l]: rows rank s sends to my local expert l
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
@@ -92,9 +95,19 @@ class AllToAllTokenDispatch(LocalTokenDispatch):
         self._pending.append((order, send, recv))
         return got[order], received.view(n, lo).sum(0)
 
+    def _balanced_dispatch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank sends N/ep rows to every rank, every local expert gets the same share (shapes only)."""
+        n, lo, total = self.size, self.local, rows.shape[0]
+        send = [total // n + (i < total % n) for i in range(n)]
+        got = all_to_all_single_autograd(rows.contiguous(), send, send, self.group)
+        share = [total // lo + (i < total % lo) for i in range(lo)]
+        self._pending.append((None, send, send))
+        return got, torch.tensor(share, dtype=torch.long, device=rows.device)
+
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         order, send, recv = self._pending.pop()
-        by_source = torch.empty_like(out).index_copy(0, order, out)  # undo the sort by local expert
+        # undo the sort by local expert
+        by_source = out if order is None else torch.empty_like(out).index_copy(0, order, out)
         return all_to_all_single_autograd(by_source.contiguous(), send, recv, self.group)
 
     def local_weight(self, weight: torch.Tensor) -> torch.Tensor:

@@ -123,3 +123,28 @@ def test_bad_expert_parallel_sizes_name_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"^parallel\.expert_parallel: 32 must divide the number of routed experts"):
         check_expert_parallel(32, 32, moe)
     check_expert_parallel(4, 8, moe)
+
+
+def test_ep_dispatch_under_fake_tensors_assumes_balanced_routing():
+    """The planner runs the step on fake tensors over a fake process group: no routing to read, so each rank is
+    assumed to send and receive T*k/ep rows; shapes (and bf16 grouped GEMMs) go through forward and backward."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mindvl.models.moe import RoutedExperts
+    from mindvl.train.expert_parallel import apply_expert_parallel, expert_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        with torch.device("meta"):
+            experts = RoutedExperts(16, 32, 16, "silu")
+        apply_expert_parallel(experts, expert_mesh("cpu", 8, 4))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            experts.to_empty(device="cpu").to(torch.bfloat16)
+            x = torch.randn(10, 32, dtype=torch.bfloat16, requires_grad=True)
+            out = experts(x, torch.randint(0, 16, (10, 2)), torch.rand(10, 2))
+            out.sum().backward()
+            assert out.shape == (10, 32) and experts.gate_proj.grad.to_local().shape == (4, 16, 32)
+    finally:
+        dist.destroy_process_group()
