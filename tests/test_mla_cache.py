@@ -8,15 +8,19 @@ import json
 import hf_tiny as H
 import pytest
 import torch
-from test_generation import full_logits, hf_greedy, text_prompts, vl_prompts
+from test_generation import (
+    check_greedy_equals_recomputation,
+    check_greedy_matches_transformers,
+    check_prefill_and_decode_equal_full_forward,
+    text_prompts,
+    vl_prompts,
+)
 
 from mindvl.checkpoint import compose, convert_from_hf
 from mindvl.infer import generate
 from mindvl.infer.generate import pack_prompts
 from mindvl.models import MindVL
 from mindvl.models.mla_cache import MLACache
-
-TOL = 1e-4  # relative error vs transformers (measured ~3e-7)
 
 
 @pytest.fixture(scope="module")
@@ -52,50 +56,16 @@ def test_cache_holds_latents_and_rope_keys(models):
 
 @pytest.mark.parametrize("name", ["ds", "dsvl"])
 def test_prefill_and_decode_logits_equal_full_forward(models, name):
-    model = models[name][1]
-    prompts = PROMPTS[name]()
-    feed = [[5, 17, 101], [9, 2, 33], [140, 7, 64]]  # tokens fed back, per prompt
-    packed = pack_prompts(prompts, torch.device("cpu"))
-    with torch.inference_mode():
-        cache = model.new_kv_cache(len(prompts), 64)
-        logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache,
-                                          packed["pixel_values"], packed["image_grid_thw"])
-        steps = [logits]
-        for k in range(3):
-            steps.append(model.decode_step(torch.tensor([f[k] for f in feed]), positions + k, cache))
-    assert cache.lengths == [len(p.input_ids) + 3 for p in prompts]
-    for b, prompt in enumerate(prompts):
-        for k, got in enumerate(steps):  # decode steps use the absorbed (latent-space) attention
-            torch.testing.assert_close(got[b], full_logits(model, prompt, feed[b][:k]), rtol=1e-5, atol=1e-5)
+    check_prefill_and_decode_equal_full_forward(models[name][1], PROMPTS[name]())  # decode: absorbed attention
 
 
 @pytest.mark.parametrize("name", ["ds", "dsvl"])
 def test_cached_greedy_equals_argmax_of_full_recomputation(models, name):
-    model = models[name][1]
-    prompts = PROMPTS[name]()
-    out = generate(model, prompts, max_new_tokens=8)
-    for prompt, tokens in zip(prompts, out, strict=True):
-        assert len(tokens) == 8 and model.config.image_token_id not in tokens
-        for step in range(8):
-            assert int(full_logits(model, prompt, tokens[:step]).argmax()) == tokens[step]
+    check_greedy_equals_recomputation(models[name][1], PROMPTS[name]())
 
 
 def test_greedy_generate_matches_transformers_deepseek_v3(models):
-    hf, model = models["ds"]
-    prompts = text_prompts()
-    ours = generate(model, prompts, max_new_tokens=10)  # batched; transformers runs each prompt alone
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, 10)
-        assert tokens == ref_tokens
-        packed = pack_prompts([prompt], torch.device("cpu"))
-        with torch.inference_mode():
-            cache = model.new_kv_cache(1, len(prompt.input_ids) + 10)
-            logits, pos = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache)
-            steps = [logits[0]]
-            for k, token in enumerate(ref_tokens[:-1]):
-                steps.append(model.decode_step(torch.tensor([token]), pos + k, cache)[0])
-        for got, ref in zip(steps, ref_logits, strict=True):
-            assert H.rel_err(got, ref) <= TOL
+    check_greedy_matches_transformers(*models["ds"], text_prompts())
 
 
 def test_deepseek_v3_model_folder_chats_evaluates_and_searches(tmp_path, capsys):
