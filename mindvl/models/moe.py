@@ -245,10 +245,13 @@ class TopKRouter(nn.Module):
 def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `F.grouped_mm` can run here (else the exact `unbind(0)` fallback is used).
 
-    Its kernels need fp32/bf16 operands whose rows are 16-byte aligned (CPU backward checks strides), and under
-    FakeTensorMode / torch.compile its meta function accepts bf16 only.
+    Its kernels (CPU, and CUDA from sm80 in bf16) need fp32/bf16 operands whose rows are 16-byte aligned (CPU backward
+    checks strides), and under FakeTensorMode / torch.compile its meta function accepts bf16 only. Elsewhere (NPU)
+    the fallback keeps the cost linear in E.
     """
     if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type not in ("cpu", "cuda", "meta"):  # e.g. npu: torch_npu has no grouped_mm kernel registered
         return False
     if any(w.dtype != x.dtype or (w.shape[-1] * w.element_size()) % 16 or (w.shape[-2] * w.element_size()) % 16
            for w in weights):
