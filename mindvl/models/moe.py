@@ -260,7 +260,7 @@ def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     from torch._subclasses.fake_tensor import is_fake
 
-    if (torch.compiler.is_compiling() or is_fake(x)) and x.dtype != torch.bfloat16:
+    if (torch.compiler.is_compiling() or is_fake(x) or x.is_meta) and x.dtype != torch.bfloat16:
         return False
     return True
 
