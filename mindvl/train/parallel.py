@@ -128,10 +128,10 @@ def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ over parameters that may live on different DeviceMeshes (expert parallelism puts the
     experts on a 2-D mesh, FSDP the rest on the world mesh): one total norm per mesh, combined, then one clip.
-    Returns the global L2 norm before clipping."""
+    Returns the global L2 norm before clipping (a 0-d tensor: no host sync here)."""
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -144,7 +144,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     for group in groups.values():  # scaling, too, runs per mesh (foreach ops refuse mixed meshes)
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return float(total)
+    return total
 
 
 def all_reduce_sum(value: torch.Tensor, env: ParallelEnv) -> torch.Tensor:

@@ -195,7 +195,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         grad_norm = None
         if recipe.optim.grad_clip is not None:
             params = [p for p in model.parameters() if p.requires_grad]
-            grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)  # mesh-aware (expert parallelism)
+            grad_norm = float(clip_grad_norm(params, recipe.optim.grad_clip))  # mesh-aware (EP)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
