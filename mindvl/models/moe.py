@@ -336,9 +336,9 @@ class RoutedExperts(nn.Module):
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) rows grouped by expert
-        # [E] int64; a fixed-size scatter, not bincount (whose output size depends on the data: fake tensors)
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat))
+        # [E] int64; a fixed-size scatter, not bincount (whose output size depends on the data), made from `flat` so
+        # that it is a fake tensor exactly when the routing is (the planner's fake tensors)
+        counts = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
         tokens, slot_weights = order // k, weights.reshape(-1)[order]
         rows, local_counts = self.dispatcher.dispatch(x[tokens], counts)
         y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
