@@ -1,6 +1,7 @@
 """Training recipes: typed dataclasses, YAML loading and `key=value` overrides, validated with errors naming the key.
 
     cfg = load_recipe("recipes/tiny/warmup.yaml", ["output_dir=runs/a", "max_steps=20", "optim.lr=5e-4"])
+    cfg = load_recipe("tiny/warmup")          # the same recipe, shipped in the package, from any directory
 
 A recipe has the sections below; `data:` is validated by mindvl.data.DataConfig (kept here as its dict so this module
 imports only the standard library and yaml). Overrides take dotted paths (`optim.lr=1e-3`) or the short aliases in
@@ -10,6 +11,7 @@ ALIASES; values are parsed as YAML (`1e-3`, `true`, `[a, b]`, `null`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -300,19 +302,74 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
+PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def packaged_recipes() -> list[str]:
+    """Names of the recipes shipped inside the package (`tiny/warmup`, ...), for `mindvl train NAME`."""
+    return sorted(p.relative_to(PACKAGED_RECIPES).with_suffix("").as_posix() for p in PACKAGED_RECIPES.rglob("*.yaml"))
+
+
+def find_recipe(name: str | Path) -> Path:
+    """A recipe file: the path itself when it exists, else a packaged recipe by name (`tiny/warmup`, also written
+    `tiny/warmup.yaml` or `recipes/tiny/warmup.yaml`, as a checkout's README writes it)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    key = p.as_posix().removesuffix(".yaml")
+    key = key.split("recipes/", 1)[1] if "recipes/" in key and not p.is_absolute() else key
+    packaged = PACKAGED_RECIPES / f"{key}.yaml"
+    if packaged.is_file():
+        return packaged
+    raise FileNotFoundError(f"recipe {name} does not exist (no such file, and no packaged recipe {key!r}; packaged: "
+                            f"{', '.join(packaged_recipes())}; see mindvl train --list)")
+
+
+def _resolve_inputs(raw: dict[str, Any], base: Path) -> None:
+    """Relative paths of the keys that name input files or folders -> paths under the recipe file's folder `base`.
+    output_dir and data.synth_cache are outputs and stay relative to the working directory."""
+
+    def resolve(value: Any) -> Any:
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            return value
+        return os.path.normpath(base / value)
+
+    model = raw.get("model")
+    if isinstance(model, dict):
+        if "init_from" in model:
+            model["init_from"] = resolve(model["init_from"])
+        if isinstance(model.get("compose"), dict):
+            model["compose"] = {k: resolve(v) for k, v in model["compose"].items()}
+    data = raw.get("data")
+    if isinstance(data, dict):
+        if "tokenizer" in data:
+            data["tokenizer"] = resolve(data["tokenizer"])
+        for source in data.get("sources") or []:
+            if isinstance(source, dict):
+                for key in ("path", "paths"):
+                    if isinstance(source.get(key), list):
+                        source[key] = [resolve(v) for v in source[key]]
+                    elif key in source:
+                        source[key] = resolve(source[key])
+        if isinstance(data.get("sources"), list):  # a bare string source is a path too
+            data["sources"] = [resolve(s) if isinstance(s, str) else s for s in data["sources"]]
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
                 raw: dict[str, Any] | None = None) -> Recipe:
-    """Read a YAML recipe (or a raw dict), apply overrides, build and validate it."""
+    """Read a YAML recipe (a file, or a packaged recipe by name: `tiny/warmup`) or a raw dict, apply overrides,
+    build and validate it. Relative input paths written in the file (model.init_from, model.compose, data.tokenizer,
+    data source paths) resolve against the file's folder; overrides, output_dir and data.synth_cache against the
+    working directory."""
     if raw is None:
-        p = Path(path)  # type: ignore[arg-type]
-        if not p.is_file():
-            raise FileNotFoundError(f"recipe {p} does not exist")
+        p = find_recipe(path)  # type: ignore[arg-type]
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ValueError(f"recipe {p}: invalid YAML ({exc})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"recipe {p}: top level must be a mapping")
+        _resolve_inputs(raw, p.resolve().parent)
     else:
         raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy through the same value space as a file
     for item in overrides or []:

@@ -78,7 +78,8 @@ def save_untrained(out: Path, recipes: Path) -> Path:
     tok = load_tokenizer(data.tokenizer)
     model = build_model(recipe, tok, ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo"))
     return save_pretrained(model, out / "untrained", overwrite=True,
-                           side_files_from=data.tokenizer or DEFAULT_TOKENIZER_PATH.parent)
+                           side_files_from=data.tokenizer or DEFAULT_TOKENIZER_PATH.parent,
+                           pixels=(data.min_pixels, data.max_pixels))
 
 
 def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,

@@ -77,9 +77,10 @@ def hf_image_features(vlm, pixel_values, grid_thw) -> torch.Tensor:
 
 
 def mm_kwargs(vlm, input_ids) -> dict:
-    """transformers >= 5.3 builds M-RoPE positions from mm_token_type_ids and silently falls back to 1-D without it."""
+    """transformers >= 5.3 builds M-RoPE positions from mm_token_type_ids (text 0, image 1, video 2) and silently
+    falls back to 1-D without it."""
     if "mm_token_type_ids" in inspect.signature(vlm.forward).parameters:
-        return {"mm_token_type_ids": (input_ids == IMAGE_TOKEN).long()}
+        return {"mm_token_type_ids": (input_ids == IMAGE_TOKEN).long() + 2 * (input_ids == VIDEO_TOKEN).long()}
     return {}
 
 
@@ -90,16 +91,28 @@ def random_pixels(grids: list[list[int]], seed: int = 0) -> tuple[torch.Tensor, 
 
 
 def multimodal_ids(pieces: list, seed: int = 0) -> torch.Tensor:
-    """pieces: ints (that many random text tokens) or grids [t, h, w] (vision_start + t*h*w/4 pads + vision_end)."""
+    """pieces: ints (that many random text tokens), image grids [t, h, w] or video grids ("video", t, h, w)
+    (vision_start + t*h*w/4 image or video pads + vision_end)."""
     gen = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     for piece in pieces:
         if isinstance(piece, int):
             ids += torch.randint(2, 140, (piece,), generator=gen).tolist()
         else:
-            t, h, w = piece
-            ids += [VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END]
+            pad = VIDEO_TOKEN if piece[0] == "video" else IMAGE_TOKEN
+            t, h, w = piece[-3:]
+            ids += [VISION_START] + [pad] * (t * h * w // 4) + [VISION_END]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def converted_qwen25vl(root: Path, seed: int):
+    """(transformers' tiny Qwen2.5-VL, the same weights converted to a mindvl model) under `root`."""
+    from mindvl.checkpoint import convert_from_hf
+    from mindvl.models import MindVL
+
+    hf = qwen25vl(root / "hf", seed=seed)
+    convert_from_hf(root / "hf", root / "mindvl")
+    return hf, MindVL.from_pretrained(root / "mindvl")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

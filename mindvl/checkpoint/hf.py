@@ -23,8 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -34,14 +33,9 @@ from mindvl.models.projector import Projector
 
 from .conv import conv3d_to_matmul
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
+from .side_files import Pixels, added_token_ids, write_side_files
 
 CONFIG_NAME = "config.json"
-# Files travelling with a checkpoint that mindvl's tokenizer/processor loaders (or users) read.
-SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
-    "generation_config.json",
-)
 SPECIAL_TOKENS = {
     "image_token_id": "<|image_pad|>",
     "video_token_id": "<|video_pad|>",
@@ -290,13 +284,18 @@ def detect_family(config: dict, where: str) -> str:
 def _token_ids(config: dict, tokenizer_folder: Path | None) -> dict[str, int]:
     """Vision special-token ids: from the tokenizer when present, else from config.json, else Qwen's defaults."""
     ids = {name: config[name] for name in SPECIAL_TOKENS if name in config}
-    tok = tokenizer_folder / "tokenizer.json" if tokenizer_folder else None
-    if tok is not None and tok.is_file():
-        added = {t["content"]: t["id"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
-        for name, text in SPECIAL_TOKENS.items():
-            if text in added:
-                ids[name] = added[text]
+    added = added_token_ids(tokenizer_folder) if tokenizer_folder else {}
+    for name, text in SPECIAL_TOKENS.items():
+        if text in added:
+            ids[name] = added[text]
     return ids
+
+
+def compose_token_ids(language_from: str | os.PathLike) -> tuple[dict[str, int], int]:
+    """(vision special-token ids, vocabulary size) that `compose` will give a model with this language model."""
+    raw = read_config(language_from)
+    text = {**raw, **(raw.get("text_config") or {})}
+    return _token_ids(raw, Path(language_from)), int(text["vocab_size"])
 
 
 def mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
@@ -372,30 +371,26 @@ def _keep_fp32(name: str) -> bool:
 
 def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = False,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    side_files_from: str | os.PathLike | None = None) -> Path:
-    """Write config.json + sharded safetensors (+ tokenizer files copied from `side_files_from`), atomically."""
+                    side_files_from: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+                    pixels: Pixels | None = None, tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Write config.json + sharded safetensors + side files (tokenizer, generation and processor configs, taken from
+    the `side_files_from` folder(s) when they have them; see side_files.py), atomically. `pixels`: the (min, max)
+    pixels the model was trained with, for its processor config; `tokenizer_from`: the tokenizer it was trained with
+    (default: the first `side_files_from` folder that has one)."""
+    if side_files_from is None or isinstance(side_files_from, str | os.PathLike):
+        side_files_from = [side_files_from]
     with atomic_output_folder(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, tensor in model.state_dict().items():
             writer.add(name, tensor)
         writer.close()
         _write_config(tmp, model.config)
-        if side_files_from is not None:
-            copy_side_files(Path(side_files_from), tmp)
+        write_side_files(tmp, model.config, list(side_files_from), pixels, tokenizer_from)
     return Path(out)
 
 
 def _write_config(folder: Path, config: MindVLConfig) -> None:
     (folder / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-
-
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    copied = []
-    for name in SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
 
 
 # -------------------------------------------------------------------------------------------------- convert
@@ -419,7 +414,7 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: b
             writer.add(name, tensor)
         writer.close()
         _write_config(tmp, cfg)
-        copy_side_files(src, tmp)
+        write_side_files(tmp, cfg, [src])
     return Path(out)
 
 
@@ -491,7 +486,6 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
             writer.add(name, tensor.to(dtype or torch.float32))
         writer.close()
         _write_config(tmp, cfg)
-        copy_side_files(language_from, tmp)  # the tokenizer is the language model's
-        if (vision_from / "preprocessor_config.json").is_file():
-            shutil.copy2(vision_from / "preprocessor_config.json", tmp / "preprocessor_config.json")
+        # The tokenizer (and generation defaults) are the language model's, the image processor the vision tower's.
+        write_side_files(tmp, cfg, [language_from, vision_from])
     return Path(out)

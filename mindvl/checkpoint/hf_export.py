@@ -21,8 +21,9 @@ from pathlib import Path
 from mindvl.models import MindVLConfig
 
 from .conv import matmul_to_conv3d
-from .hf import CONFIG_NAME, copy_side_files, read_config
+from .hf import CONFIG_NAME, read_config
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
+from .side_files import token_ids_for_config, write_side_files
 
 _HF_RULES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^visual\.patch_embed\.weight$"), "visual.patch_embed.proj.weight"),
@@ -121,6 +122,9 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
             for hf, piece in hf_tensors(name, tensor):
                 writer.add(hf, piece)
         writer.close()
+        write_side_files(tmp, cfg, [src])
+        # bos/eos/pad at the top level of the flat layout: transformers 5 moves them into text_config, where
+        # `generate` and the embedding-range checks read them (its class defaults are the real Qwen vocabulary's).
+        config.update(token_ids_for_config(tmp))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        copy_side_files(src, tmp)
     return Path(out)

@@ -44,7 +44,6 @@ from .hf import (
     _convert_tensor,
     _converted_shape,
     check_tensors,
-    copy_side_files,
     detect_family,
     expected_shapes,
     mindvl_config_from_hf,
@@ -52,6 +51,7 @@ from .hf import (
     read_config,
 )
 from .safetensors_io import DEFAULT_SHARD_BYTES, StreamingShardWriter, TensorFolder, atomic_output_folder
+from .side_files import write_side_files
 
 # config.json fields that record where a model came from, not what it is; they may differ between merged inputs.
 PROVENANCE_KEYS = ("source", "projector_seed")
@@ -371,7 +371,7 @@ def _write(entries: list[_Entry], out: Path, config: MindVLConfig, side_files_fr
                 writer.add(entry.name, _combine(entry))
             files = writer.close()
         (tmp / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        copy_side_files(side_files_from, tmp)  # tokenizer and processor files of the first (multimodal) input
+        write_side_files(tmp, config, [side_files_from])  # side files of the first (multimodal) input
     averaged = sum(len(e.sources) > 1 for e in entries)
     return MergeResult(out, [str(p) for p in inputs], weights, averaged, len(entries) - averaged,
                        writer.total_bytes, files)

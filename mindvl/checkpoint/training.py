@@ -231,6 +231,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"])
-    tok = train_state.get("tokenizer_dir")
-    return save_pretrained(model, out, overwrite=overwrite,
-                           side_files_from=tok if tok and Path(tok).is_dir() else None)
+    side = train_state.get("side_files") or {}  # written by the trainer: the init model's folder, trained pixels
+    pixels = side.get("pixels")
+    return save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
+                           pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))

@@ -1,4 +1,5 @@
-"""`mindvl chat MODEL --image FILE --prompt TEXT`: ask a model folder about images and print the answer.
+"""`mindvl chat MODEL --image FILE --video FILE --prompt TEXT`: ask a model folder about images and videos and print
+the answer.
 
 Without --prompt: an interactive conversation when stdin is a terminal (an empty line or EOF ends it), otherwise
 the whole of stdin is the prompt.
@@ -13,6 +14,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("chat", help="ask a model folder about images (KV-cache generation)")
     p.add_argument("model", help="a mindvl model folder (mindvl export / convert / a run's final/)")
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image; repeat for several")
+    p.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="a video (needs the video extra: pip install 'mindvl[video]'); repeat for several")
+    p.add_argument("--video-fps", type=float, help="frames sampled per second of video (default: the folder's "
+                   "video_preprocessor_config.json, else 2)")
     p.add_argument("--prompt", help="the question; omit it for an interactive chat (or to read stdin)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -32,8 +37,16 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from mindvl.data.template import DEFAULT_SYSTEM
-    from mindvl.infer.chat import ChatSession, load_for_chat, pixel_limits
+    from mindvl.data.video import require_decoder
+    from mindvl.infer.chat import ChatSession, load_for_chat, pixel_limits, video_settings
 
+    if args.video:
+        try:
+            require_decoder()  # before loading the model: name the missing extra at once
+        except ImportError as exc:
+            raise ValueError(str(exc)) from exc  # the CLI prints it as one line
+        if args.video_fps is not None and args.video_fps <= 0:
+            raise ValueError(f"--video-fps must be > 0, got {args.video_fps}")
     model, tok = load_for_chat(args.model, args.tokenizer, device=args.device)
     min_pixels, max_pixels = pixel_limits(args.model)
     system = None if args.no_system else (DEFAULT_SYSTEM if args.system is None else args.system)
@@ -42,7 +55,7 @@ def run(args) -> int:
         min_pixels=min_pixels if args.min_pixels is None else args.min_pixels,
         max_pixels=max_pixels if args.max_pixels is None else args.max_pixels,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed,
+        seed=args.seed, videos=args.video, video_settings=video_settings(args.model, args.video_fps),
     )
     if args.prompt is not None:
         print(session.ask(args.prompt))

@@ -1,4 +1,5 @@
-"""`mindvl data synth|stats`: generate synthetic data; inspect sources (counts, histograms, packing efficiency)."""
+"""`mindvl data synth|stats|plan`: generate synthetic data; inspect sources (counts, histograms, packing
+efficiency); plan a recipe's mixture over its token budget against the paper's tables."""
 
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_stats)
 
+    plan = sub.add_parser("plan", help="tokens, vision share and epochs per source and category over a recipe's "
+                          "budget, and the differences from the paper's data tables")
+    plan.add_argument("recipe", help="a recipe YAML file (its data: section, phase.name and budget.max_tokens)")
+    plan.add_argument("--probe", type=int, default=200,
+                      help="records read per local source to measure tokens per sample (default 200)")
+    plan.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: the recipe's, else mindvl's)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_plan)
+
 
 def _synth(args: argparse.Namespace) -> int:
     from mindvl.data.synth import generate
@@ -57,4 +67,21 @@ def _stats(args: argparse.Namespace) -> int:
         max_patches_per_pack=args.max_patches_per_pack,
     )
     print(json.dumps(result) if args.json else format_stats(result))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from mindvl.data.plan import format_plan, plan_json, plan_recipe
+
+    path = Path(args.recipe)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe not found: {path}")
+    if args.probe <= 0:
+        raise ValueError(f"--probe must be > 0, got {args.probe}")
+    plan = plan_recipe(yaml.safe_load(path.read_text()) or {}, str(path), args.probe, args.tokenizer)
+    print(plan_json(plan) if args.json else format_plan(plan), end="" if not args.json else "\n")
     return 0

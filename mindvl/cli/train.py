@@ -1,19 +1,28 @@
-"""`mindvl train RECIPE.yaml [key=value ...]` (under torchrun for several processes)."""
+"""`mindvl train RECIPE [key=value ...]` (under torchrun for several processes); `mindvl train --list`."""
 
 from __future__ import annotations
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="run one training phase from a recipe (warm-up, multitask or SFT)")
-    p.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny/warmup.yaml")
+    p.add_argument("recipe", nargs="?", help="a recipe YAML file, or a packaged recipe by name (tiny/warmup); "
+                   "relative input paths in the file resolve against its folder")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="override any field by dotted path (optim.lr=1e-4) or alias: output_dir=, max_steps=, "
                         "max_tokens=, checkpoint_every=, resume=auto, lr=, seed=, init_from=")
+    p.add_argument("--list", action="store_true", help="list the packaged recipes and exit")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from mindvl.config import load_recipe
+    from mindvl.config import PACKAGED_RECIPES, load_recipe, packaged_recipes
+
+    if args.list:
+        for name in packaged_recipes():
+            print(f"{name:24s} {PACKAGED_RECIPES / name}.yaml")
+        return 0
+    if args.recipe is None:
+        raise ValueError("give a recipe file or a packaged recipe name (mindvl train --list shows them)")
     from mindvl.train.trainer import train
 
     result = train(load_recipe(args.recipe, args.overrides))

@@ -9,6 +9,10 @@ Entry points:
     preprocess(image, min_pixels, max_pixels)   Qwen2-VL patch rows, bit-identical to transformers' PIL processor
     encode_conversation(...)                    ChatML ids + labels; mrope_positions(...) M-RoPE positions
     synth.generate(out_dir, n, seed, tasks)     synthetic OCR / chart / grounding / doc data
+    video.preprocess_video(path, settings)      Qwen2.5-VL video frames -> patch rows (PyAV; the `video` extra)
+    template.encode_document(...)               interleaved / plain-text documents (no chat template)
+    captions, grounding                         caption prompt sets; box/point conventions through smart_resize
+    plan.plan_recipe(recipe)                    `mindvl data plan`: a mixture over its budget vs the paper's tables
 
 `build_loader`/`PackLoader` live in loader.py, the only module that imports torch; they are imported lazily here
 so that `import mindvl.data` stays light (inference and tests of the pure parts do not pay for torch).

@@ -68,8 +68,47 @@ class SynthConfig:
 
 
 @dataclass
+class VideoConfig:
+    """How videos are sampled and sized (transformers' Qwen2-VL video processor defaults; see mindvl.data.video)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+    cap_pixels_per_frame: bool = True  # the per-video total-pixel budget (qwen-vl-utils' rule)
+    max_video_tokens: int = 128_000
+    max_decoded_frames: int = 100_000  # longer videos are skipped (video_too_long) before decoding
+    # M-RoPE time scale; None: the model's own (the trainer fills it in). Set, it must equal the model's.
+    tokens_per_second: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> VideoConfig:
+        _check_keys(d, cls, where)
+        fps = _typed(d.get("fps", 2.0), (int, float), f"{where}.fps")
+        if not fps > 0:
+            raise ValueError(f"{where}.fps: must be > 0, got {fps}")
+        cfg = cls(fps=float(fps), cap_pixels_per_frame=_typed(d.get("cap_pixels_per_frame", True), (bool,),
+                                                              f"{where}.cap_pixels_per_frame"))
+        for key in ("min_frames", "max_frames", "min_pixels", "max_pixels", "max_video_tokens", "max_decoded_frames",
+                    "tokens_per_second"):
+            if key in d:
+                setattr(cfg, key, _positive(d[key], f"{where}.{key}"))
+        if cfg.min_pixels > cfg.max_pixels:
+            raise ValueError(f"{where}: min_pixels {cfg.min_pixels} is larger than max_pixels {cfg.max_pixels}")
+        if cfg.min_frames > cfg.max_frames:
+            raise ValueError(f"{where}: min_frames {cfg.min_frames} is larger than max_frames {cfg.max_frames}")
+        return cfg
+
+
+@dataclass
 class SourceConfig:
-    """One data source: files/globs (JSONL or WebDataset tar shards) or a synthetic set, with a sampling ratio."""
+    """One data source: files/globs (JSONL or WebDataset tar shards) or a synthetic set, with a sampling ratio.
+
+    `category` groups sources in `mindvl data plan` (e.g. the paper's Caption/OCR/Grounding); `caption_prompts`
+    turns caption records into samples: `default` (mindvl.data.captions' instruction set, one chosen per record
+    from the seed), a list of instructions, or `none` (the caption is trained as a document after its image).
+    """
 
     name: str = ""
     paths: list[str] = field(default_factory=list)
@@ -78,6 +117,8 @@ class SourceConfig:
     ratio: float = 1.0
     min_pixels: int | None = None  # override DataConfig.min_pixels for this source
     max_pixels: int | None = None
+    category: str = ""
+    caption_prompts: list[str] | str = "default"
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> SourceConfig:
@@ -106,7 +147,18 @@ class SourceConfig:
         if not ratio > 0:
             raise ValueError(f"{where}.ratio: must be > 0, got {ratio}")
         name = _typed(d.get("name", ""), (str,), f"{where}.name")
+        prompts = d.get("caption_prompts", "default")
+        if isinstance(prompts, str):
+            if prompts not in ("default", "none"):
+                raise ValueError(f"{where}.caption_prompts: must be default, none or a list of instructions")
+        elif not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError(f"{where}.caption_prompts: must be default, none or a non-empty list of instructions")
+        elif any("<image>" in p or "<video>" in p for p in prompts):
+            raise ValueError(f"{where}.caption_prompts: an instruction must not contain <image>/<video> (the image "
+                             "is placed before it)")
         return cls(
+            category=_typed(d.get("category", ""), (str,), f"{where}.category"),
+            caption_prompts=prompts,
             name=name,
             paths=list(paths),
             synth=synth,
@@ -133,10 +185,12 @@ class DataConfig:
     seed: int = 0
     strict: bool = False  # fail on the first bad sample instead of skipping it
     num_workers: int = 0  # loader worker processes per rank
-    tokenizer: str | None = None  # HF tokenizer folder; None = mindvl's default
+    tokenizer: str | None = None  # HF tokenizer folder; None: the model folder's (train.preflight), else mindvl's
     default_system: str | None = DEFAULT_SYSTEM  # system turn added when a conversation has none (None: none)
     train_on_prompt: bool = False
     synth_cache: str | None = None  # where synthetic sources are generated (default ~/.cache/mindvl/synth)
+    video: VideoConfig = field(default_factory=VideoConfig)
+    box_format: str = "qwen2.5-vl"  # boxes of records that declare `coords` become this (mindvl.data.grounding)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "data") -> DataConfig:
@@ -172,6 +226,8 @@ class DataConfig:
             default_system=_typed(d.get("default_system", DEFAULT_SYSTEM), (str,), f"{where}.default_system", True),
             train_on_prompt=_typed(d.get("train_on_prompt", False), (bool,), f"{where}.train_on_prompt"),
             synth_cache=_typed(d.get("synth_cache"), (str,), f"{where}.synth_cache", allow_none=True),
+            video=VideoConfig.from_dict(d.get("video") or {}, f"{where}.video"),
+            box_format=_typed(d.get("box_format", "qwen2.5-vl"), (str,), f"{where}.box_format"),
         )
         cfg.validate(where)
         return cfg
@@ -180,6 +236,8 @@ class DataConfig:
         """Cross-field checks (also run on configs built in code)."""
         if not self.sources:
             raise ValueError(f"{where}.sources: must be a non-empty list of sources")
+        if self.box_format not in ("qwen2.5-vl", "rel1000"):
+            raise ValueError(f"{where}.box_format: must be qwen2.5-vl or rel1000, got {self.box_format!r}")
         if self.truncation not in ("truncate", "drop"):
             raise ValueError(f"{where}.truncation: must be truncate or drop, got {self.truncation!r}")
         if self.num_workers < 0:

@@ -13,7 +13,8 @@ Every pack arrives with its stream's state *after* that pack; the loader keeps t
 exact no matter how far the workers have prefetched. On resume, DataLoader worker w runs logical stream
 (w + next_stream) mod W, so the first pack delivered is the one the interrupted run would have consumed next.
 
-This is the only module of mindvl.data that imports torch (for the DataLoader workers).
+This is the only module of mindvl.data that imports torch at import time (for the DataLoader workers); video.py
+imports it lazily to resize video frames exactly as transformers' video processor does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .schema import Pack
 from .sources import resolve_files
 from .stream import PackStream
 from .tokenizer import TextTokenizer, load_tokenizer
+from .video import require_decoder_for
 
 LOADER_STATE_VERSION = 1
 
@@ -123,6 +125,7 @@ class PackLoader:
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self.rank, self.world_size, self.max_epochs = rank, world_size, max_epochs
         self.files = files if files is not None else resolve_sources(cfg)
+        require_decoder_for([(s.name, f) for s, f in zip(cfg.sources, self.files, strict=True)])
         self.n_streams = max(1, cfg.num_workers)
         self._states: list[dict | None] = [None] * self.n_streams
         self._next = 0

@@ -1,5 +1,5 @@
 """Online packing: samples from a bounded buffer are packed into rows of at most `seq_len` tokens and at most
-`max_patches` vision patch rows, no sample split.
+`max_patches` vision patch rows (images' and videos' alike), no sample split.
 
 Policy (per pack, when the buffer is full): open the pack with the largest buffered sample (first-fit decreasing
 for one bin), or with the oldest one if it has waited `max_wait` packs (so no sample starves); then keep adding the
@@ -19,6 +19,7 @@ import numpy as np
 
 from .image import PATCH_DIM, expand_patches
 from .schema import IGNORE_INDEX, Pack, Sample
+from .video import expand_video_patches
 
 
 @dataclass
@@ -119,8 +120,21 @@ def build_pack(samples: list[Sample], pad_to: int | None = None, pad_id: int = 0
     pixel_values = alloc_pixels(n_patches) if alloc_pixels is not None else np.empty((n_patches, PATCH_DIM), np.float32)
     row = 0
     for s in samples:
-        expand_patches(s.patches, out=pixel_values[row:row + s.num_patches])
-        row += s.num_patches
+        if s.video_patches is None:
+            expand_patches(s.patches, out=pixel_values[row:row + s.num_patches])
+            row += s.num_patches
+            continue
+        # Images and videos interleaved in order of appearance (one stream, like the grids).
+        image_row = video_row = 0
+        for grid, is_video in zip(s.image_grid_thw, s.is_video, strict=True):
+            n = int(np.prod(grid))
+            if is_video:
+                expand_video_patches(s.video_patches[video_row:video_row + n], out=pixel_values[row:row + n])
+                video_row += n
+            else:
+                expand_patches(s.patches[image_row:image_row + n], out=pixel_values[row:row + n])
+                image_row += n
+            row += n
     grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
     return Pack(
         input_ids=np.concatenate(input_ids) if input_ids else np.zeros(0, np.int64),

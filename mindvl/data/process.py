@@ -1,19 +1,31 @@
-"""Conversation -> Sample: decode and patchify images, render and tokenize, truncate safely, M-RoPE positions.
+"""Conversation -> Sample: decode and patchify images and videos, render and tokenize, truncate safely, positions.
 
 Deterministic: the same record always gives the same Sample, which is what lets the packing buffer be restored on
 resume by reading its records again instead of storing their pixels in the checkpoint.
+
+Record kinds: a chat goes through the chat template; a document (interleaved images and text, or plain text) is
+tokenized as it stands with every text token trained; a caption becomes one or the other (mindvl.data.captions).
+Truncation (`truncation: truncate`) of anything longer than seq_len cuts at the last token before seq_len that is
+not inside an image's or video's `<|vision_start|> ... <|vision_end|>` block and drops the vision items after the
+cut: a long document keeps its first seq_len tokens up to an image boundary, never half an image.
+Boxes and points of a record that declares `coords` are rewritten into `box_format` once its image's size on disk and
+after smart_resize are known (mindvl.data.grounding).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .image import PATCH_PIXELS, ImageError, load_image, preprocess_uint8
-from .schema import IGNORE_INDEX, BadSample, Conversation, Sample, SampleRef
-from .template import DEFAULT_SYSTEM, encode_conversation, mrope_positions, safe_cut
+from .captions import caption_sample, prompt_set
+from .grounding import BoxError, convert_text
+from .image import PATCH_DIM, PATCH_PIXELS, PATCH_SIZE, ImageError, load_image, preprocess_uint8
+from .schema import IGNORE_INDEX, BadSample, Conversation, Message, Sample, SampleRef
+from .template import DEFAULT_SYSTEM, encode_conversation, encode_document, mrope_positions, safe_cut
 from .tokenizer import TextTokenizer
+from .video import VideoSettings, preprocess_video
 
 
 @dataclass
@@ -26,45 +38,105 @@ class ProcessConfig:
     max_patches: int | None = None  # a sample with more patch rows can never fit a pack
     default_system: str | None = DEFAULT_SYSTEM
     train_on_prompt: bool = False
+    caption_prompts: list[str] | str = "default"
+    seed: int = 0
+    video: VideoSettings = field(default_factory=VideoSettings)
+    tokens_per_second: int = 2
+    box_format: str = "qwen2.5-vl"
 
 
-def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessConfig, source: int = 0,
-                         ref: SampleRef | None = None) -> tuple[Sample, bool]:
-    """Returns (sample, truncated). Raises BadSample (reasons: image problems, too_long, too_many_patches)."""
-    pixels: list[np.ndarray] = []
-    grids: list[tuple[int, int, int]] = []
+def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
+                                                              Conversation]:
+    pixels, grids = [], []
     for img in conv.images:
         try:
             image = load_image(img.data if img.data is not None else img.name, cfg.max_image_pixels)
             pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels)
         except ImageError as exc:
             raise BadSample(exc.reason, conv.where, f"{exc}") from exc
+        if conv.coords is not None:  # boxes in the text follow the image through smart_resize
+            resized = (grid[2] * PATCH_SIZE, grid[1] * PATCH_SIZE)
+            try:
+                conv = _with_boxes(conv, image.size, resized, cfg.box_format)
+            except BoxError as exc:
+                raise BadSample(exc.reason, conv.where, f"{exc}") from exc
         pixels.append(pv)
         grids.append(grid)
+    return pixels, grids, conv
 
-    enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt)
+
+def _with_boxes(conv: Conversation, size: tuple[int, int], resized: tuple[int, int], target: str) -> Conversation:
+    messages = [Message(m.role, convert_text(m.content, conv.coords, target, size, resized)) for m in conv.messages]
+    return dataclasses.replace(conv, messages=messages, coords=None)
+
+
+def _videos(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
+                                                              list[float]]:
+    pixels, grids, intervals = [], [], []
+    for vid in conv.videos:
+        try:
+            v = preprocess_video(vid.data if vid.data is not None else vid.name, cfg.video)
+        except ImageError as exc:  # VideoError is one
+            raise BadSample(exc.reason, conv.where, f"{exc}") from exc
+        pixels.append(v.patches)
+        grids.append(v.grid)
+        # float32 like transformers: tokens_per_second * second_per_grid_t (a float32 tensor there)
+        intervals.append(float(np.float32(cfg.tokens_per_second) * np.float32(v.second_per_grid_t)))
+    return pixels, grids, intervals
+
+
+def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessConfig, source: int = 0,
+                         ref: SampleRef | None = None) -> tuple[Sample, bool]:
+    """Returns (sample, truncated). Raises BadSample (reasons: image/video problems, too_long, too_many_patches)."""
+    if conv.kind == "caption":
+        conv = caption_sample(conv, prompt_set(cfg.caption_prompts), cfg.seed)
+    pixels, grids, conv = _images(conv, cfg)
+    vpixels, vgrids, intervals = _videos(conv, cfg)
+
+    if conv.kind == "document":
+        enc = encode_document(tok, conv.text, grids)
+    else:
+        enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids)
     ids, labels, spans = enc.input_ids, enc.labels, enc.image_spans
+    is_video = list(enc.is_video or [False] * len(spans))
+    # Every vision item in order of appearance: (is_video, rows, grid, time interval or None).
+    img_iter, vid_iter = iter(zip(pixels, grids, strict=True)), iter(zip(vpixels, vgrids, intervals, strict=True))
+    items = []
+    for v in is_video:
+        if v:
+            rows, grid, interval = next(vid_iter)
+            items.append((True, rows, grid, interval))
+        else:
+            rows, grid = next(img_iter)
+            items.append((False, rows, grid, None))
     truncated = False
     if len(ids) > cfg.seq_len:
         if cfg.truncation == "drop":
             raise BadSample("too_long", conv.where, f"{len(ids)} tokens > seq_len {cfg.seq_len} (truncation: drop)")
         cut = safe_cut(len(ids), cfg.seq_len, spans)
-        keep = sum(1 for _, end in spans if end < cut)  # images whose whole block is before the cut
+        keep = sum(1 for _, end in spans if end < cut)  # items whose whole block is before the cut
         ids, labels = ids[:cut], labels[:cut]
-        spans, grids, pixels = spans[:keep], grids[:keep], pixels[:keep]
+        spans, items = spans[:keep], items[:keep]
         truncated = True
         if not (labels != IGNORE_INDEX).any():
             raise BadSample("too_long", conv.where, f"{len(enc.input_ids)} tokens > seq_len {cfg.seq_len} and "
                             "nothing trainable before a safe cut")
-    n_patches = sum(p.shape[0] for p in pixels)
+    n_patches = sum(rows.shape[0] for _, rows, _, _ in items)
     if cfg.max_patches is not None and n_patches > cfg.max_patches:
         raise BadSample("too_many_patches", conv.where,
-                        f"{n_patches} patch rows > max_patches_per_pack {cfg.max_patches}; lower max_pixels")
-    positions = mrope_positions(len(ids), spans, grids)
-    if len(pixels) == 1:
-        patches = pixels[0]  # the common case: no copy
+                        f"{n_patches} patch rows > max_patches_per_pack {cfg.max_patches}; lower max_pixels "
+                        "(or the video's max_pixels / fps)")
+    positions = mrope_positions(len(ids), spans, [g for _, _, g, _ in items], [t for _, _, _, t in items])
+    image_rows = [rows for v, rows, _, _ in items if not v]
+    video_rows = [rows for v, rows, _, _ in items if v]
+    if len(image_rows) == 1:
+        patches = image_rows[0]  # the common case: no copy
     else:
-        patches = np.concatenate(pixels, 0) if pixels else np.zeros((0, PATCH_PIXELS), np.uint8)
-    grid_thw = np.asarray(grids, np.int64).reshape(-1, 3)
+        patches = np.concatenate(image_rows, 0) if image_rows else np.zeros((0, PATCH_PIXELS), np.uint8)
+    grid_thw = np.asarray([g for _, _, g, _ in items], np.int64).reshape(-1, 3)
     sample = Sample(ids, labels, positions, patches, grid_thw, source, ref, conv.where)
+    if video_rows:
+        sample.video_patches = np.concatenate(video_rows, 0) if len(video_rows) > 1 else video_rows[0]
+        sample.is_video = np.asarray([v for v, _, _, _ in items], bool)
+        assert sample.video_patches.shape[1] == PATCH_DIM
     return sample, truncated

@@ -14,6 +14,8 @@ import numpy as np
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+RECORD_KINDS = ("chat", "document", "caption")
 
 
 class BadSample(ValueError):
@@ -64,11 +66,21 @@ class Message:
 
 @dataclass
 class Conversation:
-    """A validated record: messages in order, the images for the placeholders in order of appearance."""
+    """A validated record: messages in order, the images and videos for the placeholders in order of appearance.
+
+    `kind` says how it becomes tokens: `chat` (the chat template, loss on assistant turns), `document` (`text`
+    with `<image>` placeholders, no template, loss on every text token: interleaved web documents and plain text)
+    or `caption` (one image and its caption in `text`, turned into a chat or a document by the source's caption
+    prompts).
+    """
 
     messages: list[Message]
     images: list[ImageRef]
     where: str  # file:line or shard:key, for messages
+    videos: list[ImageRef] = field(default_factory=list)  # a video file or tar member, like an image
+    kind: str = "chat"
+    text: str = ""  # document text / caption
+    coords: str | None = None  # the convention of boxes/points in the text, when declared (mindvl.data.grounding)
 
 
 @dataclass
@@ -76,9 +88,11 @@ class Sample:
     """One tokenized conversation with its image patches.
 
     input_ids, labels: int64 [L]; position_ids: int64 [3, L] (M-RoPE, starting at 0);
-    patches: uint8 [P, 588] (rows (C, 14, 14) in the merger's order, not yet normalised: 8x smaller than the
-    float32 rows while the sample waits in the packing buffer; `image.expand_patches` makes the Pack's rows);
-    image_grid_thw: int64 [N, 3] with P = sum(t*h*w).
+    patches: uint8 [P, 588] the images' rows ((C, 14, 14) in the merger's order, not yet normalised: 8x smaller
+    than the float32 rows while the sample waits in the packing buffer; `image.expand_patches` makes the Pack's
+    rows); video_patches: uint8 [Pv, 1176] the videos' rows ((C, T=2, 14, 14); `video.expand_video_patches`);
+    image_grid_thw: int64 [N, 3], every vision item (images and videos) in order of appearance, with
+    P + Pv = sum(t*h*w); is_video: bool [N] which of them are videos.
     """
 
     input_ids: np.ndarray
@@ -89,6 +103,8 @@ class Sample:
     source: int = 0
     ref: SampleRef | None = None
     where: str = ""
+    video_patches: np.ndarray | None = None
+    is_video: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +112,13 @@ class Sample:
 
     @property
     def num_patches(self) -> int:
-        return int(self.patches.shape[0])
+        """Vision patch rows, images and videos: what the packer's vision budget counts."""
+        videos = 0 if self.video_patches is None else int(self.video_patches.shape[0])
+        return int(self.patches.shape[0]) + videos
+
+    @property
+    def num_videos(self) -> int:
+        return 0 if self.is_video is None else int(self.is_video.sum())
 
     @property
     def num_trained(self) -> int:
@@ -111,11 +133,14 @@ class Pack:
     """One packed micro-batch row (ARCHITECTURE.md §3).
 
     input_ids int64 [T]; labels int64 [T], -100 where not trained, *unshifted* (HF convention: the model predicts
-    labels[i+1] from position i; every sample starts with `<|im_start|>` labelled -100, so a shift never trains one
-    sample's last token on the next sample's first); position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0
-    per sample; text tokens have three equal rows, so row 0 is the 1-D position for non-M-RoPE LLMs);
-    cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, 1176] (images in order of appearance);
-    image_grid_thw int64 [N_images, 3]. If padding was requested it is the last segment of cu_seqlens, labels -100,
+    labels[i+1] from position i; every sample's first label is -100 (a chat's `<|im_start|>`, a document's first
+    token: nothing predicts it), so a shift never trains one sample's last token on the next sample's first);
+    position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0 per sample; a 1-D RoPE model numbers each
+    sample's tokens 0, 1, 2, ... itself from cu_seqlens, as generation does);
+    cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, 1176] (images and videos in order of
+    appearance: one stream); image_grid_thw int64 [N, 3] (their grids, in the same order; videos have t >= 1 temporal
+    patches of 2 frames and fill `<|video_pad|>` slots, images fill `<|image_pad|>` slots).
+    If padding was requested it is the last segment of cu_seqlens, labels -100,
     and counted in `num_pad`.
     """
 

@@ -253,10 +253,16 @@ def item_to_conversation(item: RawItem) -> Conversation:
         return parse_record(record, item.where, resolve)
 
     members = item.members or {}
-    if "json" not in members:
-        raise BadSample("bad_record", item.where, "key has no .json record member")
+    caption = None
+    if "txt" in members:  # a WebDataset caption shard: image + txt (the .json, if any, is metadata)
+        try:
+            caption = members["txt"].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadSample("bad_record", item.where, f"txt member is not UTF-8 ({exc}); re-create the shard") from exc
+    if "json" not in members and caption is None:
+        raise BadSample("bad_record", item.where, "key has no .json record member (nor a .txt caption)")
     try:
-        record = json.loads(members["json"])
+        record = json.loads(members["json"]) if "json" in members else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadSample("bad_json", item.where, f"malformed .json member ({exc}); re-create the shard") from exc
     image_suffixes = sorted(
@@ -269,7 +275,7 @@ def item_to_conversation(item: RawItem) -> Conversation:
                 return ImageRef(f"{item.where}.{suffix}", members[suffix])
         raise BadSample("missing_image", item.where, f"image {name!r} is not a member of this key")
 
-    return parse_record(record, item.where, resolve_member, image_suffixes)
+    return parse_record(record, item.where, resolve_member, image_suffixes, caption)
 
 
 def _natural_key(s: str) -> list:

@@ -18,6 +18,7 @@ from .schema import BadSample, Pack, Sample, SampleRef
 from .skips import SkipLog
 from .sources import RawItem, ReaderState, SourceReader, item_to_conversation
 from .tokenizer import TextTokenizer
+from .video import video_settings
 
 STATE_VERSION = 1
 
@@ -41,7 +42,9 @@ class PackStream:
         self.alloc_pixels = None  # optional [P] -> float32 [P, 1176] allocator for pack pixel rows (shared memory)
         self._process_cfgs = [
             ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
-                          cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt)
+                          cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt,
+                          cfg.sources[i].caption_prompts, cfg.seed, video_settings(cfg.video),
+                          cfg.video.tokens_per_second or 2, cfg.box_format)  # 2: Qwen2.5-VL, when no model says
             for i in range(len(cfg.sources))
         ]
 

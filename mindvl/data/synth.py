@@ -5,8 +5,9 @@ and `images` relative to the file) and `out_dir/images/*.png`. Sample i depends 
 extends a smaller one. Only Pillow's bundled fonts are used (its TrueType "Aileron" at several sizes, with and
 without a stroke, and its bitmap font), so the output is the same on every machine with the same Pillow.
 
-Image sides are multiples of 28 and within the default pixel range, so the processor does not resize them and the
-grounding boxes (absolute pixels, as Qwen2.5-VL writes them) stay exact for the model.
+Image sides are multiples of 28 and within the default pixel range, so the processor does not resize them at the
+defaults; grounding records declare `"coords": "abs"` (pixels of the image on disk), so a lower max_pixels rescales
+their boxes with the image (mindvl.data.grounding) instead of misplacing them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix; GENERATORS also has "digits"
-SYNTH_VERSION = 1  # bump when the generator's output changes, so cached sets are regenerated
+SYNTH_VERSION = 2  # bump when the generator's output changes, so cached sets are regenerated
 
 WORDS = (
     "apple river mountain signal quantum harbor velvet copper garden silent orbit lantern meadow crystal thunder "
@@ -199,6 +200,8 @@ def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Im
     img, question, answer = GENERATORS[task](rng)
     prompt = f"<image>{question}" if rng.random() < 0.8 else f"{question}\n<image>"
     record = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+    if task == "grounding":
+        record["coords"] = "abs"  # pixels of the image on disk: the pipeline rescales them when it resizes
     return record, img, task
 
 

@@ -11,16 +11,20 @@ Token ids equal what HF gets by tokenizing the whole rendered string: text is en
 special tokens, and special tokens are hard split points for a HF tokenizer too. Labels (unshifted, -100 elsewhere)
 cover each assistant message's content and its `<|im_end|>` (as LLaMA-Factory and ms-swift train Qwen), not the
 `<|im_start|>assistant\n` header nor the newline after `<|im_end|>`.
+
+Videos render as `<|vision_start|><|video_pad|>*n<|vision_end|>` (n = t*h*w/4). Documents (`encode_document`) have
+no template at all: text with image blocks, every text token trained, closed by a trained `<|endoftext|>`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .schema import IGNORE_INDEX, IMAGE_PLACEHOLDER, Message
+from .schema import IGNORE_INDEX, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from .tokenizer import TextTokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -29,12 +33,14 @@ MERGE_UNIT = 4  # 2x2 patches -> one LLM token
 
 @dataclass
 class Encoded:
-    """Token ids, labels (int64 [L]) and where each image's pads are: image_spans[i] = (start, end) of the pad run,
-    i.e. input_ids[start:end] == image_pad; its vision_start is at start-1 and vision_end at end."""
+    """Token ids, labels (int64 [L]) and where each vision item's pads are: image_spans[i] = (start, end) of the
+    pad run of the i-th image or video in order of appearance (input_ids[start:end] are its image or video pads;
+    its vision_start is at start-1 and vision_end at end); is_video[i] says which."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     image_spans: list[tuple[int, int]]
+    is_video: list[bool] | None = None
 
 
 class _Builder:
@@ -45,6 +51,7 @@ class _Builder:
         self.ids: list[int] = []
         self.labels: list[int] = []
         self.spans: list[tuple[int, int]] = []
+        self.is_video: list[bool] = []
         self._text: list[str] = []
         self._label_from: int | None = None  # char offset in the pending chunk from which tokens are trained
 
@@ -77,17 +84,20 @@ class _Builder:
         self.ids.extend([token_id] * count)
         self.labels.extend([token_id if trained else IGNORE_INDEX] * count)
 
-    def image(self, n_pads: int) -> None:
+    def image(self, n_pads: int, video: bool = False) -> None:
         sp = self.tok.special
+        if video and sp.video_pad is None:
+            raise ValueError(f"tokenizer {self.tok.name} has no <|video_pad|> token; use a Qwen2-VL/2.5-VL tokenizer")
         self.special(sp.vision_start, False)
         start = len(self.ids)
-        self.special(sp.image_pad, False, n_pads)
+        self.special(sp.video_pad if video else sp.image_pad, False, n_pads)
         self.spans.append((start, len(self.ids)))
+        self.is_video.append(video)
         self.special(sp.vision_end, False)
 
     def finish(self) -> Encoded:
         self._flush()
-        return Encoded(np.asarray(self.ids, np.int64), np.asarray(self.labels, np.int64), self.spans)
+        return Encoded(np.asarray(self.ids, np.int64), np.asarray(self.labels, np.int64), self.spans, self.is_video)
 
 
 def encode_conversation(
@@ -96,62 +106,113 @@ def encode_conversation(
     grids: Sequence[tuple[int, int, int]],
     default_system: str | None = DEFAULT_SYSTEM,
     train_on_prompt: bool = False,
+    video_grids: Sequence[tuple[int, int, int]] = (),
 ) -> Encoded:
-    """Render `messages` (content with `<image>` placeholders) and tokenize; `grids[i]` is image i's (t, h, w).
+    """Render `messages` (content with `<image>`/`<video>` placeholders) and tokenize; `grids[i]` is image i's
+    (t, h, w), `video_grids[j]` video j's. Each video becomes `<|vision_start|><|video_pad|>*n<|vision_end|>`.
 
     Labels are on assistant content + `<|im_end|>`; with `train_on_prompt`, on every non-vision token except the
     `<|im_start|>role\\n` headers.
     """
     if sum(m.content.count(IMAGE_PLACEHOLDER) for m in messages) != len(grids):
         raise ValueError("number of <image> placeholders differs from the number of images")
+    if sum(m.content.count(VIDEO_PLACEHOLDER) for m in messages) != len(video_grids):
+        raise ValueError("number of <video> placeholders differs from the number of videos")
     sp = tok.special
     b = _Builder(tok)
     turns = list(messages)
     if default_system is not None and (not turns or turns[0].role != "system"):
         turns.insert(0, Message("system", default_system))
-    image_index = 0
+    items = _VisionItems(grids, video_grids)
     for m in turns:
         trained = m.role == "assistant" or (train_on_prompt and m.role != "system")
         b.special(sp.im_start, False)
         b.text(f"{m.role}\n", False)
-        pieces = m.content.split(IMAGE_PLACEHOLDER)
-        for k, piece in enumerate(pieces):
-            if k > 0:
-                t, h, w = grids[image_index]
-                b.image(t * h * w // MERGE_UNIT)
-                image_index += 1
-            if piece:
-                b.text(piece, trained)
+        _content(b, m.content, items, trained)
         b.special(sp.im_end, trained)
         b.text("\n", False)
     return b.finish()
 
 
-def mrope_positions(length: int, image_spans: Sequence[tuple[int, int]], grids: Sequence[tuple[int, int, int]]) -> (
-    np.ndarray
-):
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+_IMAGE_ONLY = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")  # documents: a literal "<video>" is just text
+
+
+class _VisionItems:
+    """The next image's or video's pad count, in order of appearance."""
+
+    def __init__(self, grids: Sequence[tuple[int, int, int]], video_grids: Sequence[tuple[int, int, int]]):
+        self.grids, self.video_grids, self.image, self.video = grids, video_grids, 0, 0
+
+    def pads(self, video: bool) -> int:
+        if video:
+            t, h, w = self.video_grids[self.video]
+            self.video += 1
+        else:
+            t, h, w = self.grids[self.image]
+            self.image += 1
+        return t * h * w // MERGE_UNIT
+
+
+def _content(b: _Builder, content: str, items: _VisionItems, trained: bool,
+             placeholders: re.Pattern = _PLACEHOLDERS) -> None:
+    for piece in placeholders.split(content):
+        if piece == IMAGE_PLACEHOLDER or piece == VIDEO_PLACEHOLDER:
+            b.image(items.pads(piece == VIDEO_PLACEHOLDER), video=piece == VIDEO_PLACEHOLDER)
+        elif piece:
+            b.text(piece, trained)
+
+
+def encode_document(tok: TextTokenizer, text: str, grids: Sequence[tuple[int, int, int]],
+                    end_of_text: bool = True) -> Encoded:
+    """A document (interleaved web page, plain text): no chat template; `text` with `<image>` placeholders.
+
+    Every text token after the first is trained and so is the closing `<|endoftext|>` (the model learns where
+    documents end); vision_start, the pads and vision_end are not.
+    """
+    if text.count(IMAGE_PLACEHOLDER) != len(grids):
+        raise ValueError("number of <image> placeholders differs from the number of images")
+    b = _Builder(tok)
+    _content(b, text, _VisionItems(grids, ()), trained=True, placeholders=_IMAGE_ONLY)
+    if end_of_text:
+        b.special(tok.special.endoftext, True)
+    enc = b.finish()
+    if len(enc.labels):
+        enc.labels[0] = IGNORE_INDEX  # no token predicts a sample's first one: it is not a target
+    return enc
+
+
+def mrope_positions(length: int, image_spans: Sequence[tuple[int, int]], grids: Sequence[tuple[int, int, int]],
+                    time_intervals: Sequence[float | None] | None = None) -> np.ndarray:
     """int64 [3, length]: Qwen2.5-VL `get_rope_index` positions for one sample, starting at 0.
 
-    Text tokens advance one position on all three rows; an image's pads get (t, h, w) merged-grid coordinates
-    offset by the current position, and the text after it resumes at max + 1 (= current + max(h, w)/2 for t=1).
+    Text tokens advance one position on all three rows; a vision item's pads get (time, row, col) merged-grid
+    coordinates offset by the current position, and the text after it resumes at current + max(h, w)/2.
+    `time_intervals[i]` is None for an image (time index = temporal patch k, always 0) and, for a video,
+    `tokens_per_second * second_per_grid_t`: its patch k gets time int(k * interval), computed in float32 as
+    transformers does (Qwen2.5-VL's absolute-time alignment).
     """
     pos = np.empty((3, length), np.int64)
     cur = 0
     prev = 0
-    for (start, end), (t, h, w) in zip(image_spans, grids, strict=True):
+    intervals = list(time_intervals) if time_intervals is not None else [None] * len(grids)
+    for (start, end), (t, h, w), interval in zip(image_spans, grids, intervals, strict=True):
         n_text = start - prev
         pos[:, prev:start] = np.arange(cur, cur + n_text)[None, :]
         cur += n_text
         lh, lw = h // 2, w // 2
         if end - start != t * lh * lw:
             raise ValueError("image span length does not match its grid")
-        tt = np.repeat(np.arange(t), lh * lw)
+        frames = np.arange(t)
+        if interval is not None:
+            frames = (frames.astype(np.float32) * np.float32(interval)).astype(np.int64)
+        tt = np.repeat(frames, lh * lw)
         hh = np.tile(np.repeat(np.arange(lh), lw), t)
         ww = np.tile(np.arange(lw), t * lh)
         pos[0, start:end] = tt + cur
         pos[1, start:end] = hh + cur
         pos[2, start:end] = ww + cur
-        cur = cur + max(t, lh, lw)  # = pos[:, start:end].max() + 1
+        cur = cur + max(lh, lw)  # not past the time axis: transformers resumes at the spatial extent
         prev = end
     pos[:, prev:] = np.arange(cur, cur + length - prev)[None, :]
     return pos

@@ -1,6 +1,7 @@
-"""Evaluate a mindvl model folder with lmms-eval (eval-scoring.md §10): a chat-type model adapter.
+"""Evaluate a mindvl model folder with lmms-eval (eval-scoring.md §10): chat-type and simple-type model adapters.
 
-    pip install lmms-eval                      # or: pip install 'mindvl[lmms]'
+    pip install "torch==<yours>" lmms-eval     # or 'mindvl[lmms]'; keeps your torch (README: Compatibility)
+    pip uninstall -y torchvision               # unless it matches your torch build (PyPI's does not match a CPU one)
     lmms-eval --model mindvl --tasks ocrbench,chartqa --batch_size 8 \\
         --model_args pretrained=/ckpt/export,max_pixels=1003520
 
@@ -11,7 +12,14 @@ or in-process, without the registry (e.g. from a training script):
     simple_evaluate(model=MindVLLMM(pretrained="/ckpt/export"), tasks=["ocrbench"])
 
 `--model mindvl` resolves through the `lmms_eval.models` entry point that mindvl's pyproject declares: its payload is
-`manifest()`, which names `MindVLLMM` as the chat implementation (`is_simple = False`).
+`manifest()`, which names two implementations over the same code:
+- `MindVLLMM`, the chat class (`is_simple = False`), used by default: lmms-eval builds chat tasks, which give
+  messages, and runs their generate_until requests. lmms-eval builds no loglikelihood request for chat tasks.
+- `MindVLSimple`, the simple class (`is_simple = True`), used with `--force_simple`: lmms-eval then builds its
+  classic tasks (doc_to_visual + doc_to_text), so loglikelihood (multiple-choice, e.g. `seedbench_ppl`) tasks run,
+  and so do generation tasks, prompted with the task's text after the images:
+
+    lmms-eval --model mindvl --force_simple --tasks seedbench_ppl --model_args pretrained=/ckpt/export
 
 Model args (lmms-eval's `k=v,k2=v2` string; values cannot contain commas):
     pretrained      the model folder (`mindvl export`/`convert` layout); required
@@ -28,10 +36,13 @@ Model args (lmms-eval's `k=v,k2=v2` string; values cannot contain commas):
 
 Prompts are exactly those of `mindvl.infer.chat`: Qwen2-VL's ChatML with each image's pad run expanded, images
 resized by `smart_resize` within [min_pixels, max_pixels], `<|im_start|>assistant\\n` as the generation prompt.
-`loglikelihood` scores a continuation as the assistant's answer to the context (the user turn, images first): the
-sum of its tokens' log-probabilities from one teacher-forced forward, tokenized as training tokenizes an answer, the
-closing `<|im_end|>` not included. `batch_size` requests share one packed forward, which materialises the logits of
-every token of every packed request ([T, vocab]): lower batch_size if that runs out of memory.
+`loglikelihood` scores a continuation as the assistant's answer to the context (the user turn, images first), from
+one teacher-forced forward, tokenized as training tokenizes an answer, the closing `<|im_end|>` not included. It
+returns what lmms-eval's own models return and its scoring expects: the mean negative log-likelihood per
+continuation token (a loss: lmms-eval's multiple-choice picks the option with the *smallest* value, its
+`perplexity` metric reads it as is), and whether greedy decoding would produce the continuation. `batch_size`
+requests share one packed forward, which materialises the logits of every token of every packed request
+([T, vocab]): lower batch_size if that runs out of memory.
 
 lmms-eval is an optional dependency. This module imports without it; `MindVLLMM` is built on first access as a
 subclass of `lmms_eval.api.model.lmms` (what lmms-eval's registry checks), and where lmms-eval is missing the name
@@ -66,15 +77,17 @@ from mindvl.infer.chat import (
 )
 from mindvl.infer.generate import Prompt, generate, pack_prompts
 
-# MindVLLMM is provided by the module __getattr__ below (built on first access).
-__all__ = ["MindVLLMM", "Sampling",  # noqa: F822
+# MindVLLMM and MindVLSimple are provided by the module __getattr__ below (built on first access).
+__all__ = ["MindVLLMM", "MindVLSimple", "Sampling",  # noqa: F822
            "manifest", "messages_to_conversation", "sampling_from_gen_kwargs"]
 
 log = logging.getLogger(__name__)
 
 MODEL_ID = "mindvl"
 CLASS_PATH = f"{__name__}.MindVLLMM"
-INSTALL_HINT = "pip install lmms-eval (or pip install 'mindvl[lmms]')"
+SIMPLE_CLASS_PATH = f"{__name__}.MindVLSimple"
+INSTALL_HINT = ("pip install lmms-eval \"torch==<your torch version>\" (or 'mindvl[lmms]'), then remove a torchvision "
+                "that does not match your torch (README: Compatibility)")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -84,10 +97,11 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 
 
 def manifest():
-    """The payload of the `lmms_eval.models` entry point: `--model mindvl` -> `MindVLLMM` (chat type)."""
+    """The payload of the `lmms_eval.models` entry point: `--model mindvl` -> `MindVLLMM` (chat type), and with
+    `--force_simple` -> `MindVLSimple` (simple type, for loglikelihood tasks)."""
     from lmms_eval.models.registry_v2 import ModelManifest  # lmms-eval calls this, so it is importable here
 
-    return ModelManifest(model_id=MODEL_ID, chat_class_path=CLASS_PATH)
+    return ModelManifest(model_id=MODEL_ID, chat_class_path=CLASS_PATH, simple_class_path=SIMPLE_CLASS_PATH)
 
 
 def _lmms_base() -> type:
@@ -98,46 +112,49 @@ def _lmms_base() -> type:
     return lmms
 
 
-# One adapter class per base class object: a test (or a re-installed lmms-eval) that swaps the package gets a class
-# that subclasses the `lmms` it will be validated against.
-_CLASSES: dict[type, type] = {}
+# One adapter class per (base class object, name): a test (or a re-installed lmms-eval) that swaps the package gets a
+# class that subclasses the `lmms` it will be validated against.
+_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _adapter_class() -> type:
+def _adapter_class(name: str = "MindVLLMM") -> type:
     base = _lmms_base()
-    cls = _CLASSES.get(base)
+    cls = _CLASSES.get((base, name))
     if cls is None:
-
-        class MindVLLMM(_MindVLLMMImpl, base):  # the implementation first, so its methods fill lmms' abstract ones
-            is_simple = False
-
-        MindVLLMM.__module__, MindVLLMM.__qualname__, MindVLLMM.__doc__ = __name__, "MindVLLMM", _MindVLLMMImpl.__doc__
-        _CLASSES[base] = cls = MindVLLMM
+        impl = _IMPLEMENTATIONS[name]
+        # The implementation first, so its methods fill lmms' abstract ones.
+        cls = type(name, (impl, base), {"is_simple": impl.is_simple, "__module__": __name__, "__doc__": impl.__doc__})
+        cls.__qualname__ = name
+        _CLASSES[(base, name)] = cls
     return cls
 
 
-class _MindVLLMMUnavailable:
-    """Stands in for `MindVLLMM` where lmms-eval is not importable: constructing it raises ImportError with the
+def _unavailable(name: str) -> type:
+    """Stands in for an adapter class where lmms-eval is not importable: constructing it raises ImportError with the
     install command (or, if lmms-eval has become importable since, builds the real adapter)."""
 
-    is_simple = False
+    class Unavailable:
+        is_simple = _IMPLEMENTATIONS[name].is_simple
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        return _adapter_class()(*args, **kwargs)
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            return _adapter_class(name)(*args, **kwargs)
 
-    @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> Any:
-        return _adapter_class().create_from_arg_string(arg_string, additional_config)
+        @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> Any:
+            return _adapter_class(name).create_from_arg_string(arg_string, additional_config)
+
+    Unavailable.__name__ = Unavailable.__qualname__ = f"{name}Unavailable"
+    return Unavailable
 
 
 def __getattr__(name: str) -> Any:
-    # `MindVLLMM` is built lazily so that importing this module (and lmms-eval loading the entry point) never needs
-    # lmms-eval's base class before it exists.
-    if name == "MindVLLMM":
+    # The adapter classes are built lazily so that importing this module (and lmms-eval loading the entry point)
+    # never needs lmms-eval's base class before it exists.
+    if name in ("MindVLLMM", "MindVLSimple"):
         try:
-            return _adapter_class()
+            return _adapter_class(name)
         except ImportError:
-            return _MindVLLMMUnavailable
+            return _unavailable(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -203,6 +220,14 @@ def _flatten_visuals(visuals: Any) -> list[Any]:
     return [image for v in visuals for image in _flatten_visuals(v)]
 
 
+def _user_turn(context: str, n_images: int) -> Message:
+    """A classic task's context -> the user turn: its `<image>` marks hold the images when they count them all
+    (some tasks write them for LLaVA-style models); otherwise the marks are dropped and the images go first."""
+    if context.count(IMAGE_PLACEHOLDER) != n_images:
+        context = context.replace(IMAGE_PLACEHOLDER, "")
+    return user_message(context, n_images)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How one group of generate_until requests is decoded (mindvl.infer.generate's arguments)."""
@@ -239,6 +264,22 @@ def sampling_from_gen_kwargs(gen_kwargs: dict[str, Any] | None, default_max_new_
     top_p = kw.get("top_p")
     return Sampling(max_new_tokens, temperature, 1.0 if top_p is None else float(top_p), int(kw.get("top_k") or 0),
                     list(until))
+
+
+def _through_lmms_evaluator(pairs: list[tuple[float, bool]]) -> list[Any]:
+    """(log-likelihood, greedy) pairs in a form lmms-eval's evaluator hands to the task's scoring unchanged.
+
+    lmms-eval 0.7 passes every model output through `unwrap_generation_output`, which keeps text and turns anything
+    else into its str(): the pairs would reach multiple-choice scoring as strings ("too many values to unpack").
+    Its `GenerationResult` wrapper is unwrapped as is, so where plain pairs do not survive they travel in one.
+    """
+    try:
+        from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
+    except ImportError:  # lmms-eval before 0.7 (or a stand-in): outputs are used as returned
+        return pairs
+    if unwrap_generation_output((0.0, True))[0] == (0.0, True):
+        return pairs
+    return [GenerationResult(text=pair) for pair in pairs]  # type: ignore[arg-type]
 
 
 def _group_key(gen_kwargs: dict[str, Any] | None) -> str:
@@ -314,6 +355,17 @@ class _MindVLLMMImpl:
         if images and self.model.visual is None:
             raise ValueError("this is a text-only model (no vision tower); it cannot take the task's images")
 
+    @staticmethod
+    def _gen_kwargs(args: tuple) -> dict[str, Any] | None:
+        return args[2]  # a chat task's generate_until: (ctx, doc_to_messages, gen_kwargs, doc_id, task, split)
+
+    def _visual_inputs(self, doc_to_visual: Any, doc: Any) -> tuple[torch.Tensor | None, list, int]:
+        """A simple task's doc_to_visual -> (pixel rows, grids, number of images)."""
+        images = _flatten_visuals(doc_to_visual(doc) if callable(doc_to_visual) else None)
+        self._check_images(images)
+        pixels, grids = process_images(images, self.min_pixels, self.max_pixels)
+        return pixels, grids, len(images)
+
     def _chat_prompt(self, args: tuple) -> Prompt:
         """A generate_until request -> the prompt `mindvl.infer.chat` would build for its messages."""
         _ctx, doc_to_messages, _gen_kwargs, doc_id, task, split = args
@@ -338,10 +390,8 @@ class _MindVLLMMImpl:
         if not isinstance(continuation, str):
             raise TypeError(f"loglikelihood needs a string continuation, got {type(continuation).__name__}")
         context = contexts[0] if isinstance(contexts, list | tuple) else contexts
-        images = _flatten_visuals(doc_to_visual(doc) if callable(doc_to_visual) else None)
-        self._check_images(images)
-        pixels, grids = process_images(images, self.min_pixels, self.max_pixels)
-        messages = [user_message(context, len(images)), Message("assistant", continuation)]
+        pixels, grids, n_images = self._visual_inputs(doc_to_visual, doc)
+        messages = [_user_turn(context, n_images), Message("assistant", continuation)]
         enc = encode_conversation(self.tokenizer, messages, grids, default_system=self.system)
         labelled = np.flatnonzero(enc.labels != IGNORE_INDEX)
         start, end = int(labelled[0]), int(labelled[-1])  # labelled[-1] is the answer's <|im_end|>
@@ -365,11 +415,11 @@ class _MindVLLMMImpl:
         answers: list[str] = [""] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
-            groups.setdefault(_group_key(request.args[2]), []).append(i)
+            groups.setdefault(_group_key(self._gen_kwargs(request.args)), []).append(i)
         bar = _progress(len(requests), getattr(self, "rank", 0) != 0, "mindvl generate_until")
         batch_index = 0
         for indices in groups.values():
-            gen_kwargs = requests[indices[0]].args[2]
+            gen_kwargs = self._gen_kwargs(requests[indices[0]].args)
             sampling = sampling_from_gen_kwargs(gen_kwargs, self.max_new_tokens)
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
@@ -387,8 +437,9 @@ class _MindVLLMMImpl:
 
     @torch.inference_mode()
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
-        """(sum of the continuation tokens' log-probabilities given the context, whether greedy decoding would
-        produce exactly those tokens) per request. `batch_size` requests share one packed forward."""
+        """(mean negative log-likelihood of the continuation tokens given the context, whether greedy decoding
+        would produce exactly those tokens) per request, as lmms-eval's models return it (see the module
+        docstring). `batch_size` requests share one packed forward."""
         results: list[tuple[float, bool]] = []
         bar = _progress(len(requests), getattr(self, "rank", 0) != 0, "mindvl loglikelihood")
         for first in range(0, len(requests), self.batch_size):
@@ -404,18 +455,39 @@ class _MindVLLMMImpl:
                     # Position p predicts token p + 1: the continuation [start, end) is scored by rows [start-1, end-1).
                     scores = logits[offset + start - 1:offset + end - 1].float()
                     targets = prompt.input_ids[start:end].to(self.device)
-                    logprob = float(scores.log_softmax(-1).gather(-1, targets[:, None]).sum())
+                    loss = -float(scores.log_softmax(-1).gather(-1, targets[:, None]).sum()) / (end - start)
                     greedy = bool((scores.argmax(-1) == targets).all())
                 else:  # an empty continuation: probability 1, trivially greedy
-                    logprob, greedy = 0.0, True
-                results.append((logprob, greedy))
+                    loss, greedy = 0.0, True
+                results.append((loss, greedy))
                 offset += len(prompt.input_ids)
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        return results
+        return _through_lmms_evaluator(results)
 
     def generate_until_multi_round(self, requests: Iterable[Any]) -> list[str]:
         raise NotImplementedError("mindvl's lmms-eval adapter does not implement generate_until_multi_round "
                                   "(multi-round tasks); it evaluates generate_until and loglikelihood tasks")
+
+
+class _MindVLSimpleImpl(_MindVLLMMImpl):
+    """lmms-eval simple model over a mindvl model folder (`--force_simple`): the chat class's model, generation and
+    scoring, fed by classic tasks: generate_until requests carry (context, gen_kwargs, doc_to_visual, doc_id, task,
+    split) and are prompted as one user turn, the images first, then the context."""
+
+    is_simple = True
+
+    @staticmethod
+    def _gen_kwargs(args: tuple) -> dict[str, Any] | None:
+        return args[1]
+
+    def _chat_prompt(self, args: tuple) -> Prompt:
+        contexts, _gen_kwargs, doc_to_visual, doc_id, task, split = args
+        context = contexts[0] if isinstance(contexts, list | tuple) else contexts
+        pixels, grids, n_images = self._visual_inputs(doc_to_visual, self._doc(task, split, doc_id))
+        return conversation_prompt(self.tokenizer, [_user_turn(context, n_images)], pixels, grids, self.system)
+
+
+_IMPLEMENTATIONS: dict[str, type] = {"MindVLLMM": _MindVLLMMImpl, "MindVLSimple": _MindVLSimpleImpl}

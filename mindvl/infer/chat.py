@@ -5,7 +5,9 @@ t*h*w/4, a default system turn) followed by the generation prompt `<|im_start|>a
 chat template adds with `add_generation_prompt=True`. `encode_conversation` renders finished turns only, so the
 generation prompt is appended here: its ids are `<|im_start|>` + encode("assistant\\n"), exactly what tokenizing the
 rendered string gives, since special tokens are hard split points. Images go through `mindvl.data.image.preprocess`
-(smart_resize within min/max pixels, transformers' Qwen2-VL patch layout).
+(smart_resize within min/max pixels, transformers' Qwen2-VL patch layout); videos through
+`mindvl.data.video.preprocess_video` (Qwen2.5-VL's frame sampling and sizes), their rows joining the images' in
+order of appearance, with their seconds per temporal patch for the M-RoPE time axis.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ import torch
 from PIL import Image
 
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
-from mindvl.data.schema import IMAGE_PLACEHOLDER, Message
+from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
 from mindvl.data.tokenizer import TextTokenizer, load_tokenizer
-from mindvl.models import MindVL
+from mindvl.data.video import (
+    VIDEO_PROCESSOR_CONFIG,
+    VideoSettings,
+    expand_video_patches,
+    preprocess_video,
+    settings_from_processor_config,
+)
+from mindvl.models import MindVL, MindVLConfig
 
 from .generate import Prompt, check_sampling, generate
 
@@ -34,14 +43,31 @@ def generation_prompt_ids(tok: TextTokenizer) -> list[int]:
     return [tok.special.im_start, *tok.encode("assistant\n")]
 
 
-def user_message(text: str, num_images: int) -> Message:
-    """A user turn; without `<image>` placeholders in the text, the images go first (as in Qwen's examples)."""
-    placed = text.count(IMAGE_PLACEHOLDER)
-    if placed == 0:
-        return Message("user", IMAGE_PLACEHOLDER * num_images + text)
+def user_message(text: str, num_images: int, num_videos: int = 0) -> Message:
+    """A user turn; without placeholders in the text, the videos and then the images go first (as in Qwen's
+    examples)."""
+    placed, placed_videos = text.count(IMAGE_PLACEHOLDER), text.count(VIDEO_PLACEHOLDER)
+    if placed == 0 and placed_videos == 0:
+        return Message("user", VIDEO_PLACEHOLDER * num_videos + IMAGE_PLACEHOLDER * num_images + text)
     if placed != num_images:
         raise ValueError(f"the prompt has {placed} {IMAGE_PLACEHOLDER} placeholders but {num_images} images were given")
+    if placed_videos != num_videos:
+        raise ValueError(f"the prompt has {placed_videos} {VIDEO_PLACEHOLDER} placeholders but {num_videos} videos "
+                         "were given")
     return Message("user", text)
+
+
+def process_videos(videos: Sequence[str | os.PathLike | bytes], settings: VideoSettings | None = None) -> tuple[
+    list[torch.Tensor], list[tuple[int, int, int]], list[float]
+]:
+    """Video files or bytes -> (pixel rows [Pv_i, 1176] per video, grids, seconds per temporal patch)."""
+    rows, grids, seconds = [], [], []
+    for video in videos:
+        v = preprocess_video(video, settings or VideoSettings())
+        rows.append(torch.from_numpy(expand_video_patches(v.patches)))
+        grids.append(v.grid)
+        seconds.append(v.second_per_grid_t)
+    return rows, grids, seconds
 
 
 def process_images(images: Sequence[ImageInput], min_pixels: int = DEFAULT_MIN_PIXELS,
@@ -58,12 +84,25 @@ def process_images(images: Sequence[ImageInput], min_pixels: int = DEFAULT_MIN_P
 
 
 def conversation_prompt(tok: TextTokenizer, messages: Sequence[Message], pixel_values: torch.Tensor | None,
-                        grids: Sequence[tuple[int, int, int]], system: str | None = DEFAULT_SYSTEM) -> Prompt:
-    """Render a conversation that ends with a user turn, plus the generation prompt, as a `Prompt`."""
-    enc = encode_conversation(tok, messages, grids, default_system=system)
+                        grids: Sequence[tuple[int, int, int]], system: str | None = DEFAULT_SYSTEM,
+                        video_rows: Sequence[torch.Tensor] = (), video_grids: Sequence[tuple[int, int, int]] = (),
+                        video_seconds: Sequence[float] = ()) -> Prompt:
+    """Render a conversation that ends with a user turn, plus the generation prompt, as a `Prompt` (images' and
+    videos' rows and grids in one stream, in order of appearance)."""
+    enc = encode_conversation(tok, messages, grids, default_system=system, video_grids=video_grids)
     ids = torch.tensor([*enc.input_ids.tolist(), *generation_prompt_ids(tok)], dtype=torch.long)
-    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
-    return Prompt(ids, pixel_values, grid)
+    if not video_grids:
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
+        return Prompt(ids, pixel_values, grid)
+    image_rows = list(torch.split(pixel_values, [t * h * w for t, h, w in grids])) if grids else []
+    rows, order, images, videos = [], [], iter(zip(image_rows, grids, strict=True)), iter(zip(video_rows, video_grids,
+                                                                                             strict=True))
+    for is_video in enc.is_video or []:
+        r, g = next(videos) if is_video else next(images)
+        rows.append(r)
+        order.append(g)
+    return Prompt(ids, torch.cat(rows), torch.tensor(order, dtype=torch.long).reshape(-1, 3),
+                  torch.tensor(list(video_seconds), dtype=torch.float32))
 
 
 def stop_ids(tok: TextTokenizer) -> list[int]:
@@ -77,18 +116,22 @@ class ChatSession:
     def __init__(self, model: MindVL, tokenizer: TextTokenizer, images: Sequence[ImageInput] = (),
                  system: str | None = DEFAULT_SYSTEM, min_pixels: int = DEFAULT_MIN_PIXELS,
                  max_pixels: int = DEFAULT_MAX_PIXELS, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> None:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 videos: Sequence[str | os.PathLike | bytes] = (), video_settings: VideoSettings | None = None) -> None:
         check_sampling(temperature, top_p, top_k)
-        if images and model.visual is None:
-            raise ValueError("this is a text-only model (no vision tower); it cannot take images")
+        if (images or videos) and model.visual is None:
+            raise ValueError("this is a text-only model (no vision tower); it cannot take images or videos")
         self.model, self.tok, self.system = model, tokenizer, system
         self.pixel_values, self.grids = process_images(images, min_pixels, max_pixels)
+        self.video_rows, self.video_grids, self.video_seconds = process_videos(videos, video_settings)
         self.messages: list[Message] = []
         self.gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
     def ask(self, text: str) -> str:
-        message = user_message(text, 0 if self.messages else len(self.grids))
-        prompt = conversation_prompt(self.tok, [*self.messages, message], self.pixel_values, self.grids, self.system)
+        first = not self.messages
+        message = user_message(text, len(self.grids) if first else 0, len(self.video_grids) if first else 0)
+        prompt = conversation_prompt(self.tok, [*self.messages, message], self.pixel_values, self.grids, self.system,
+                                     self.video_rows, self.video_grids, self.video_seconds)
         ids = generate(self.model, [prompt], stop_token_ids=stop_ids(self.tok), **self.gen)[0]
         if ids and ids[-1] in stop_ids(self.tok):
             ids = ids[:-1]
@@ -116,31 +159,40 @@ def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike
                             "with (--tokenizer DIR)")
 
 
+def tokenizer_mismatches(config: MindVLConfig, tok: TextTokenizer) -> list[str]:
+    """How `tok` disagrees with the model `config` (empty when it fits): vocabulary size, vision token ids."""
+    wrong = []
+    if tok.vocab_size > config.text.vocab_size:
+        wrong.append(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary holds {config.text.vocab_size}")
+    if config.vision is not None:
+        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
+                 "vision_end_token_id": tok.special.vision_end, "video_token_id": tok.special.video_pad}
+        wrong += [f"{k}: model {getattr(config, k)} vs tokenizer {v}" for k, v in pairs.items()
+                  if v is not None and getattr(config, k) != v]
+    return wrong
+
+
 def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:
     """The tokenizer must be the model's: same vision token ids, a vocabulary that fits the embedding."""
-    cfg = model.config
-    if tok.vocab_size > cfg.text.vocab_size:
-        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocabulary holds "
-                         f"{cfg.text.vocab_size}; is it the model's tokenizer?")
-    if cfg.vision is not None:
-        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
-                 "vision_end_token_id": tok.special.vision_end}
-        wrong = [f"{k}: model {getattr(cfg, k)} vs tokenizer {v}" for k, v in pairs.items() if getattr(cfg, k) != v]
-        if wrong:
-            raise ValueError(f"tokenizer {tok.name} does not match the model ({'; '.join(wrong)})")
+    wrong = tokenizer_mismatches(model.config, tok)
+    if wrong:
+        raise ValueError(f"tokenizer {tok.name} does not match the model ({'; '.join(wrong)}); is it the model's "
+                         "tokenizer?")
 
 
 def pixel_limits(model_dir: str | os.PathLike) -> tuple[int, int]:
-    """(min_pixels, max_pixels) from the folder's preprocessor_config.json when it has one, else Qwen2-VL's
-    defaults. Both transformers layouts are read: top-level min/max_pixels and size.shortest/longest_edge."""
-    path = Path(model_dir) / "preprocessor_config.json"
-    lo, hi = DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
-    if path.is_file():
-        cfg = json.loads(path.read_text())
-        size = cfg.get("size") or {}
-        lo = int(cfg.get("min_pixels") or size.get("shortest_edge") or lo)
-        hi = int(cfg.get("max_pixels") or size.get("longest_edge") or hi)
-    return lo, hi
+    """(min_pixels, max_pixels) from the folder's preprocessor_config.json when it has one (both transformers
+    layouts; a file contradicting itself is an error naming it), else Qwen2-VL's defaults."""
+    from mindvl.checkpoint.side_files import processor_pixels  # the one reader of processor configs
+
+    return processor_pixels(Path(model_dir)) or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+
+
+def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> VideoSettings:
+    """Video sampling and sizes from the folder's video_preprocessor_config.json (transformers' video processor
+    file) when it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
+    path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
+    return settings_from_processor_config(json.loads(path.read_text()) if path.is_file() else {}, fps)
 
 
 def default_device() -> torch.device:

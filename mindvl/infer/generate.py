@@ -23,11 +23,13 @@ from mindvl.models import MindVL
 
 @dataclass
 class Prompt:
-    """One prompt: input_ids [L] (image pads already expanded) and its images' pixel rows [P, 1176] + grids [N, 3]."""
+    """One prompt: input_ids [L] (image/video pads already expanded) and its vision items' pixel rows [P, 1176] +
+    grids [N, 3] (images and videos in order of appearance, one stream); second_per_grid_ts [n_videos] float32."""
 
     input_ids: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
 
 
 def pack_prompts(prompts: Sequence[Prompt], device: torch.device) -> dict[str, torch.Tensor | None]:
@@ -42,8 +44,11 @@ def pack_prompts(prompts: Sequence[Prompt], device: torch.device) -> dict[str, t
             raise ValueError("a prompt has pixel_values but no image_grid_thw")
     pixels = torch.cat([p.pixel_values for p in with_images]).to(device) if with_images else None
     grids = torch.cat([torch.as_tensor(p.image_grid_thw).reshape(-1, 3) for p in with_images]) if with_images else None
+    seconds = [torch.as_tensor(p.second_per_grid_ts, dtype=torch.float32).reshape(-1) for p in with_images
+               if p.second_per_grid_ts is not None]
     return {"input_ids": torch.cat(ids).to(device), "cu_seqlens": cu.to(device), "pixel_values": pixels,
-            "image_grid_thw": grids.to(device) if grids is not None else None}
+            "image_grid_thw": grids.to(device) if grids is not None else None,
+            "second_per_grid_ts": torch.cat(seconds) if seconds else None}
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -113,7 +118,7 @@ def generate(
     stops = set(stop_token_ids)
 
     logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache,
-                                      packed["pixel_values"], packed["image_grid_thw"])
+                                      packed["pixel_values"], packed["image_grid_thw"], packed["second_per_grid_ts"])
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))  # prompt index of each cache row
     while True:

@@ -51,42 +51,66 @@ def mrope_position_ids(
     image_grid_thw: torch.Tensor | None,
     image_token_id: int,
     spatial_merge_size: int,
+    video_token_id: int | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | list[float] | None = None,
+    tokens_per_second: int = 2,
 ) -> torch.Tensor:
     """3-D M-RoPE positions [3, T] for a packed row, restarting at 0 in every sample (transformers' get_rope_index).
 
-    Text tokens advance all three rows together; an image's pad tokens get (0, row, col) offsets from the running
-    position, and the text after it resumes at max + 1. Image features are consumed across samples in order.
+    Text tokens advance all three rows together; a vision item's pad tokens get (time, row, col) offsets from the
+    running position and the text after it resumes at the running position + max(h, w) / merge. The time index of
+    frame group k is `int(k * tokens_per_second * second_per_grid_t)` for a video (Qwen2.5-VL's absolute-time
+    alignment, computed in float32 as transformers does) and k for an image (always 0: images have t = 1).
+
+    Grids are consumed in order of appearance: with `video_grid_thw` the videos' grids come from it (transformers'
+    form); without it every vision item, image or video, takes the next row of `image_grid_thw` (mindvl's packed
+    form, where pixel rows and grids of images and videos share one stream). `second_per_grid_ts` [n_videos]
+    (default 1.0 each, as in transformers) holds each video's seconds per temporal patch.
     """
     ids = input_ids.tolist()
-    grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+    image_grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+    video_grids = video_grid_thw.tolist() if video_grid_thw is not None else None
+    seconds = torch.as_tensor(second_per_grid_ts if second_per_grid_ts is not None else [], dtype=torch.float32)
     pos = torch.empty(3, len(ids), dtype=torch.long)
     bounds = cu_seqlens.tolist()
-    image = 0
+    image = video = 0
+    vision = {image_token_id} | ({video_token_id} if video_token_id is not None else set())
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         cur, i = 0, start
         while i < end:
-            if ids[i] != image_token_id:
+            if ids[i] not in vision:
                 j = i
-                while j < end and ids[j] != image_token_id:
+                while j < end and ids[j] not in vision:
                     j += 1
                 pos[:, i:j] = torch.arange(cur, cur + j - i)
                 cur += j - i
                 i = j
                 continue
-            if image >= len(grids):
-                raise ValueError("more image-pad tokens than images in image_grid_thw")
-            t, h, w = grids[image]
+            is_video = ids[i] != image_token_id
+            if is_video and video_grids is not None:
+                if video >= len(video_grids):
+                    raise ValueError("more video-pad runs than videos in video_grid_thw")
+                t, h, w = video_grids[video]
+            else:
+                if image >= len(image_grids):
+                    raise ValueError("more vision-pad runs than grids in image_grid_thw")
+                t, h, w = image_grids[image]
+                image += 1
             lh, lw = h // spatial_merge_size, w // spatial_merge_size
             n = t * lh * lw
             if i + n > end:
-                raise ValueError(f"image {image} needs {n} image-pad tokens but its sample ends after {end - i}")
-            # Still images: the temporal index is 0 for every frame (transformers multiplies it by 0 for images).
-            pos[0, i : i + n] = cur
+                raise ValueError(f"a vision item needs {n} pad tokens but its sample ends after {end - i}")
+            frames = torch.arange(t)
+            if is_video:
+                seconds_per_t = seconds[video] if video < len(seconds) else torch.tensor(1.0)
+                frames = (frames * (tokens_per_second * seconds_per_t)).long()  # float32, truncated
+                video += 1
+            pos[0, i : i + n] = frames.repeat_interleave(lh * lw) + cur
             pos[1, i : i + n] = torch.arange(lh).repeat_interleave(lw).repeat(t) + cur
             pos[2, i : i + n] = torch.arange(lw).repeat(t * lh) + cur
             cur += max(lh, lw)
             i += n
-            image += 1
     return pos.to(input_ids.device)
 
 
@@ -127,7 +151,8 @@ class MindVL(nn.Module):
     # ---------------------------------------------------------------------------------------------- pieces
 
     def image_features(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """[P, 1176] patch rows + [N, 3] grids -> [P/4, hidden] LLM-width features, in image-pad order."""
+        """[P, 1176] patch rows + [N, 3] grids (images t=1, videos t>1) -> [P/4, hidden] LLM-width features, in
+        order."""
         cfg = self.config.vision
         device = self.language_model.embed_tokens.weight.device
         if pixel_values is None:
@@ -137,30 +162,60 @@ class MindVL(nn.Module):
             raise ValueError("pixel_values given without image_grid_thw")
         return self.projector(self.visual(pixel_values, image_grid_thw))
 
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
-        """input_ids [T] -> inputs_embeds [T, hidden] with image features scattered into the image-pad slots."""
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+              video_grid_thw=None) -> torch.Tensor:
+        """input_ids [T] -> inputs_embeds [T, hidden] with vision features scattered into the pad slots.
+
+        mindvl's packed form has one stream: `pixel_values`/`image_grid_thw` hold images and videos in order of
+        appearance, filling image-pad and video-pad slots in that order. transformers' form passes videos apart
+        (`pixel_values_videos` [Pv, 1176], `video_grid_thw` [Nv, 3]); both run through the tower in one call.
+        """
         embeds = self.language_model.embed_tokens(input_ids)
+        has_videos = pixel_values_videos is not None and pixel_values_videos.numel() > 0
         if self.visual is None:
-            if pixel_values is not None and pixel_values.numel():
+            if (pixel_values is not None and pixel_values.numel()) or has_videos:
                 raise ValueError("this is a text-only model (no vision tower) but pixel_values were given")
             return embeds
-        features = self.image_features(pixel_values, image_grid_thw).to(embeds.dtype)
-        is_pad = input_ids == self.config.image_token_id
-        n_pads = int(is_pad.sum())
-        if n_pads != features.shape[0]:
-            raise ValueError(
-                f"the text has {n_pads} image-pad tokens (id {self.config.image_token_id}) but the images give "
-                f"{features.shape[0]} features; each image needs t*h*w/4 pads for its grid_thw"
-            )
-        if n_pads == 0:
+        is_image = input_ids == self.config.image_token_id
+        is_video = input_ids == self.config.video_token_id
+        if has_videos:
+            if video_grid_thw is None:
+                raise ValueError("pixel_values_videos given without video_grid_thw")
+            rows = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
+            grids = [g for g, p in ((image_grid_thw, pixel_values), (video_grid_thw, pixel_values_videos))
+                     if p is not None and p.numel()]
+            features = self.image_features(torch.cat(rows), torch.cat([g.reshape(-1, 3) for g in grids]))
+            n_video = int(pixel_values_videos.shape[0]) // self.config.vision.merge_unit
+            slots = [(is_image, features[: features.shape[0] - n_video], "image"),
+                     (is_video, features[features.shape[0] - n_video :], "video")]
+        else:
+            features = self.image_features(pixel_values, image_grid_thw)
+            slots = [(is_image | is_video, features, "image/video" if bool(is_video.any()) else "image")]
+        features = features.to(embeds.dtype)
+        for mask, feats, kind in slots:
+            n_pads = int(mask.sum())
+            if n_pads != feats.shape[0]:
+                raise ValueError(
+                    f"the text has {n_pads} {kind}-pad tokens (ids {self.config.image_token_id}/"
+                    f"{self.config.video_token_id}) but the pixels give {feats.shape[0]} features; each image or "
+                    "video needs t*h*w/4 pads for its grid_thw"
+                )
+            if n_pads:
+                embeds = embeds.masked_scatter(mask[:, None], feats.to(embeds.dtype))
+        if not bool((is_image | is_video).any()):
             # Keeps the (empty) vision graph attached so every parameter receives a (zero) gradient on every rank.
             return embeds + features.sum() * 0.0
-        return embeds.masked_scatter(is_pad[:, None], features)
+        return embeds
 
-    def default_position_ids(self, input_ids, cu_seqlens, image_grid_thw) -> torch.Tensor:
+    def default_position_ids(self, input_ids, cu_seqlens, image_grid_thw, video_grid_thw=None,
+                             second_per_grid_ts=None) -> torch.Tensor:
+        """[3, T] M-RoPE positions (see `mrope_position_ids`), or [T] 1-D positions numbering every token of each
+        sample, vision pads included: what generation feeds a 1-D RoPE model, so training must use the same."""
         if self.config.uses_mrope:
             merge = self.config.vision.spatial_merge_size if self.config.vision else 2
-            return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge)
+            return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge,
+                                      self.config.video_token_id, video_grid_thw, second_per_grid_ts,
+                                      self.config.tokens_per_second)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
         return torch.arange(input_ids.shape[0], device=input_ids.device) - starts
@@ -177,6 +232,9 @@ class MindVL(nn.Module):
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         loss_chunk_size: int = 2048,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
     ) -> MindVLOutput | LossOutput:
         batched = input_ids.dim() == 2
         if batched:
@@ -193,11 +251,16 @@ class MindVL(nn.Module):
             cu_seqlens = torch.tensor([0, total], dtype=torch.int32, device=input_ids.device)
         if int(cu_seqlens[-1]) != total:
             raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the row has {total} tokens")
-        embeds = self.embed(input_ids, pixel_values, image_grid_thw)  # checks image-pad count vs features first
+        # Checks the pad counts against the features first.
+        embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         if position_ids is None:
-            position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw)
+            position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, video_grid_thw,
+                                                     second_per_grid_ts)
         elif not self.config.uses_mrope and position_ids.dim() == 2:
-            position_ids = position_ids[0]  # data pipelines emit [3, T]; a 1-D RoPE model uses the temporal row
+            # Data pipelines emit M-RoPE rows [3, T]; their row 0 gives every pad of an image one position and
+            # compresses the text after it, while generation numbers every token. A 1-D RoPE model trains on the
+            # positions it will be served with: each sample's tokens numbered 0, 1, 2, ...
+            position_ids = self.default_position_ids(input_ids, cu_seqlens, None)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen)  # [T, H]
         if labels is not None:
@@ -222,15 +285,17 @@ class MindVL(nn.Module):
         cache: KVCache,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """B prompts packed in one row: input_ids [T], cu_seqlens [B+1] (images in prompt order) ->
+        """B prompts packed in one row: input_ids [T], cu_seqlens [B+1] (images and videos in prompt order, one
+        stream; `second_per_grid_ts` [n_videos]) ->
         (logits of each prompt's last token [B, V], each prompt's next text position [B] int64).
 
         The next position is the prompt's largest position + 1 on every M-RoPE axis: text after an image resumes
         at max + 1 (transformers' rope_deltas), and generated text only ever advances all three axes together.
         """
         embeds = self.embed(input_ids, pixel_values, image_grid_thw)
-        position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw)
+        position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, None, second_per_grid_ts)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache)  # [T, H]
         last = cu_seqlens[1:].long() - 1

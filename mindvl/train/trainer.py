@@ -34,8 +34,7 @@ from mindvl.checkpoint.training import (
     save_checkpoint,
 )
 from mindvl.config import Recipe
-from mindvl.data import DataConfig, build_loader, load_tokenizer
-from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from mindvl.data import DataConfig, build_loader
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 from mindvl.models.moe import update_router_bias
@@ -54,6 +53,7 @@ from .parallel import (
     param_dtype,
 )
 from .phases import apply_phase
+from .preflight import preflight
 
 
 @dataclass
@@ -126,8 +126,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
     ckpt_root = out / "checkpoints"
     torch.manual_seed(recipe.seed + env.rank)
     data_cfg = DataConfig.from_dict(recipe.data)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    tokenizer_dir = data_cfg.tokenizer or str(DEFAULT_TOKENIZER_PATH.parent)
+    # data.tokenizer, else the init/compose model's own; checked against the model before anything is built
+    tok, tokenizer_dir, side_files = preflight(recipe, data_cfg)
 
     shards = recipe.batch.data_shards or env.world_size
     gb = recipe.batch.global_batch_size
@@ -148,6 +148,13 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
 
     model = build_model(recipe, tok, env, prepare)
     config = model.config
+    if data_cfg.video.tokens_per_second is None:
+        data_cfg.video.tokens_per_second = config.tokens_per_second
+    elif config.uses_mrope and data_cfg.video.tokens_per_second != config.tokens_per_second:
+        # Video positions are computed by the data pipeline: a different time scale would train positions that
+        # generation (the model's own M-RoPE) never produces.
+        raise ValueError(f"data.video.tokens_per_second is {data_cfg.video.tokens_per_second} but the model's "
+                         f"tokens_per_second is {config.tokens_per_second}; set them equal")
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, total_steps, recipe.optim, recipe.schedule)
     batches = ShardedBatches(data_cfg, tok, env, shards)
@@ -175,7 +182,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
 
     def train_state() -> dict:
         return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
-                "tokenizer_dir": tokenizer_dir, "phase": recipe.phase.name, "total_steps": total_steps,
+                "tokenizer_dir": tokenizer_dir, "side_files": side_files, "phase": recipe.phase.name,
+                "total_steps": total_steps,
                 "recipe": recipe.to_dict()}
 
     balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
@@ -222,7 +230,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
                             keep=recipe.checkpoint.keep)
     sinks.stop()
 
-    final_dir = export_final(model, config, out / "final", tokenizer_dir, env)
+    final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files)
     if env.is_main:
         (out / "data_report.json").write_text(json.dumps(batches.report(), indent=1))
         sinks.finish()
@@ -272,8 +280,10 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv) -> Path | None:
-    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a MindVL.from_pretrained folder) on rank 0."""
+def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv,
+                 side_files: dict | None = None) -> Path | None:
+    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a MindVL.from_pretrained folder, with the
+    side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0."""
     from mindvl.checkpoint import save_pretrained
 
     state = full_model_state(model)
@@ -281,7 +291,9 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
         with torch.device("meta"):
             plain = MindVL(config)
         plain.load_state_dict(state, assign=True)
-        save_pretrained(plain, out, overwrite=True, side_files_from=tokenizer_dir)
+        side = side_files or {}
+        save_pretrained(plain, out, overwrite=True, side_files_from=side.get("from") or [],
+                        pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
     barrier(env)
     return out if env.is_main else None
 

@@ -78,7 +78,7 @@ BAD_CASES = [
     ("image_count_mismatch", qa("<image><image>two", "one", images=["ok.png"])),
     ("missing_image", qa("<image>where", "gone", images=["missing.png"])),
     ("corrupt_image", qa("<image>bad", "bytes", images=["corrupt.png"])),
-    ("bad_record", {"text": "no conversation"}),
+    ("bad_record", {"prompt": "no conversation"}),  # {"text": ...} is a document (test_data_documents.py)
 ]
 
 

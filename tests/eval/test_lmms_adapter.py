@@ -151,25 +151,27 @@ def test_import_and_construct_without_lmms_eval(monkeypatch):
     monkeypatch.setitem(sys.modules, "lmms_eval", None)  # as if not installed (even where it is)
     monkeypatch.delitem(sys.modules, adapter.__name__)  # a fresh import; the original comes back afterwards
     fresh = importlib.import_module(adapter.__name__)
-    cls = fresh.MindVLLMM
-    with pytest.raises(ImportError, match=r"pip install lmms-eval"):
-        cls(pretrained="/nowhere")
-    with pytest.raises(ImportError, match=r"pip install lmms-eval"):
-        cls.create_from_arg_string("pretrained=/nowhere")
+    for cls in (fresh.MindVLLMM, fresh.MindVLSimple):
+        with pytest.raises(ImportError, match=r"pip install lmms-eval"):
+            cls(pretrained="/nowhere")
+        with pytest.raises(ImportError, match=r"pip install lmms-eval"):
+            cls.create_from_arg_string("pretrained=/nowhere")
     with pytest.raises(ImportError):
         fresh.manifest()
 
 
-def test_manifest_resolves_to_a_chat_lmms_subclass(lmms_eval):
+def test_manifest_resolves_to_a_chat_and_a_simple_lmms_subclass(lmms_eval):
     manifest = adapter.manifest()
     assert isinstance(manifest, lmms_eval["lmms_eval.models.registry_v2"].ModelManifest)
-    assert (manifest.model_id, manifest.simple_class_path) == ("mindvl", None)
-    # What lmms-eval's ModelRegistryV2.get_model_class does with the path, then its _validate_model_class checks.
-    module_name, cls_name = manifest.chat_class_path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    assert isinstance(cls, type) and issubclass(cls, lmms_eval["lmms_eval.api.model"].lmms)
-    assert cls.is_simple is False and cls.__name__ == "MindVLLMM"
-    assert cls is adapter.MindVLLMM  # built once per base class
+    assert manifest.model_id == "mindvl"
+    # What lmms-eval's ModelRegistryV2.get_model_class does with each path, then its _validate_model_class checks.
+    for path, simple, name in ((manifest.chat_class_path, False, "MindVLLMM"),
+                               (manifest.simple_class_path, True, "MindVLSimple")):
+        module_name, cls_name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        assert isinstance(cls, type) and issubclass(cls, lmms_eval["lmms_eval.api.model"].lmms)
+        assert cls.is_simple is simple and cls.__name__ == name
+        assert cls is getattr(adapter, name)  # built once per base class
 
 
 def test_pyproject_declares_the_entry_point():
@@ -263,7 +265,8 @@ def test_generate_until_without_system_turn(lmms_eval, folder, lm):
 
 
 def hand_loglikelihood(lm, context: str, continuation: str, images: list) -> tuple[float, bool]:
-    """log P(continuation | chat prompt of context) from one full [1, T] forward, summed over its tokens."""
+    """-log P(continuation | chat prompt of context) per continuation token (lmms-eval's loss convention) from one
+    full [1, T] forward."""
     pixels, grids = process_images(images, **PIXELS)
     prompt = conversation_prompt(lm.tokenizer, [user_message(context, len(images))], pixels, grids, DEFAULT_SYSTEM)
     cont = lm.tokenizer.encode(continuation)
@@ -273,7 +276,7 @@ def hand_loglikelihood(lm, context: str, continuation: str, images: list) -> tup
     n = len(prompt.input_ids)
     rows = logits[n - 1:len(ids) - 1].log_softmax(-1)
     target = torch.tensor(cont)
-    return float(rows[torch.arange(len(cont)), target].sum()), bool((rows.argmax(-1) == target).all())
+    return -float(rows[torch.arange(len(cont)), target].mean()), bool((rows.argmax(-1) == target).all())
 
 
 def greedy_continuation(lm, context: str, images: list, n: int = 2) -> str:
@@ -311,4 +314,39 @@ def test_loglikelihood_equals_a_full_forward(lm):
         assert logprob == pytest.approx(ref_logprob, rel=1e-5, abs=1e-4)
         assert is_greedy is ref_greedy
     assert [g for _, g in got] == [False, False, True, False, True]
-    assert all(lp < 0 for lp, _ in got[:4])
+    assert all(loss > 0 for loss, _ in got[:4])
+
+
+@pytest.fixture(scope="module")
+def simple_lm(lmms_eval, folder, lm):
+    """The `--force_simple` class over the same folder (lmms-eval then builds classic doc_to_visual tasks)."""
+    model = adapter.MindVLSimple.create_from_arg_string(f"pretrained={folder},min_pixels=3136,max_pixels=50176",
+                                                        {"batch_size": 2, "device": "cpu"})
+    model.task_dict = lm.task_dict
+    return model
+
+
+def test_simple_class_generates_what_chat_does(simple_lm):
+    want = [chat(simple_lm.model, simple_lm.tokenizer, doc["question"], doc_to_visual(doc), max_new_tokens=6,
+                 **PIXELS) for doc in DOCS]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "do_sample": False}
+    # A classic request: (context, gen_kwargs, doc_to_visual, doc_id, task, split); an `<image>` mark in the context
+    # (LLaVA-style tasks write one) holds the image.
+    requests = [Instance((DOCS[0]["question"], greedy, doc_to_visual, 0, "toy", "test")),
+                Instance(("<image>\n" + DOCS[1]["question"], greedy, doc_to_visual, 1, "toy", "test")),
+                Instance((DOCS[2]["question"], greedy, doc_to_visual, 2, "toy", "test"))]
+    got = simple_lm.generate_until(requests)
+    assert got[0] == want[0] and got[2] == want[2]
+    marked = chat(simple_lm.model, simple_lm.tokenizer, "<image>\n" + DOCS[1]["question"], doc_to_visual(DOCS[1]),
+                  max_new_tokens=6, **PIXELS)
+    assert got[1] == marked
+
+
+def test_simple_class_scores_multiple_choice_options(simple_lm):  # lmms-eval picks the smallest loss
+    doc = DOCS[0]
+    options = [" A", " B", " stop"]
+    got = simple_lm.loglikelihood([Instance((doc["question"], o, doc_to_visual, 0, "toy", "test")) for o in options])
+    want = [hand_loglikelihood(simple_lm, doc["question"], o, [doc["image"]]) for o in options]
+    for (logprob, is_greedy), (ref_logprob, ref_greedy) in zip(got, want, strict=True):
+        assert logprob == pytest.approx(ref_logprob, rel=1e-5, abs=1e-4)
+        assert is_greedy is ref_greedy

@@ -1,0 +1,243 @@
+"""The files beside a model's weights that other tools read: tokenizer, generation config, processor configs.
+
+Every folder mindvl writes for a model (a run's `final/`, `mindvl export`, `convert`, `merge`) gets them through
+`write_side_files`, so transformers' `AutoTokenizer` / `AutoProcessor` / `generate` and lmms-eval find what they need:
+
+- the tokenizer files (`tokenizer.json`, and `vocab.json` / `merges.txt` / ... when the source has them), copied
+  together from the first source folder that has a `tokenizer.json`;
+- `tokenizer_config.json`: the source's, or a fresh one, completed with the special tokens (eos `<|im_end|>`, pad
+  `<|endoftext|>`) and a chat template. A model with a vision tower is trained on mindvl's ChatML rendering
+  (Qwen2-VL's template), so a source template that cannot render images (a Qwen3 LLM's) is replaced by Qwen2-VL's;
+  it also goes to `chat_template.jinja`, where transformers' processors look for it;
+- `generation_config.json`: the source's (sampling defaults kept), with `<|im_end|>` added to its eos ids so
+  `generate` stops where `mindvl chat` does, and bos/pad ids from the tokenizer;
+- the processor configs of a model with a vision tower (`PROCESSOR_CONFIGS`: today the image processor's
+  `preprocessor_config.json`), the source's or fresh, with the min/max pixels the model was trained with.
+
+Side files come from the source folders when they have them and are written fresh when they do not. To add a
+processor configuration (e.g. a video processor's), add its builder to `PROCESSOR_CONFIGS`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mindvl.data import video
+from mindvl.data.image import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    MERGE_SIZE,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PATCH_SIZE,
+    TEMPORAL_PATCH_SIZE,
+)
+from mindvl.data.tokenizer import QWEN2_VL_CHAT_TEMPLATE
+from mindvl.models import MindVLConfig
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
+IMAGE_PROCESSOR_CONFIG = "preprocessor_config.json"
+# Files of one tokenizer, always copied together from one folder (mixing two tokenizers' files would be wrong).
+TOKENIZER_FILES = (TOKENIZER_FILE, "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json")
+# transformers >= 4.43 may keep the chat template outside tokenizer_config.json; these are kept in step with it.
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+EOS_TOKEN, PAD_TOKEN, BOS_TOKEN = "<|im_end|>", "<|endoftext|>", "<|endoftext|>"
+
+Pixels = tuple[int, int]
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def added_token_ids(folder: Path) -> dict[str, int]:
+    """Special (added) tokens of the folder's tokenizer.json, by text; empty without a tokenizer.json."""
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        return {}
+    return {t["content"]: t["id"] for t in read_json(path).get("added_tokens", [])}
+
+
+def processor_pixels(folder: Path) -> Pixels | None:
+    """(min_pixels, max_pixels) of the folder's preprocessor_config.json, or None without one.
+
+    Both transformers layouts are read (top-level min/max_pixels, and 5.x's size.shortest/longest_edge); a file whose
+    two layouts disagree is refused, since tools would then resize images differently depending on what they read.
+    """
+    path = folder / IMAGE_PROCESSOR_CONFIG
+    if not path.is_file():
+        return None
+    cfg = read_json(path)
+    size = cfg.get("size") or {}
+    out = []
+    for flat, nested, default in (("min_pixels", "shortest_edge", DEFAULT_MIN_PIXELS),
+                                  ("max_pixels", "longest_edge", DEFAULT_MAX_PIXELS)):
+        a, b = cfg.get(flat), size.get(nested)
+        if a is not None and b is not None and int(a) != int(b):
+            raise ValueError(f"{path}: {flat} {a} disagrees with size.{nested} {b}; make them equal")
+        out.append(int(a if a is not None else b if b is not None else default))
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------------------------ builders
+
+
+def tokenizer_config(existing: dict[str, Any] | None, multimodal: bool, template: str | None = None) -> dict[str, Any]:
+    """The source's tokenizer_config.json (or a fresh one) with Qwen's special tokens and a chat template: the
+    source's (`template`, from a chat_template file, which transformers prefers; else the config's own) unless it is
+    missing or, for a multimodal model, renders no images."""
+    cfg = dict(existing or {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072})
+    cfg["eos_token"] = cfg.get("eos_token") or EOS_TOKEN
+    cfg["pad_token"] = cfg.get("pad_token") or PAD_TOKEN
+    cfg.setdefault("bos_token", None)  # Qwen tokenizers add no BOS
+    template = template or cfg.get("chat_template")
+    cfg["chat_template"] = template
+    if not isinstance(template, str) or (multimodal and "<|image_pad|>" not in template):
+        cfg["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
+    return cfg
+
+
+def generation_config(existing: dict[str, Any] | None, ids: dict[str, int]) -> dict[str, Any]:
+    """The source's generation_config.json (or a fresh, greedy one) whose eos ids include `<|im_end|>`."""
+    cfg = dict(existing or {"do_sample": False})
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    for token in (EOS_TOKEN, PAD_TOKEN):  # mindvl chat stops at either (mindvl.infer.chat.stop_ids)
+        if token in ids and ids[token] not in eos:
+            eos.append(ids[token])
+    if eos:
+        cfg["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    if BOS_TOKEN in ids:
+        cfg.setdefault("bos_token_id", ids[BOS_TOKEN])
+    if PAD_TOKEN in ids:
+        cfg["pad_token_id"] = cfg.get("pad_token_id", ids[PAD_TOKEN])
+    cfg.setdefault("transformers_version", "4.49.0")  # GenerationConfig warns without it; oldest layout we write
+    return cfg
+
+
+def image_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> dict[str, Any]:
+    """Qwen2-VL's image processor settings (what mindvl.data.image implements) with the given min/max pixels."""
+    cfg = dict(existing or {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD),
+        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "merge_size": MERGE_SIZE,
+    })
+    lo, hi = pixels
+    cfg["min_pixels"], cfg["max_pixels"] = lo, hi
+    cfg["size"] = {**(cfg.get("size") or {}), "shortest_edge": lo, "longest_edge": hi}
+    return cfg
+
+
+# Processor configs of a model with a vision tower: file name -> builder(existing or None, (min, max) pixels).
+def video_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> dict[str, Any]:
+    """Qwen2-VL's video processor settings: the source's own (frame sampling and sizes) when it has them, else
+    transformers' defaults; video pixels are independent of the image min/max pixels."""
+    return video.video_processor_config(video.settings_from_processor_config(existing or {}), existing)
+
+
+# Processor configs of a model with a vision tower: file name -> builder(existing or None, (min, max) pixels).
+PROCESSOR_CONFIGS: dict[str, Callable[[dict[str, Any] | None, Pixels], dict[str, Any]]] = {
+    IMAGE_PROCESSOR_CONFIG: image_processor_config,
+    video.VIDEO_PROCESSOR_CONFIG: video_processor_config,
+}
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def _first_with(sources: Sequence[Path], name: str) -> Path | None:
+    return next((s for s in sources if (s / name).is_file()), None)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[str | Path | None] = (),
+                     pixels: Pixels | None = None, tokenizer_from: str | Path | None = None) -> list[str]:
+    """Write the side files of a model folder `out` (whose weights and config.json are written by the caller).
+
+    `sources`: folders to take side files from, in order of preference (each file from the first that has it; the
+    tokenizer files all from one folder, `tokenizer_from` first when given). `pixels`: the (min, max) pixels the
+    model was trained with; default: the source's processor config, else Qwen2-VL's. Returns the names written.
+    """
+    out = Path(out)
+
+    def usable(folders) -> list[Path]:
+        paths = [Path(s) for s in folders if s is not None]
+        paths = [p.parent if p.is_file() else p for p in paths]  # a tokenizer.json file stands for its folder
+        return [p for p in paths if p.is_dir() and p.resolve() != out.resolve()]
+
+    srcs = usable(sources)
+    written: list[str] = []
+    tok_src = _first_with(usable([tokenizer_from, *srcs]), TOKENIZER_FILE)
+    multimodal = config.vision is not None
+    if tok_src is not None:
+        for name in (*TOKENIZER_FILES, *TEMPLATE_FILES):
+            if (tok_src / name).is_file():
+                shutil.copy2(tok_src / name, out / name)
+        existing = read_json(tok_src / TOKENIZER_CONFIG) if (tok_src / TOKENIZER_CONFIG).is_file() else None
+        tok_cfg = tokenizer_config(existing, multimodal, _template_file(tok_src))
+        _write_json(out / TOKENIZER_CONFIG, tok_cfg)
+        if multimodal and not any((out / name).is_file() for name in TEMPLATE_FILES):
+            # transformers' processors (AutoProcessor) read the template from here, not from tokenizer_config.json
+            (out / "chat_template.jinja").write_text(tok_cfg["chat_template"])
+        _sync_template_files(out, tok_cfg["chat_template"])
+        written += [n for n in (*TOKENIZER_FILES, TOKENIZER_CONFIG, *TEMPLATE_FILES) if (out / n).is_file()]
+    ids = added_token_ids(out)
+    gen_src = _first_with(srcs, GENERATION_CONFIG)
+    if ids or gen_src is not None:
+        _write_json(out / GENERATION_CONFIG, generation_config(
+            read_json(gen_src / GENERATION_CONFIG) if gen_src else None, ids))
+        written.append(GENERATION_CONFIG)
+    if multimodal:
+        image_src = _first_with(srcs, IMAGE_PROCESSOR_CONFIG)
+        trained = pixels or (processor_pixels(image_src) if image_src else None)
+        trained = trained or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+        for name, build in PROCESSOR_CONFIGS.items():
+            src = _first_with(srcs, name)
+            _write_json(out / name, build(read_json(src / name) if src else None, trained))
+            written.append(name)
+    return written
+
+
+def _template_file(folder: Path) -> str | None:
+    """A chat template kept outside tokenizer_config.json (transformers >= 4.43 saves it there), or None."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return read_json(folder / "chat_template.json").get("chat_template")
+    return None
+
+
+def _sync_template_files(out: Path, template: str) -> None:
+    """transformers prefers chat_template.jinja / .json over tokenizer_config.json: they must say the same."""
+    if (out / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(template)
+    if (out / "chat_template.json").is_file():
+        _write_json(out / "chat_template.json", {**read_json(out / "chat_template.json"), "chat_template": template})
+
+
+def token_ids_for_config(folder: Path) -> dict[str, Any]:
+    """bos/eos/pad ids for a transformers config.json, from the folder's generation_config.json (None: absent)."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    gen = read_json(path)
+    return {k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if gen.get(k) is not None}
