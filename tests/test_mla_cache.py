@@ -17,7 +17,6 @@ from test_generation import (
 )
 
 from mindvl.checkpoint import compose, convert_from_hf
-from mindvl.infer import generate
 from mindvl.infer.generate import pack_prompts
 from mindvl.models import MindVL
 from mindvl.models.mla_cache import MLACache
@@ -43,15 +42,25 @@ PROMPTS = {"ds": text_prompts, "dsvl": vl_prompts}
 
 
 def test_cache_holds_latents_and_rope_keys(models):
+    """Per layer the cache holds [B, capacity, kv_lora_rank] normalised latents and [B, capacity, rope] keys: the
+    first layer's equal its attention's own latent projection of the prompt tokens."""
     model = models["ds"][1]
     cfg = model.config.text
+    prompts = text_prompts()[:2]
     cache = model.new_kv_cache(2, 16)
     assert isinstance(cache, MLACache)
-    generate(model, text_prompts()[:2], max_new_tokens=3)
-    packed = pack_prompts(text_prompts()[:2], torch.device("cpu"))
+    packed = pack_prompts(prompts, torch.device("cpu"))
     with torch.inference_mode():
         model.prefill(packed["input_ids"], packed["cu_seqlens"], cache)
+        layer = model.language_model.layers[0]
+        for row, prompt in enumerate(prompts):
+            h = layer.input_layernorm(model.language_model.embed_tokens(prompt.input_ids))
+            attn = layer.self_attn
+            latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h)[:, :cfg.kv_lora_rank])
+            torch.testing.assert_close(cache.keys[0][row, :len(h)], latent)
+            assert cache.keys[0][row, len(h):].abs().sum() == 0  # nothing beyond the prompt yet
     assert cache.keys[0].shape == (2, 16, cfg.kv_lora_rank) and cache.values[0].shape == (2, 16, cfg.qk_rope_head_dim)
+    assert cache.lengths == [len(p.input_ids) for p in prompts]
 
 
 @pytest.mark.parametrize("name", ["ds", "dsvl"])
