@@ -49,6 +49,8 @@ class ModelSection:
     arch: dict[str, Any] | None = None  # {text: {...TextConfig}, vision: {...VisionConfig}}
     init_seed: int = 0
     attention_backend: str = "auto"
+    # shape preset for `mindvl plan` when the folders above do not exist yet (mindvl.plan.presets; training ignores it)
+    preset: str | None = None
 
 
 @dataclass
@@ -109,7 +111,12 @@ class LoggingSection:
 class ParallelSection:
     fsdp: str | bool = "auto"  # auto (when world size > 1) | on | off (YAML reads on/off as booleans)
     mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
-    activation_checkpointing: bool = False
+    # off | full (every block of both towers recomputed in backward) | selective (matmul outputs kept, the cheap
+    # element-wise ops recomputed); YAML true/false read as full/off
+    activation_checkpointing: str | bool = False
+    # how FSDP accumulates gradients over micro-batches: sharded (reduce-scatter every micro-batch into sharded
+    # fp32 gradients) | unsharded (sync only after the last one; full-size fp32 gradients on every rank)
+    grad_accumulation: str = "sharded"
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | npu
     # ranks sharing one copy of each MoE layer's experts (E / N experts per rank, tokens sent by all-to-all); must
@@ -173,6 +180,13 @@ class Recipe:
         _check(self.parallel.fsdp in ("auto", "on", "off"), "parallel.fsdp", "must be auto, on or off")
         _check(self.parallel.mixed_precision in ("auto", "bf16", "fp32"), "parallel.mixed_precision",
                "must be auto, bf16 or fp32")
+        ac = self.parallel.activation_checkpointing
+        if isinstance(ac, bool):
+            self.parallel.activation_checkpointing = "full" if ac else "off"
+        _check(self.parallel.activation_checkpointing in ("off", "full", "selective"),
+               "parallel.activation_checkpointing", "must be off, full or selective (or true/false)")
+        _check(self.parallel.grad_accumulation in ("sharded", "unsharded"), "parallel.grad_accumulation",
+               "must be sharded or unsharded")
         _check(self.parallel.device in ("auto", "cpu", "cuda", "npu"), "parallel.device",
                "must be auto, cpu, cuda or npu")
         m = self.model

@@ -12,8 +12,8 @@ import importlib
 import sys
 
 # Sub-command modules, in the order `mindvl --help` lists them.
-COMMAND_MODULES = ("quickstart", "train", "export", "convert", "merge", "chat", "eval", "search_resolution", "data",
-                   "moe_trace", "moe_analyze")
+COMMAND_MODULES = ("quickstart", "train", "plan", "export", "convert", "merge", "chat", "eval", "search_resolution",
+                   "data", "moe_trace", "moe_analyze")
 
 
 def build_parser() -> argparse.ArgumentParser:

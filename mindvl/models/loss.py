@@ -3,9 +3,14 @@
 Returns (sum, count): the trainer divides by the number of labelled tokens of the whole global batch, across
 micro-batches and ranks, so every labelled token weighs the same however the batch was packed.
 
-The forward pass of `ChunkedLinearCrossEntropy` also computes the gradients chunk by chunk (logits are recomputed
-nowhere and saved nowhere); backward only scales them by the incoming gradient. Peak extra memory is one chunk of
-logits, [chunk, vocab] in float32.
+`ChunkedLinearCrossEntropy` walks the vocabulary in slices `W[v0:v1]` (as many rows as keep one [tokens, slice]
+float32 logits block the size of a [chunk_size, vocab] one):
+- forward: an online logsumexp over the slices (and the target logits); it saves only `lse` [N] besides its inputs.
+- backward: recomputes each slice's logits, and writes that slice's weight gradient `dW[v0:v1] = dlogits^T @ h`
+  straight into a gradient of the weight's own dtype (bf16 under mixed precision: the size FSDP's unsharded
+  gradient has anyway), with the matmul in the activation dtype like any other linear layer's backward. No float32
+  [vocab, hidden] buffer exists at any time; the hidden-state gradient [N, H] accumulates over slices in float32.
+The price is one extra logits matmul (4 instead of 3 per labelled token) on the head alone.
 """
 
 from __future__ import annotations
@@ -28,37 +33,54 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return targets
 
 
+def _vocab_slices(n_rows: int, vocab: int, chunk_size: int) -> range:
+    """Slice starts over the vocabulary: [n_rows, step] logits hold as many values as [chunk_size, vocab]."""
+    step = max(1, min(vocab, -(-chunk_size * vocab // max(1, n_rows))))
+    return range(0, vocab, step)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):  # hidden [N, H], weight [V, H], targets [N]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.weight_dtype = weight.dtype
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
-            t = targets[start : start + chunk_size]
-            logits = (h @ weight.T).float()  # [c, V]; the matmul in the activation dtype, as transformers does
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            if need_h or need_w:
-                grad_logits = torch.softmax(logits, dim=-1)
-                grad_logits[torch.arange(len(t), device=t.device), t] -= 1.0
-                if need_h:
-                    grad_h[start : start + chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                if need_w:
-                    grad_w += grad_logits.T @ h.float()
-        ctx.save_for_backward(grad_h, grad_w)
-        return loss
+        n, vocab = hidden.shape[0], weight.shape[0]
+        starts = _vocab_slices(n, vocab, chunk_size)
+        running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
+        running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        for v0 in starts:
+            w = weight[v0 : v0 + starts.step]
+            logits = (hidden @ w.T).float()  # [N, s]; the matmul in the activation dtype, as transformers does
+            inside = (targets >= v0) & (targets < v0 + w.shape[0])
+            local = (targets - v0).clamp(0, w.shape[0] - 1)
+            target_logit += torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), 0.0)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            block_sum = logits.sub_(new_max[:, None]).exp_().sum(1)  # in place: one logits block at a time
+            running_sum = running_sum * torch.exp(running_max - new_max) + block_sum
+            running_max = new_max
+        lse = running_max + torch.log(running_sum)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size = chunk_size
+        return (lse - target_logit).sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
-        # The weight gradient is accumulated over chunks in float32 and cast once, here.
-        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        starts = _vocab_slices(hidden.shape[0], weight.shape[0], ctx.chunk_size)
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        for v0 in starts:
+            w = weight[v0 : v0 + starts.step]
+            grad_logits = (hidden @ w.T).float().sub_(lse[:, None]).exp_()  # softmax slice, in place: one block
+            inside = (targets >= v0) & (targets < v0 + w.shape[0])
+            grad_logits[rows[inside], targets[inside] - v0] -= 1.0
+            grad_logits = grad_logits.mul_(grad_loss).to(hidden.dtype)
+            if need_h:
+                grad_h += grad_logits @ w.to(hidden.dtype)
+            if need_w:
+                grad_w[v0 : v0 + w.shape[0]] = (grad_logits.T @ hidden).to(weight.dtype)
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None
 
 
 def chunked_cross_entropy(

@@ -4,7 +4,11 @@
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
   head), with a bf16 MixedPrecisionPolicy on accelerators (fp32 reductions) and full fp32 on CPU.
-- activation checkpointing and torch.compile per block, as options.
+- mixed precision on ONE device uses the same policy: a bf16 run of a single process is FSDP over a one-rank group
+  (nothing is sharded or communicated), so its numerics are exactly FSDP's (fp32 master weights and optimizer
+  state, bf16 compute, gradients cast to fp32 before they accumulate), never a silent fp32 run.
+- activation checkpointing (`full`: whole blocks of both towers recomputed; `selective`: matmul/attention outputs
+  kept and the element-wise ops recomputed) and torch.compile per block, as options.
 """
 
 from __future__ import annotations
@@ -98,20 +102,71 @@ def _replace_blocks(model: nn.Module, fn) -> None:
             ml[i] = fn(ml[i])
 
 
+def checkpointing_mode(cfg: ParallelSection) -> str:
+    """off | full | selective (a bool from code or an unvalidated section counts as full/off)."""
+    ac = cfg.activation_checkpointing
+    return ("full" if ac else "off") if isinstance(ac, bool) else ac
+
+
+def _selective_policy():
+    """Keep the outputs of matmuls and attention (expensive to recompute), recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap every block of both towers (the vision tower's too: at native resolution its activations rival the
+    LLM's)."""
+    if mode == "off":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == "full":
+        _replace_blocks(model, lambda b: checkpoint_wrapper(b, preserve_rng_state=False))
+        return
+    from functools import partial
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    context = partial(create_selective_checkpoint_contexts, _selective_policy())
+    _replace_blocks(model, lambda b: checkpoint_wrapper(b, preserve_rng_state=False, context_fn=context))
+
+
+def _single_process_group(env: ParallelEnv) -> None:
+    """A one-rank process group (in-memory store), so FSDP's mixed-precision policy can run on a single device."""
+    if not dist.is_initialized():
+        dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=env.device if env.device.type != "cpu" else None)
+
+
+def uses_fsdp(cfg: ParallelSection, env: ParallelEnv) -> bool:
+    """FSDP when asked, when distributed, or when bf16 mixed precision must run on a single device."""
+    if cfg.fsdp == "on" or (cfg.fsdp == "auto" and env.distributed):
+        return True
+    return param_dtype(cfg, env.device) != torch.float32
+
+
 def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.Module:
     """Activation checkpointing, compile and FSDP2, in that order (AC inside compile inside FSDP)."""
-    if cfg.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        _replace_blocks(model, lambda b: checkpoint_wrapper(b, preserve_rng_state=False))
+    apply_activation_checkpointing(model, checkpointing_mode(cfg))
     if cfg.compile:
         for b in blocks(model):
             b.compile()
-    use_fsdp = cfg.fsdp == "on" or (cfg.fsdp == "auto" and env.distributed)
-    if cfg.expert_parallel > 1 and not use_fsdp:
-        raise ValueError("parallel.expert_parallel: expert parallelism needs FSDP (parallel.fsdp on or auto, and "
-                         "more than one process)")
-    if use_fsdp:
+    if cfg.expert_parallel > 1 and not env.distributed:
+        raise ValueError("parallel.expert_parallel: expert parallelism needs more than one process")
+    if uses_fsdp(cfg, env):
+        if not env.distributed:
+            _single_process_group(env)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -159,5 +214,6 @@ def barrier(env: ParallelEnv) -> None:
 
 
 def destroy(env: ParallelEnv) -> None:
-    if env.distributed and dist.is_initialized():
+    """End the process group: torchrun's, or the one-rank group of single-device mixed precision."""
+    if dist.is_initialized():
         dist.destroy_process_group()

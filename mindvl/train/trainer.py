@@ -1,13 +1,12 @@
 """The training loop: one readable function, `train(recipe)`.
 
-    step:  for each of `accum` micro-batches (one packed row each) -> forward -> loss_sum * world / N_global
-           -> backward; clip; AdamW; LR schedule; log; checkpoint every N steps.
+    step:  stream `accum` micro-batches (one packed row each, a 2-pack prefetch window) -> forward
+           -> (loss_sum * world).backward; scale gradients by 1/N_global; clip; AdamW; LR schedule; log; checkpoint.
 
-Loss normalisation (paper: the mean over all labelled tokens of the global batch): the labelled-target count of every
-micro-batch this rank will run is known before any forward (labels are data), so it is all-reduced once per step to
-N_global. Each micro-batch backpropagates loss_sum * world_size / N_global; FSDP (or, single-process, nothing)
-averages gradients over ranks, so the gradient is exactly d(sum of all loss_sums)/N_global, whatever the split of
-tokens between micro-batches and ranks.
+Loss normalisation (paper: the mean over all labelled tokens of the global batch): see mindvl.train.step. Each
+pack's labelled-target count is read from its labels as it arrives, the counts are all-reduced once per step to
+N_global, and the accumulated gradients are divided by it before clipping: exactly d(sum of all loss_sums)/N_global,
+whatever the split of tokens between micro-batches and ranks, without holding the step's packs.
 
 Data shards: the stream is split into `batch.data_shards` shards (default: the world size); rank r reads shards
 r, r + world, ... round-robin over its micro-batches. With data_shards=2 one process consumes exactly the global batch
@@ -19,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,24 +34,31 @@ from mindvl.checkpoint.training import (
 from mindvl.config import Recipe
 from mindvl.data import DataConfig, build_loader
 from mindvl.models import MindVL, MindVLConfig
-from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 from mindvl.models.moe import update_router_bias
 
 from .materialize import build_model
-from .metrics import MODULE_ORDER, device_peak_flops, pack_training_flops
+from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import (
     ParallelEnv,
     all_reduce_sum,
     barrier,
-    clip_grad_norm,
     destroy,
     init_distributed,
     parallelize,
     param_dtype,
 )
 from .phases import apply_phase
+from .plan_headline import PlannerHeadline
 from .preflight import preflight
+from .step import (  # noqa: F401  (accumulate_gradients, labelled_targets, to_device, StepStats: public names here)
+    MicroBatchStream,
+    StepStats,
+    accumulate_gradients,
+    labelled_targets,
+    optimizer_step,
+    to_device,
+)
 
 
 @dataclass
@@ -99,11 +104,6 @@ class ShardedBatches:
         return [ld.report() for ld in self.loaders]
 
 
-def labelled_targets(batch: dict) -> int:
-    """How many tokens of this packed row the loss counts (targets after the per-sample shift)."""
-    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
-
-
 # ---------------------------------------------------------------------------------------------------- the loop
 
 
@@ -146,6 +146,7 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         trainable.update(apply_phase(meta_model, recipe.trainable_modules))
         return parallelize(meta_model, env, recipe.parallel)
 
+    headline = PlannerHeadline(recipe, env, out)  # accelerators: `mindvl plan` in a child process, printed when ready
     model = build_model(recipe, tok, env, prepare)
     config = model.config
     if data_cfg.video.tokens_per_second is None:
@@ -192,27 +193,18 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
     sinks.start(step, total_steps)
     while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
         t0 = time.perf_counter()
-        packs = [batches.next() for _ in range(accum)]
-        micro = [to_device(p.to_torch(), env.device) for p in packs]
-        t_data = time.perf_counter() - t0
-        stats = accumulate_gradients(model, micro, env, config, sum(p.num_real_tokens for p in packs),
-                                     recipe.trainable_modules)
-        counts, loss_total, t_fwd, t_bwd = stats.counts, stats.loss_sum, stats.forward_s, stats.backward_s
-        n_global = max(1.0, float(counts[0]))
-        tc = time.perf_counter()
-        grad_norm = None
-        if recipe.optim.grad_clip is not None:
-            params = [p for p in model.parameters() if p.requires_grad]
-            grad_norm = float(clip_grad_norm(params, recipe.optim.grad_clip))  # mesh-aware (EP)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        micro = MicroBatchStream(batches.next, accum, env.device)  # a small prefetch window, not the whole step
+        stats = optimizer_step(model, optimizer, micro, env, config, recipe.trainable_modules,
+                               recipe.optim.grad_clip, recipe.parallel.grad_accumulation)
+        counts, loss_total, t_data = stats.counts, stats.loss_sum, stats.data_s
+        t_fwd, t_bwd, t_opt, grad_norm = stats.forward_s, stats.backward_s, stats.optimizer_s, stats.grad_norm
+        n_global = max(1.0, float(counts[0]))
         scheduler.step()
         moe_violation = None
         if balance_routers:  # after the step, from the loads this step's forwards counted
             moe_violation = update_router_bias(model, recipe.optim.router_bias_rate,
                                                all_reduce=lambda loads: all_reduce_sum(loads, env))
-        t_opt = time.perf_counter() - tc
         loss = loss_total / n_global
         step += 1
         tokens_seen += int(counts[1])
@@ -224,6 +216,8 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         if moe_violation is not None:
             record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
         sinks.log(record, step % recipe.logging.every == 0 or step == total_steps)
+        if (line := headline.poll()) is not None:
+            sinks.info(line)
         done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
         if (every and step % every == 0) or done:
             save_checkpoint(ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()},
@@ -235,49 +229,6 @@ def _train(recipe: Recipe, env: ParallelEnv) -> RunResult:
         (out / "data_report.json").write_text(json.dumps(batches.report(), indent=1))
         sinks.finish()
     return RunResult(out, final_dir, step, sinks.losses)
-
-
-@dataclass
-class StepStats:
-    counts: torch.Tensor  # float64 [3]: labelled targets, real tokens, training FLOPs; summed over ranks
-    loss_sum: float  # summed loss over every labelled token of the global batch
-    forward_s: float
-    backward_s: float
-
-
-def accumulate_gradients(model, micro: list[dict], env: ParallelEnv, config: MindVLConfig,
-                         real_tokens: int | None = None, trainable: Sequence[str] = MODULE_ORDER) -> StepStats:
-    """Forward/backward over this rank's micro-batches; leaves grad = d(global loss sum)/N_global in `.grad`."""
-    # [labelled targets, real tokens, FLOPs] of this rank's micro-batches, summed over ranks in one collective, before
-    # any backward: every micro-batch's loss is then scaled by the same global count.
-    if real_tokens is None:  # padding (data.pad_to_seq_len) is not counted as throughput
-        real_tokens = sum(int(b["input_ids"].numel()) for b in micro)
-    labelled = [labelled_targets(b) for b in micro]
-    flops = sum(pack_training_flops(config, b, n, trainable) for b, n in zip(micro, labelled, strict=True))
-    counts = torch.tensor([sum(labelled), real_tokens, flops], dtype=torch.float64)
-    counts = all_reduce_sum(counts.to(env.device), env).cpu()
-    # x world_size: FSDP averages gradients over ranks; undo the average so ranks' sums add up.
-    scale = env.world_size / max(1.0, float(counts[0]))
-    loss_total = torch.zeros((), dtype=torch.float64, device=env.device)
-    t_fwd = t_bwd = 0.0
-    for i, batch in enumerate(micro):
-        if env.distributed and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once, after the last one
-        ta = time.perf_counter()
-        loss_sum, _ = model(**batch)
-        tb = time.perf_counter()
-        (loss_sum * scale).backward()
-        t_fwd += tb - ta
-        t_bwd += time.perf_counter() - tb
-        loss_total += loss_sum.detach().double()
-    loss_total = all_reduce_sum(loss_total, env)
-    return StepStats(counts, float(loss_total.cpu()), t_fwd, t_bwd)
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    if device.type == "cpu":
-        return batch
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv,

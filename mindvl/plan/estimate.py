@@ -1,0 +1,99 @@
+"""What the planner estimates rather than traces: FLOPs, collective traffic and a roofline step time.
+
+FLOPs per pack come from `train.metrics` (the same count the trainer logs MFU with). Communication is FSDP2's:
+per micro-batch every sharded block is all-gathered in bf16 for the forward and again for the backward (blocks
+reshard after forward; the root keeps its parameters after the forward, so it is gathered once), and the gradients
+of trainable parameters are reduce-scattered in fp32, once per micro-batch (`sharded` accumulation) or once per step
+(`unsharded`). A ring moves (N-1)/N of the buffer per rank.
+
+Step time (an estimate, not a measurement): compute at the device's peak bf16 FLOP/s, collectives at the
+interconnect bandwidth (intra-node when the world fits one node, else the inter-node NIC bandwidth), the optimizer
+as a memory-bound pass over its fp32 state at HBM bandwidth; compute and collectives are assumed to overlap
+perfectly, so it is a lower bound (MFU an upper bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mindvl.models import MindVLConfig
+
+from .devices import Device
+from .packs import PackShape
+
+_BF16, _FP32 = 2, 4
+
+
+@dataclass
+class Counts:
+    total_params: int
+    trainable_params: int
+    root_params: int  # parameters FSDP wraps at the root (embeddings, head, projector, final norm)
+
+
+def param_counts(model, trainable_names: set[str] | None = None) -> Counts:
+    from mindvl.train.parallel import blocks
+
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    in_blocks = sum(p.numel() for b in blocks(model) for p in b.parameters())
+    return Counts(total, trainable, total - in_blocks)
+
+
+def pack_flops(config: MindVLConfig, shape: PackShape, trainable) -> tuple[float, float]:
+    """(training FLOPs of the pack, of which the vision tower's forward+backward) as train.metrics counts them."""
+    from mindvl.train.metrics import flops_by_module, training_flops
+
+    merge = config.vision.merge_unit if config.vision else 4
+    image_tokens = sum(t * h * w // merge for t, h, w in shape.images)
+    labelled = shape.tokens - image_tokens - len(shape.sample_tokens)
+    grids = [list(g) for g in shape.images] or None
+    total = training_flops(config, shape.sample_tokens, labelled, grids, trainable)
+    vit = 0.0
+    if grids and config.vision is not None:
+        w, a = flops_by_module(config, shape.sample_tokens, labelled, grids)["visual"]
+        vit = (w + a) * (3.0 if "visual" in trainable else 1.0)  # a frozen tower runs its forward only
+    return total, vit
+
+
+def comm_bytes(counts: Counts, world: int, micro: int, accumulation: str) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step, by collective."""
+    if world <= 1:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    ring = (world - 1) / world
+    block = counts.total_params - counts.root_params
+    gathers = micro * (2 * block + counts.root_params) * _BF16 * ring
+    reductions = (micro if accumulation == "sharded" else 1) * counts.trainable_params * _FP32 * ring
+    return {"all_gather": gathers, "reduce_scatter": reductions, "all_reduce": 8 * 3 * 2.0}
+
+
+def step_time(device: Device, world: int, flops_per_rank: float, comm: dict[str, float],
+              trainable_local: float) -> dict[str, float]:
+    compute = flops_per_rank / device.peak_flops
+    bw = device.intra_bytes_s if world <= device.per_node else device.inter_bytes_s
+    communication = sum(comm.values()) / bw
+    # AdamW reads/writes params, grads, exp_avg, exp_avg_sq (fp32): ~ 7 x 4 bytes per local parameter
+    optimizer = 28 * trainable_local / device.hbm_bytes_s
+    return {"compute_s": compute, "communication_s": communication, "optimizer_s": optimizer,
+            "step_s": max(compute, communication) + optimizer}
+
+
+def vision_load(config: MindVLConfig, packs: list[PackShape], world: int, accum: int, trainable,
+                steps: int = 8) -> dict[str, float]:
+    """ViT FLOPs per rank per step over `steps` steps of the given pack sequence (packs dealt round-robin as the
+    trainer's data shards deal them): max and mean over ranks and steps, and max/mean."""
+    per_pack = [pack_flops(config, p, trainable)[1] for p in packs]
+    loads = []
+    i = 0
+    for _ in range(steps):
+        ranks = [0.0] * world
+        for _ in range(accum):
+            for r in range(world):
+                ranks[r] += per_pack[i % len(per_pack)]
+                i += 1
+        loads.append(ranks)
+    flat = [x for s in loads for x in s]
+    mean = sum(flat) / len(flat)
+    per_step_ratio = max((max(s) / (sum(s) / len(s)) if sum(s) else 1.0) for s in loads)
+    return {"vit_flops_max": max(flat), "vit_flops_mean": mean,
+            "max_over_mean": max(flat) / mean if mean else 1.0, "worst_step_max_over_mean": per_step_ratio}

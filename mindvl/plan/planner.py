@@ -1,0 +1,241 @@
+"""`plan(recipe, world_size, device)`: will this recipe's step fit on N devices of this kind, and how fast is it?
+
+    result = plan(load_recipe("recipes/mindvl-8b/sft-8k.yaml"), 8, get_device("h100-80g"))
+    result.fits, result.peak_bytes_per_rank, result.to_dict()
+
+Memory is traced (mindvl.plan.simulate: the real model, parallelize and training step on a fake cluster); FLOPs,
+communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` covers what the trace cannot see:
+the runtime context (CUDA/CANN, ~1 GiB), communication library buffers (~1 GiB), kernel workspaces and allocator
+fragmentation (5% of capacity). A plan fits when peak + reserve <= capacity.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mindvl.config import Recipe
+from mindvl.data import DataConfig
+from mindvl.models import MindVL, MindVLConfig
+
+from . import estimate
+from .devices import GIB, Device
+from .packs import PackShape, sampled_packs, worst_case_packs
+from .presets import known_presets, preset_config
+from .simulate import PARTS, trace_step
+
+
+def reserve_bytes(device: Device) -> int:
+    return int(2 * GIB + 0.05 * device.memory_bytes)
+
+
+def model_config(recipe: Recipe, preset: str | None = None) -> tuple[MindVLConfig, str]:
+    """The recipe's architecture at its real size, and where it came from: `preset` if given; else `model.arch`;
+    else the `init_from` / `compose` folders' config.json when present; else the recipe's `model.preset`."""
+    m = recipe.model
+    if preset:
+        return preset_config(preset), f"preset {preset}"
+    if m.arch is not None:
+        from mindvl.data import load_tokenizer
+        from mindvl.train.materialize import model_source
+        from mindvl.train.parallel import ParallelEnv
+
+        tok = load_tokenizer(DataConfig.from_dict(recipe.data).tokenizer)
+        config, _ = model_source(recipe, tok, ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+        return config, "model.arch"
+    from mindvl.checkpoint import hf
+
+    if m.init_from and (Path(m.init_from) / "config.json").is_file():
+        return MindVLConfig.from_dict(hf.read_config(m.init_from)), f"{m.init_from}/config.json"
+    if m.compose and all((Path(p) / "config.json").is_file() for p in m.compose.values()):
+        vraw, lraw = hf.read_config(m.compose["vision"]), hf.read_config(m.compose["language"])
+        text = hf.text_config_from_hf(lraw, hf.detect_family(lraw, m.compose["language"]))
+        text.mrope_section = hf.default_mrope_section(text.head_dim)  # as `compose` sets it up
+        return MindVLConfig(text=text, vision=hf.vision_config_from_hf(vraw)), "model.compose folders' config.json"
+    if m.preset:
+        return preset_config(m.preset), f"model.preset {m.preset}"
+    where = m.init_from or (m.compose or {}).get("language") or "model"
+    raise ValueError(f"model: {where} has no config.json here; name a shape preset with --preset or model.preset "
+                     f"(known: {known_presets()})")
+
+
+@dataclass
+class PlanResult:
+    recipe: str
+    model_source: str
+    device: Device
+    world_size: int
+    accumulation: int  # micro-batches per rank per step
+    grad_accumulation: str
+    activation_checkpointing: str
+    peak_bytes_per_rank: int
+    breakdown: dict[str, int]
+    capacity_bytes: int
+    reserve_bytes: int
+    flops_per_step: float
+    flops_by_part: dict[str, float]
+    comm_bytes_per_step: dict[str, float]
+    timing: dict[str, float]
+    tokens_per_step: int
+    params: dict[str, int]
+    packs: list[dict]
+    trace_s: float
+    sharded_bytes: int = 0
+    vision_load: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes_per_rank + self.reserve_bytes <= self.capacity_bytes
+
+    @property
+    def headroom(self) -> float:
+        return 1.0 - (self.peak_bytes_per_rank + self.reserve_bytes) / self.capacity_bytes
+
+    @property
+    def est_mfu(self) -> float:
+        return self.flops_per_step / (self.timing["step_s"] * self.device.peak_flops * self.world_size)
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits, "headroom": self.headroom, "recipe": self.recipe, "model_source": self.model_source,
+            "world_size": self.world_size, "device": self.device.to_dict(),
+            "peak_bytes_per_rank": self.peak_bytes_per_rank, "capacity_bytes": self.capacity_bytes,
+            "reserve_bytes": self.reserve_bytes, "breakdown": self.breakdown,
+            "micro_batches_per_rank": self.accumulation, "grad_accumulation": self.grad_accumulation,
+            "activation_checkpointing": self.activation_checkpointing,
+            "flops_per_step": self.flops_per_step, "flops_by_part": self.flops_by_part,
+            "comm_bytes_per_step": self.comm_bytes_per_step, "est_step_time_s": self.timing["step_s"],
+            "est_timing": self.timing, "est_tokens_per_s": self.tokens_per_step / self.timing["step_s"],
+            "est_mfu": self.est_mfu, "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
+            "sharded_bytes_at_peak": self.sharded_bytes, "trace_s": self.trace_s, "notes": self.notes, "estimated": [
+                "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes"],
+        }
+
+
+def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = None, sample_data: bool = False,
+         recipe_name: str = "") -> PlanResult:
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    recipe = copy.deepcopy(recipe)
+    config, source = model_config(recipe, preset)
+    data_cfg = DataConfig.from_dict(recipe.data)
+    gb = recipe.batch.global_batch_size
+    if gb % world_size:
+        raise ValueError(f"batch.global_batch_size ({gb}) must be a multiple of --world-size ({world_size})")
+    accum = gb // world_size
+    trainable = recipe.trainable_modules
+    notes = []
+    if sample_data:
+        from mindvl.data import load_tokenizer
+
+        shards = recipe.batch.data_shards or world_size
+        packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(data_cfg.tokenizer), shards=shards)
+        notes.append(f"pack shapes: the first {len(packs)} packs of the recipe's sources")
+    else:
+        packs = worst_case_packs(data_cfg, config)
+        notes.append("pack shapes: worst case of data.seq_len / data.max_pixels (every slot used, max-size images)")
+    # The trace: peak over one step of 1 micro-batch and one of 2 (whatever the real accumulation: the resident
+    # set of a micro-batch loop does not grow with its length once the window is full).
+    traced = trace_step(recipe, config, world_size, packs, micro_batches=(1, 2) if accum > 1 else (1, 1))
+
+    with torch.device("meta"):
+        meta = MindVL(config)
+    from mindvl.train.phases import apply_phase
+
+    apply_phase(meta, trainable)
+    counts = estimate.param_counts(meta)
+    per_pack = [estimate.pack_flops(config, p, trainable) for p in packs]
+    mean_flops = sum(f for f, _ in per_pack) / len(per_pack)
+    mean_vit = sum(v for _, v in per_pack) / len(per_pack)
+    flops_step = mean_flops * gb
+    grad_acc = recipe.parallel.grad_accumulation
+    comm = estimate.comm_bytes(counts, world_size, accum, grad_acc)
+    timing = estimate.step_time(device, world_size, flops_step / world_size, comm,
+                                counts.trainable_params / world_size)
+    tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
+    vload = estimate.vision_load(config, packs, world_size, accum, trainable) if config.vision else None
+    from mindvl.train.parallel import checkpointing_mode
+
+    return PlanResult(
+        recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
+        grad_accumulation=grad_acc, activation_checkpointing=checkpointing_mode(recipe.parallel),
+        peak_bytes_per_rank=traced.peak_bytes, breakdown=traced.breakdown, capacity_bytes=device.memory_bytes,
+        reserve_bytes=reserve_bytes(device), flops_per_step=flops_step,
+        flops_by_part={"vit": mean_vit * gb, "projector_and_llm": (mean_flops - mean_vit) * gb},
+        comm_bytes_per_step=comm, timing=timing, tokens_per_step=tokens,
+        params={"total": counts.total_params, "trainable": counts.trainable_params},
+        packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
+                "patches": p.patches} for p in packs[:4]],
+        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------------ text
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def verdict(r: PlanResult) -> str:
+    """One line: fits (with headroom) or not, naming the largest part and the knobs that would help."""
+    total = r.peak_bytes_per_rank + r.reserve_bytes
+    if r.fits:
+        return (f"fits: {_gib(r.peak_bytes_per_rank)} peak + {_gib(r.reserve_bytes)} reserve of "
+                f"{_gib(r.capacity_bytes)} per {r.device.name} ({r.headroom:.0%} headroom)")
+    part = max(r.breakdown, key=r.breakdown.get)
+    knobs = [f"--world-size {2 * r.world_size}"]
+    if r.activation_checkpointing != "full":
+        knobs.append("parallel.activation_checkpointing=full")
+    if r.grad_accumulation != "sharded":
+        knobs.append("parallel.grad_accumulation=sharded")
+    knobs += ["data.seq_len (lower)", "data.max_pixels (lower)"]
+    return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak + {_gib(r.reserve_bytes)} reserve = {_gib(total)} > "
+            f"{_gib(r.capacity_bytes)} per {r.device.name}; largest part: {part} ({_gib(r.breakdown[part])}); "
+            f"try {', '.join(knobs)}")
+
+
+def format_report(r: PlanResult) -> str:
+    d = r.to_dict()
+    lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name} "
+             f"({r.accumulation} micro-batch(es) per rank per step, grad accumulation {r.grad_accumulation}, "
+             f"activation checkpointing {r.activation_checkpointing})",
+             f"model: {r.params['total'] / 1e9:.2f}B parameters ({r.params['trainable'] / 1e9:.2f}B trainable), "
+             f"from {r.model_source}; {'; '.join(r.notes)}",
+             "memory per rank (traced):"]
+    for part in PARTS:
+        lines.append(f"  {part:<18} {_gib(r.breakdown[part]):>10}")
+    lines.append(f"  {'peak':<18} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
+                 f"{_gib(r.reserve_bytes)} (runtime, comm buffers, workspaces, fragmentation: not traced)")
+    c = r.comm_bytes_per_step
+    t = r.timing
+    lines += [
+        f"FLOPs per step: {r.flops_per_step:.3e} (ViT {r.flops_by_part['vit']:.3e}, projector + LLM "
+        f"{r.flops_by_part['projector_and_llm']:.3e})",
+        f"collectives per rank per step: all-gather {_gib(c['all_gather'])}, reduce-scatter "
+        f"{_gib(c['reduce_scatter'])}",
+        f"estimate (roofline, perfect overlap): step {t['step_s']:.2f} s (compute {t['compute_s']:.2f} s, "
+        f"collectives {t['communication_s']:.2f} s, optimizer {t['optimizer_s']:.3f} s), "
+        f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}",
+    ]
+    if r.vision_load:
+        v = r.vision_load
+        lines.append(f"vision load per rank per step: max {v['vit_flops_max']:.3e} / mean {v['vit_flops_mean']:.3e} "
+                     f"FLOPs (max/mean {v['max_over_mean']:.2f})")
+    lines.append(verdict(r))
+    return "\n".join(lines)
+
+
+def extrapolate_peak(r: PlanResult, world_size: int) -> int:
+    """Peak at another world size from this trace: the sharded parts (parameters, gradients, optimizer state) scale
+    as 1/N, the rest (unsharded parameters of the active block, activations, loss head, data) stays. An estimate:
+    trace the world size to confirm it."""
+    return int(r.peak_bytes_per_rank - r.sharded_bytes + r.sharded_bytes * r.world_size / world_size)
+
+
+def headline(r: PlanResult) -> str:
+    return (f"planner: estimated peak {_gib(r.peak_bytes_per_rank)} + {_gib(r.reserve_bytes)} reserve per rank of "
+            f"{_gib(r.capacity_bytes)} ({'fits' if r.fits else 'DOES NOT FIT'})")

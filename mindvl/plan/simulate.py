@@ -1,0 +1,176 @@
+"""Trace one rank's memory through the trainer's real optimizer step on a simulated cluster.
+
+    traced = trace_step(recipe, config, world_size, packs)
+
+What runs is what training runs: `MindVL` built on the meta device, `phases.apply_phase`, `parallel.parallelize`
+(activation checkpointing, FSDP2 over a DeviceMesh of `world_size` ranks on torch's fake backend), AdamW from
+`optim.build_optimizer`, and `step.optimizer_step` (streamed micro-batches, loss normalisation, clipping, AdamW) on
+fake packs. Parameters and activations are fake CPU tensors in the accelerator's dtypes (fp32 master weights and
+optimizer state, bf16 compute under FSDP's policy, fp32 gradient reductions); attention is torch's SDPA, whose
+memory (outputs + logsumexp) is that of the flash kernels used on accelerators. FSDP2's memory tracker
+(torch.distributed._tools.fsdp2_mem_tracker) records the rank's peak and what was alive at that moment.
+
+Two optimizer steps run: the first with one micro-batch (it allocates AdamW's state), the second with two (so
+accumulation across micro-batches is part of the trace); the peak is the maximum over both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+from mindvl.config import Recipe
+from mindvl.models import MindVL, MindVLConfig
+from mindvl.models import loss as loss_module
+from mindvl.train.optim import build_optimizer
+from mindvl.train.parallel import ParallelEnv, parallelize
+from mindvl.train.phases import apply_phase
+from mindvl.train.step import MicroBatchStream, optimizer_step
+
+from .fake import MetadataGateway, fake_world
+from .packs import PackShape, fake_pack
+
+# Tracker categories -> the planner's breakdown (loss/logits temporaries are split out of activations, below).
+_PARTS = {
+    _FSDPRefType.SHARDED_PARAM: "parameters", _FSDPRefType.UNSHARDED_PARAM: "parameters",
+    _FSDPRefType.BUFFER: "parameters", _FSDPRefType.ALL_GATHER: "parameters",
+    _FSDPRefType.SHARDED_GRAD: "gradients", _FSDPRefType.UNSHARDED_GRAD: "gradients",
+    _FSDPRefType.REDUCE_SCATTER: "gradients",
+    _FSDPRefType.OPT: "optimizer_state",
+    _FSDPRefType.ACT: "activations", _FSDPRefType.TEMP: "activations",
+    _FSDPRefType.INP: "data_buffers",
+}
+PARTS = ("parameters", "gradients", "optimizer_state", "activations", "loss_temporaries", "data_buffers")
+
+
+@dataclass
+class Traced:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    wall_s: float
+    micro_batches_traced: int
+    sharded_bytes: int = 0  # of the peak: sharded parameters, gradients and optimizer state (they scale as 1/N)
+    notes: list[str] = field(default_factory=list)
+
+
+class PlanTracker(FSDPMemTracker):
+    """FSDPMemTracker that also notes whether its peak fell inside the loss head, and how much the head added."""
+
+    def __init__(self, mod, optm=None):
+        super().__init__(mod, optm)
+        self.in_loss = False
+        self.loss_base = 0
+        self.peak_loss_bytes = 0
+
+    def current_total(self) -> int:
+        return sum(snap["Total"] for snap in self.get_tracker_snapshot("current").values())
+
+    def _update_peak_stats(self, peak_state) -> None:
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        if self._peak_mem != before:
+            now = sum(self._peak_mem.values())
+            self.peak_loss_bytes = max(0, now - self.loss_base) if self.in_loss else 0
+
+
+@contextlib.contextmanager
+def loss_region(tracker: PlanTracker) -> Iterator[None]:
+    """Mark the chunked loss head's forward and backward so its temporaries are reported as their own part."""
+    fn = loss_module.ChunkedLinearCrossEntropy
+    fwd, bwd = fn.forward, fn.backward
+
+    def wrap(inner):
+        def run(ctx, *args):
+            tracker.in_loss, tracker.loss_base = True, tracker.current_total()
+            try:
+                return inner(ctx, *args)
+            finally:
+                tracker.in_loss = False
+        return staticmethod(run)
+
+    fn.forward, fn.backward = wrap(fwd), wrap(bwd)
+    try:
+        yield
+    finally:
+        fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
+
+
+class TrackedStream(MicroBatchStream):
+    """The trainer's stream; the tracker's module stats are reset before each micro-batch (they hold one
+    forward/backward at a time; the peak is kept across resets)."""
+
+    def __init__(self, fetch, count, device, window, tracker: PlanTracker):
+        super().__init__(fetch, count, device, window)
+        self.tracker = tracker
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.tracker.reset_mod_stats()
+            yield batch
+
+
+def plan_parallel(recipe: Recipe):
+    """The recipe's parallel section as it runs on an accelerator: bf16 compute when `auto`, no compile (the
+    planner traces eager memory; compile changes speed, not what is resident between ops)."""
+    cfg = copy.deepcopy(recipe.parallel)
+    if cfg.mixed_precision == "auto":
+        cfg.mixed_precision = "bf16"
+    cfg.compile = False
+    cfg.device = "cpu"
+    return cfg
+
+
+def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: list[PackShape],
+               micro_batches: tuple[int, ...] = (1, 2), window: int = 2) -> Traced:
+    """Peak memory of rank 0 of `world_size` over optimizer steps of `micro_batches` micro-batches each."""
+    t0 = time.perf_counter()
+    pcfg = plan_parallel(recipe)
+    env = ParallelEnv(0, world_size, 0, torch.device("cpu"), "fake")
+    with fake_world(world_size) as world:
+        with torch.device("meta"):
+            model = MindVL(config)
+        model.set_attention_backend("sdpa")
+        apply_phase(model, recipe.trainable_modules)
+        model = parallelize(model, env, pcfg)
+        world.materialize(model)
+        model.train()
+        optimizer = build_optimizer(model, recipe.optim)
+        tracker = PlanTracker(model, optimizer)
+        order = iter(range(10**9))
+
+        def fetch() -> dict:
+            batch = fake_pack(packs[next(order) % len(packs)], config, world.fake)
+            tracker.track_inputs((batch["pixel_values"],))
+            return batch
+
+        with world.mode, tracker, loss_region(tracker), MetadataGateway():
+            for n in micro_batches:
+                stream = TrackedStream(fetch, n, torch.device("cpu"), window, tracker)
+                optimizer_step(model, optimizer, stream, env, config, recipe.trainable_modules,
+                               recipe.optim.grad_clip, pcfg.grad_accumulation)
+    peak, breakdown = peak_breakdown(tracker)
+    sharded = sum(v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()
+                  if k in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT))
+    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded)
+
+
+def peak_breakdown(tracker: PlanTracker) -> tuple[int, dict[str, int]]:
+    """(peak bytes, the planner's parts at that moment) from a tracker that has run."""
+    breakdown = dict.fromkeys(PARTS, 0)
+    peak = 0
+    for dev_snap in tracker.get_tracker_snapshot("peak").values():
+        for key, value in dev_snap.items():
+            if key == "Total":
+                peak += value
+            else:
+                breakdown[_PARTS[key]] += value
+    loss = min(tracker.peak_loss_bytes, breakdown["activations"])
+    breakdown["activations"] -= loss
+    breakdown["loss_temporaries"] = loss
+    return peak, breakdown

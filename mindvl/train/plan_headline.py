@@ -1,0 +1,70 @@
+"""The planner's headline at the start of an accelerator run: estimated peak per rank against the device's capacity.
+
+`mindvl plan` runs in a child process (it needs its own fake process group, and takes a minute or more at full
+size), started before the model is built; the trainer prints its one-line headline when it is ready, and a plan
+that does not fit is printed as a warning. Nothing here stops or slows training.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from mindvl.config import Recipe
+
+from .parallel import ParallelEnv
+
+
+class PlannerHeadline:
+    def __init__(self, recipe: Recipe, env: ParallelEnv, out: Path):
+        self.proc: subprocess.Popen | None = None
+        self.printed = False
+        if not env.is_main or env.device.type == "cpu":
+            return
+        device = _device_name(env)
+        if device is None:
+            return
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "plan_recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe.to_dict()))
+        cmd = [sys.executable, "-c", "import sys; from mindvl.cli import main; sys.exit(main())", "plan", str(path),
+               "--world-size", str(env.world_size), "--device", device, "--json"]
+        self.log = (out / "plan.json").open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.DEVNULL,
+                                     env={**_env(), "CUDA_VISIBLE_DEVICES": "", "ASCEND_RT_VISIBLE_DEVICES": ""})
+
+    def poll(self) -> str | None:
+        """The headline once the planner has finished (once), else None."""
+        if self.proc is None or self.printed or self.proc.poll() is None:
+            return None
+        self.printed = True
+        self.log.close()
+        if self.proc.returncode != 0:
+            return f"planner: could not plan this run (try `mindvl plan {self.out / 'plan_recipe.yaml'} ...`)"
+        d = json.loads((self.out / "plan.json").read_text())
+        gib = 2**30
+        return (f"planner: estimated peak {d['peak_bytes_per_rank'] / gib:.1f} GiB + {d['reserve_bytes'] / gib:.1f} "
+                f"GiB reserve per rank of {d['capacity_bytes'] / gib:.1f} GiB on {d['device']['name']}"
+                + ("" if d["fits"] else " -- WARNING: the plan does not fit"))
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ)
+
+
+def _device_name(env: ParallelEnv) -> str | None:
+    """The runtime's device name; `mindvl plan --device` reads it (and says so if it does not know the device)."""
+    import torch
+
+    if env.device.type == "cuda":
+        return torch.cuda.get_device_name(env.device)
+    if env.device.type == "npu":
+        return torch.npu.get_device_name(env.device)  # type: ignore[attr-defined]
+    return None

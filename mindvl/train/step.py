@@ -1,0 +1,176 @@
+"""One optimizer step: stream this rank's micro-batches, accumulate gradients, normalise, clip, step.
+
+    micro = MicroBatchStream(batches.next, accum, device)            # holds at most `window` packs at a time
+    result = optimizer_step(model, optimizer, micro, env, config, trainable, grad_clip, accumulation)
+
+The trainer and the planner (mindvl.plan) both run exactly this function; the planner on fake tensors.
+
+Streaming: a pack is fetched (and, on accelerators, copied from pinned host memory with a non-blocking copy that
+overlaps the previous micro-batch's compute) only `window - 1` micro-batches ahead, so a step of 128 micro-batches
+keeps 2 packs resident, not 128.
+
+Loss normalisation (paper: the mean over every labelled token of the global batch) without holding the step's packs:
+each micro-batch backpropagates `loss_sum * world_size` (FSDP averages over ranks; the factor turns that average back
+into a sum), the labelled-target counts of the packs (their metadata, counted once as each pack arrives) are
+all-reduced once after the last forward, and the accumulated gradients are multiplied by 1 / N_global before
+clipping. By linearity this is exactly d(sum of every loss_sum)/N_global, whatever the split of tokens between
+micro-batches and ranks (the reference test compares it with one joined batch).
+
+Gradient accumulation under FSDP (`parallel.grad_accumulation`):
+- `sharded` (default): every micro-batch's backward reduce-scatters its gradients into the sharded float32
+  gradients. Per-rank gradient memory is 1/N of the model; communication is one reduce-scatter per micro-batch.
+- `unsharded`: gradient sync is switched off until the last micro-batch, so every rank keeps unsharded float32
+  gradients of the whole model between micro-batches (8.9B trainable parameters: 36 GB per device) and
+  reduce-scatters once per step. Less communication, far more memory; the planner prints both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mindvl.models.config import MindVLConfig
+from mindvl.models.loss import IGNORE_INDEX, next_token_targets
+
+from .metrics import MODULE_ORDER, pack_training_flops
+from .parallel import ParallelEnv, all_reduce_sum, clip_grad_norm
+
+ACCUMULATION_MODES = ("sharded", "unsharded")
+
+
+def labelled_targets(batch: dict) -> int:
+    """How many tokens of this packed row the loss counts (targets after the per-sample shift)."""
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+
+
+def to_device(batch: dict, device: torch.device, pin: bool = False) -> dict:
+    """The pack's tensors on `device`; `pin` copies through page-locked host memory so the copy is asynchronous."""
+    if device.type == "cpu":
+        return batch
+    out = {}
+    for k, v in batch.items():
+        if torch.is_tensor(v):
+            v = v.pin_memory() if pin and not v.is_pinned() else v
+            v = v.to(device, non_blocking=True)
+        out[k] = v
+    return out
+
+
+class MicroBatchStream:
+    """`count` micro-batches (model input dicts on `device`) fetched lazily, at most `window` packs resident.
+
+    `fetch()` returns a `mindvl.data.Pack` (or an input dict). Counters (`real_tokens`, `data_s`) accumulate as the
+    stream is consumed; iterate it once."""
+
+    def __init__(self, fetch: Callable[[], object], count: int, device: torch.device, window: int = 2):
+        if window < 1:
+            raise ValueError(f"prefetch window must be >= 1, got {window}")
+        self.fetch, self.count, self.device, self.window = fetch, count, device, window
+        self.real_tokens = 0
+        self.data_s = 0.0
+
+    def _next(self) -> dict:
+        t0 = time.perf_counter()
+        pack = self.fetch()
+        if isinstance(pack, dict):
+            batch, real = pack, int(pack["input_ids"].numel())
+        else:
+            batch, real = pack.to_torch(), pack.num_real_tokens
+        self.real_tokens += real
+        batch = to_device(batch, self.device, pin=self.device.type != "cpu")
+        self.data_s += time.perf_counter() - t0
+        return batch
+
+    def __iter__(self) -> Iterator[dict]:
+        ahead: deque[dict] = deque()
+        fetched = 0
+        while fetched < self.count or ahead:
+            # Refill before yielding: the next pack's host->device copy overlaps this micro-batch's compute.
+            while fetched < self.count and len(ahead) < self.window:
+                ahead.append(self._next())
+                fetched += 1
+            yield ahead.popleft()
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass
+class StepStats:
+    counts: torch.Tensor  # float64 [3]: labelled targets, real tokens, training FLOPs; summed over ranks
+    loss_sum_t: torch.Tensor  # summed loss over every labelled token of the global batch (0-d tensor)
+    forward_s: float
+    backward_s: float
+    data_s: float = 0.0
+    grad_norm_t: torch.Tensor | None = None  # total gradient norm before clipping (when clipping)
+    optimizer_s: float = 0.0
+
+    @property
+    def loss_sum(self) -> float:
+        return float(self.loss_sum_t.cpu())
+
+    @property
+    def grad_norm(self) -> float | None:
+        if self.grad_norm_t is None:
+            return None
+        gn = self.grad_norm_t
+        return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+
+
+def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config: MindVLConfig,
+                         real_tokens: int | None = None, trainable: Sequence[str] = MODULE_ORDER,
+                         accumulation: str = "sharded") -> StepStats:
+    """Forward/backward over this rank's micro-batches (a list or a `MicroBatchStream`); leaves
+    grad = d(global loss sum)/N_global in `.grad` (see the module docstring)."""
+    if accumulation not in ACCUMULATION_MODES:
+        raise ValueError(f"parallel.grad_accumulation: {accumulation!r} is not one of {ACCUMULATION_MODES}")
+    n_micro = len(micro) if hasattr(micro, "__len__") else None
+    labelled = flops = 0.0
+    counted_tokens = 0
+    loss_total = torch.zeros((), dtype=torch.float64, device=env.device)
+    t_fwd = t_bwd = 0.0
+    sync_each = accumulation == "sharded"
+    for i, batch in enumerate(micro):
+        n = labelled_targets(batch)  # labels are metadata: counted as the pack arrives, before its forward
+        labelled += n
+        flops += pack_training_flops(config, batch, n, trainable)
+        counted_tokens += int(batch["input_ids"].numel())
+        if env.distributed and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(sync_each or (n_micro is not None and i == n_micro - 1))
+        ta = time.perf_counter()
+        loss_sum, _ = model(**batch)
+        tb = time.perf_counter()
+        (loss_sum * env.world_size).backward()
+        t_fwd += tb - ta
+        t_bwd += time.perf_counter() - tb
+        loss_total += loss_sum.detach().double()
+    if real_tokens is None:  # padding (data.pad_to_seq_len) is not throughput; a stream counts real tokens itself
+        real_tokens = getattr(micro, "real_tokens", counted_tokens)
+    counts = torch.tensor([labelled, real_tokens, flops], dtype=torch.float64)
+    counts = all_reduce_sum(counts.to(env.device), env).cpu()
+    scale = 1.0 / max(1.0, float(counts[0]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    loss_total = all_reduce_sum(loss_total, env)
+    return StepStats(counts, loss_total, t_fwd, t_bwd, data_s=getattr(micro, "data_s", 0.0))
+
+
+def optimizer_step(model, optimizer: torch.optim.Optimizer, micro: Iterable[dict], env: ParallelEnv,
+                   config: MindVLConfig, trainable: Sequence[str] = MODULE_ORDER, grad_clip: float | None = None,
+                   accumulation: str = "sharded") -> StepStats:
+    """accumulate_gradients, then clip the total norm to `grad_clip`, AdamW step, zero the gradients."""
+    stats = accumulate_gradients(model, micro, env, config, None, trainable, accumulation)
+    tc = time.perf_counter()
+    if grad_clip is not None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        stats.grad_norm_t = clip_grad_norm(params, grad_clip)  # mesh-aware (expert parallelism)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats.optimizer_s = time.perf_counter() - tc
+    return stats
