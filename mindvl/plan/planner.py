@@ -154,6 +154,10 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     flops_step = mean_flops * gb
     grad_acc = recipe.parallel.grad_accumulation
     comm = estimate.comm_bytes(counts, world_size, accum, grad_acc)
+    if recipe.parallel.expert_parallel > 1:  # token dispatch/combine of expert parallelism
+        comm["all_to_all"] = estimate.expert_all_to_all_bytes(
+            config, sum(p.tokens for p in packs) / len(packs), recipe.parallel.expert_parallel, accum,
+            recipe.parallel.activation_checkpointing not in (False, "off", "none"))
     timing = estimate.step_time(device, world_size, flops_step / world_size, comm,
                                 counts.trainable_params / world_size)
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)

@@ -148,3 +148,24 @@ def test_ep_dispatch_under_fake_tensors_assumes_balanced_routing():
             assert out.shape == (10, 32) and experts.gate_proj.grad.to_local().shape == (4, 16, 32)
     finally:
         dist.destroy_process_group()
+
+
+def test_planner_traces_an_expert_parallel_step(tmp_path):
+    """`mindvl plan` runs the real parallelize + step: with expert_parallel 2 of 8 fake ranks the experts are EP x
+    FSDP sharded over all 8, so rank 0's optimizer state equals the plain-FSDP plan's (experts are 2/3 of it)."""
+    from mindvl.plan import get_device, plan
+
+    def planned(ep: int):
+        raw = ep_raw(tmp_path / f"p{ep}", tmp_path / "cache", ep)
+        raw["model"]["arch"]["text"].update(hidden_size=64, moe_intermediate_size=64)
+        raw["batch"], raw["budget"] = {"global_batch_size": 8}, {"max_steps": 1}
+        raw["phase"] = {"name": "multitask", "trainable": ["language_model"]}
+        return plan(load_recipe(raw=raw), 8, get_device("h100-80g"))
+
+    with_ep, without = planned(2), planned(1)
+    assert with_ep.breakdown["optimizer_state"] == pytest.approx(without.breakdown["optimizer_state"], rel=0.02)
+    assert with_ep.breakdown["activations"] > 0
+    # the token all-to-all is counted: 1 MoE layer, top-2 rows of which half leave the rank, bf16, 4 transfers
+    tokens = sum(p["tokens"] for p in with_ep.packs) / len(with_ep.packs)
+    assert with_ep.comm_bytes_per_step["all_to_all"] == pytest.approx(1 * 4 * tokens * 2 * 0.5 * 64 * 2, rel=0.01)
+    assert "all_to_all" not in without.comm_bytes_per_step
