@@ -144,6 +144,9 @@ class ParallelSection:
     grad_accumulation: str = "sharded"
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | npu
+    # ranks sharing one copy of each MoE layer's experts (E / N experts per rank, tokens sent by all-to-all); must
+    # divide the routed experts and the world size; 1 = none (FSDP shards experts like every other weight)
+    expert_parallel: int = 1
 
 
 @dataclass
@@ -177,6 +180,16 @@ class Recipe:
         _check(0 <= self.optim.min_lr <= self.optim.lr, "optim.min_lr", "must lie in [0, optim.lr]")
         _check(len(self.optim.betas) == 2, "optim.betas", "must be two numbers")
         _check(self.optim.grad_clip is None or self.optim.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
+        ep = self.parallel.expert_parallel
+        _check(isinstance(ep, int) and ep >= 1, "parallel.expert_parallel", f"must be an integer >= 1, got {ep!r}")
+        text = (self.model.arch or {}).get("text", {}) if ep > 1 else {}
+        if text:
+            _check(text.get("family", "qwen3") == "deepseek_v3", "parallel.expert_parallel",
+                   f"{ep} asks for expert parallelism, but model.arch.text is a dense {text.get('family', 'qwen3')} "
+                   "model; set it to 1")
+            experts = text.get("n_routed_experts")
+            _check(experts is None or experts % ep == 0, "parallel.expert_parallel",
+                   f"{ep} must divide model.arch.text.n_routed_experts ({experts})")
         _check(self.optim.router_bias_rate >= 0, "optim.router_bias_rate", "must be >= 0")
         _check(0 <= self.schedule.warmup_ratio < 1, "schedule.warmup_ratio", "must lie in [0, 1)")
         _check(self.schedule.decay in ("cosine", "linear", "constant"), "schedule.decay",

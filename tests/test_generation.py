@@ -59,8 +59,10 @@ def full_logits(model: MindVL, prompt: Prompt, generated: list[int]) -> torch.Te
 
 @pytest.mark.parametrize("name", ["vl", "q3"])
 def test_cached_greedy_equals_argmax_of_full_recomputation(models, name):
-    model = models[name][1]
-    prompts = PROMPTS[name]()
+    check_greedy_equals_recomputation(models[name][1], PROMPTS[name]())
+
+
+def check_greedy_equals_recomputation(model: MindVL, prompts: list[Prompt]) -> None:
     out = generate(model, prompts, max_new_tokens=8)
     for prompt, tokens in zip(prompts, out, strict=True):
         assert len(tokens) == 8
@@ -72,8 +74,10 @@ def test_cached_greedy_equals_argmax_of_full_recomputation(models, name):
 
 @pytest.mark.parametrize("name", ["vl", "q3"])
 def test_prefill_and_decode_logits_equal_full_forward(models, name):
-    model = models[name][1]
-    prompts = PROMPTS[name]()
+    check_prefill_and_decode_equal_full_forward(models[name][1], PROMPTS[name]())
+
+
+def check_prefill_and_decode_equal_full_forward(model: MindVL, prompts: list[Prompt]) -> None:
     feed = [[5, 17, 101], [9, 2, 33], [140, 7, 64]]  # tokens fed back, per prompt
     packed = pack_prompts(prompts, torch.device("cpu"))
     with torch.inference_mode():
@@ -108,8 +112,10 @@ def hf_greedy(hf, prompt: Prompt, n: int) -> tuple[list[int], torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["vl", "q3"])
 def test_greedy_generate_matches_transformers(models, name):
-    hf, model = models[name]
-    prompts = PROMPTS[name]()
+    check_greedy_matches_transformers(*models[name], PROMPTS[name]())
+
+
+def check_greedy_matches_transformers(hf, model: MindVL, prompts: list[Prompt]) -> None:
     ours = generate(model, prompts, max_new_tokens=10)  # batched; transformers runs each prompt alone
     for prompt, tokens in zip(prompts, ours, strict=True):
         ref_tokens, ref_logits = hf_greedy(hf, prompt, 10)
@@ -175,13 +181,6 @@ def test_filtering_matches_transformers_warpers(temperature, top_k, top_p):
     got = filter_logits(logits, temperature, top_p, top_k)
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     torch.testing.assert_close(got.softmax(-1), ref.softmax(-1))
-
-
-def test_moe_language_model_has_no_cache_yet(models):
-    model = MindVL(models["q3"][1].config)
-    model.language_model = torch.nn.Identity()  # stands in for the MoE decoder (a different class)
-    with pytest.raises(NotImplementedError, match="KV-cache generation supports the dense"):
-        model.new_kv_cache(1, 8)
 
 
 # ------------------------------------------------------------------------------------------------------ chat

@@ -27,6 +27,7 @@ from torch import nn
 from .attention import check_backend_name
 from .config import MindVLConfig
 from .loss import chunked_cross_entropy, next_token_targets
+from .mla_cache import MLACache
 from .moe import MoETextModel
 from .projector import Projector
 from .random_init import seeded_init_tensors
@@ -273,11 +274,8 @@ class MindVL(nn.Module):
 
     def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for `batch` sequences of up to `capacity` tokens each (prompt + generated)."""
-        if not isinstance(self.language_model, TextModel):
-            raise NotImplementedError(
-                f"KV-cache generation supports the dense qwen3/qwen2 language models; the "
-                f"{self.config.text.family!r} family ({type(self.language_model).__name__}) has no cache yet"
-            )
+        if isinstance(self.language_model, MoETextModel):  # MLA: latents + rope keys, not per-head K/V
+            return MLACache(len(self.language_model.layers), batch, capacity)
         return KVCache(len(self.language_model.layers), batch, capacity)
 
     def prefill(

@@ -33,7 +33,10 @@ changes nothing. The correction bias is kept in float32 however the model is cas
 Tracing: `with record_routing(model) as routers:` makes every router keep, per forward, its top-k expert ids and
 routing weights in descending weight order (`router.records`); mindvl.moe_analysis.trace reads them.
 
-Not here: a KV cache for MLA (generation with this family is not supported yet) and multi-token prediction.
+Generation: `forward(..., cache=MLACache)` prefills / decodes with a cache of latents and rope keys
+(mindvl.models.mla_cache). Experts run as grouped GEMMs (`F.grouped_mm`, or an exact `unbind(0)` fallback where it
+cannot run); their `dispatcher` (a no-op here) is where expert parallelism plugs in from outside
+(mindvl.train.expert_parallel). Not here: multi-token prediction.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from torch import nn
 from .attention import attend
 from .config import TextConfig
 from .layers import GatedMLP, RMSNorm, activation, inverse_frequencies, rotate_half
+from .mla_cache import LayerMLA, MLACache
 
 # transformers' DeepseekV3RMSNorm default, used for q_a_layernorm / kv_a_layernorm regardless of rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -160,16 +164,21 @@ class MLAttention(nn.Module):
             self.scale *= _yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
         self.backend = "auto"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                max_seqlen: int, kv: LayerMLA | None = None) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_pass, q_rot = q.view(n, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(n, self.num_heads, self.nope + self.v_dim)
-        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(kv_latent)  # [T, r]: what an MLA cache stores
         rotate = apply_rotary_interleaved if self.interleaved else apply_rotary_half
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None, :], cos, sin)  # k_rot: one head, shared
+        if kv is not None:
+            out = kv.attend_latent(self.kv_b_proj.weight, q_pass, q_rot, latent, k_rot[:, 0], self.v_dim,
+                                   self.scale, cu_seqlens, max_seqlen, self.backend)
+            return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+        kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope + self.v_dim)
+        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_pass, q_rot], dim=-1)  # [T, nh, nope + rope]
         k = torch.cat([k_pass, k_rot.expand(n, self.num_heads, self.rope)], dim=-1)
         out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=self.scale, backend=self.backend)
@@ -233,39 +242,107 @@ class TopKRouter(nn.Module):
         return weights, ids
 
 
+def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` can run here (else the exact `unbind(0)` fallback is used).
+
+    Its kernels (CPU, and CUDA from sm80 in bf16) need fp32/bf16 operands whose rows are 16-byte aligned (CPU backward
+    checks strides), and under FakeTensorMode / torch.compile its meta function accepts bf16 only. Elsewhere (NPU)
+    the fallback keeps the cost linear in E.
+    """
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type not in ("cpu", "cuda", "meta"):  # e.g. npu: torch_npu has no grouped_mm kernel registered
+        return False
+    if any(w.dtype != x.dtype or (w.shape[-1] * w.element_size()) % 16 or (w.shape[-2] * w.element_size()) % 16
+           for w in weights):
+        return False
+    if x.device.type == "cuda" and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 8):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    if (torch.compiler.is_compiling() or is_fake(x) or x.is_meta) and x.dtype != torch.bfloat16:
+        return False
+    return True
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
+                   use_grouped_mm: bool) -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert (expert e owns rows offsets[e-1]:offsets[e]) times weight [E, out, in]^T.
+
+    -> [N, out]. One grouped GEMM (`F.grouped_mm`, int32 end offsets), or, where it cannot run, one matmul per
+    expert over `weight.unbind(0)`: unbinding once gives every expert a view whose gradient lands in ONE [E, ...]
+    buffer (indexing `weight[e]` per expert would allocate and zero-fill a full [E, out, in] gradient per expert).
+    """
+    if use_grouped_mm:
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    assert counts is not None
+    parts = [F.linear(chunk, w) for chunk, w in zip(x.split(counts), weight.unbind(0), strict=True)]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+class LocalTokenDispatch:
+    """Routes (token, slot) rows to the experts held by this process: all of them (the default, no communication).
+
+    Expert parallelism (mindvl.train.expert_parallel) swaps in a dispatcher with the same three methods that sends
+    rows to the ranks owning their experts. The model never imports torch.distributed.
+    """
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [N, H] sorted by global expert id, counts [E] int64 -> (rows for the local experts sorted by local
+        expert, their per-local-expert counts [E_local])."""
+        return rows, counts
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Expert outputs in the order `dispatch` returned -> outputs in the order `dispatch` was given."""
+        return out
+
+    def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The experts parameter as this process holds it -> a plain [E_local, ...] tensor."""
+        return weight
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as [E, ...] tensors: gate_proj/up_proj [E, I, H], down_proj [E, H, I].
 
-    forward(x [T, H], ids [T, k], weights [T, k] fp32) -> [T, H] in x.dtype. Loops over the experts that received
-    tokens (one host sync per layer for the counts), gathering their tokens and scattering back with index_add:
-    no [T, E, ...] tensor is ever built. Accumulation follows transformers 5.x (each expert's output is weighted
-    in fp32, then cast to x.dtype before it is added).
+    forward(x [T, H], ids [T, k], weights [T, k] fp32) -> [T, H] in x.dtype. The T*k (token, slot) rows are sorted by
+    expert once (stable: token order within an expert), handed to the dispatcher (a no-op on one process, all-to-all
+    under expert parallelism), run through one grouped GEMM per projection and scattered back with one index_add.
+    No Python loop over experts and no [T, E, ...] tensor. Accumulation follows transformers 5.x (each row's output is
+    weighted in fp32, then cast to x.dtype before it is added).
     """
 
     def __init__(self, num_experts: int, hidden: int, inner: int, act: str) -> None:
         super().__init__()
+        self.num_experts = num_experts  # global E (under expert parallelism this process holds a slice)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
         self.act = activation(act)
+        self.dispatcher: LocalTokenDispatch = LocalTokenDispatch()
+        self.use_grouped_mm = True  # False forces the unbind fallback (benchmarks, tests)
+
+    def experts_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [N, H] grouped by (local) expert with counts [E_local] -> SwiGLU outputs [N, H]."""
+        d = self.dispatcher
+        gate, up, down = d.local_weight(self.gate_proj), d.local_weight(self.up_proj), d.local_weight(self.down_proj)
+        grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
+        offsets = counts.cumsum(0).to(torch.int32)
+        split = None if grouped else counts.tolist()
+        h = self.act(grouped_linear(rows, gate, offsets, split, grouped)) * grouped_linear(rows, up, offsets, split,
+                                                                                           grouped)
+        return grouped_linear(h, down, offsets, split, grouped)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        order = flat.argsort(stable=True)  # (token, slot) rows grouped by expert
+        # [E] int64; a fixed-size scatter, not bincount (whose output size depends on the data), made from `flat` so
+        # that it is a fake tensor exactly when the routing is (the planner's fake tensors)
+        counts = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
         tokens, slot_weights = order // k, weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            sel = tokens[start : start + count]
-            h = x[sel]
-            y = F.linear(self.act(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e]), self.down_proj[e])
-            out.index_add_(0, sel, (y * slot_weights[start : start + count, None]).to(out.dtype))
-            start += count
-        return out
+        rows, local_counts = self.dispatcher.dispatch(x[tokens], counts)
+        y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
+        return torch.zeros_like(x).index_add_(0, tokens, (y * slot_weights[:, None]).to(x.dtype))
 
 
 class MoE(nn.Module):
@@ -295,8 +372,8 @@ class MoEDecoderLayer(nn.Module):
         else:
             self.mlp = MoE(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen):  # x [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerMLA | None = None):  # x [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -319,14 +396,27 @@ class MoETextModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+        max_seqlen: int, cache: MLACache | None = None,
     ) -> torch.Tensor:
-        """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm)."""
+        """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
+
+        With `cache` (an MLACache): an empty cache takes a prefill (T packed prompt tokens, cu_seqlens [B+1]); a
+        filled one takes a decode step (T = B, one token per sequence, cu_seqlens unused), as TextModel.
+        """
         cos, sin = mla_rope_cos_sin(position_ids, self.cfg)
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates in x.dtype
         x = inputs_embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+        if cache is None:
+            for layer in self.layers:
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+            return self.norm(x)
+        if not isinstance(cache, MLACache) or len(cache.keys) != len(self.layers):
+            raise ValueError(f"MoETextModel needs an MLACache of {len(self.layers)} layers (model.new_kv_cache)")
+        cache.begin(x.shape[0], cu_seqlens, x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerMLA(cache, i))
+        cache.commit()
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,19 @@ def comm_bytes(counts: Counts, world: int, micro: int, accumulation: str) -> dic
     return {"all_gather": gathers, "reduce_scatter": reductions, "all_reduce": 8 * 3 * 2.0}
 
 
+def expert_all_to_all_bytes(config: MindVLConfig, mean_tokens: float, ep: int, micro: int,
+                            recompute: bool) -> float:
+    """Bytes each rank sends per step through expert parallelism's all-to-all, assuming balanced routing: per MoE
+    layer and micro-batch, the T*k routed rows of which (ep-1)/ep leave the rank, in bf16, twice in the forward
+    (dispatch, combine) and twice in the backward, plus the forward again under activation checkpointing."""
+    t = config.text
+    if ep <= 1 or not t.is_moe:
+        return 0.0
+    moe_layers = t.num_hidden_layers - t.first_k_dense_replace
+    rows = mean_tokens * t.num_experts_per_tok * (ep - 1) / ep
+    return micro * moe_layers * (6 if recompute else 4) * rows * t.hidden_size * _BF16
+
+
 def step_time(device: Device, world: int, flops_per_rank: float, comm: dict[str, float],
               trainable_local: float) -> dict[str, float]:
     compute = flops_per_rank / device.peak_flops

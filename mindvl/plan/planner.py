@@ -156,6 +156,10 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     flops_step = mean_flops * gb
     grad_acc = recipe.parallel.grad_accumulation
     comm = estimate.comm_bytes(counts, world_size, accum, grad_acc)
+    if recipe.parallel.expert_parallel > 1:  # token dispatch/combine of expert parallelism
+        comm["all_to_all"] = estimate.expert_all_to_all_bytes(
+            config, sum(p.tokens for p in packs) / len(packs), recipe.parallel.expert_parallel, accum,
+            recipe.parallel.activation_checkpointing not in (False, "off", "none"))
     timing = estimate.step_time(device, world_size, flops_step / world_size, comm,
                                 counts.trainable_params / world_size)
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
@@ -218,7 +222,7 @@ def format_report(r: PlanResult) -> str:
         f"FLOPs per step: {r.flops_per_step:.3e} (ViT {r.flops_by_part['vit']:.3e}, projector + LLM "
         f"{r.flops_by_part['projector_and_llm']:.3e})",
         f"collectives per rank per step: all-gather {_gib(c['all_gather'])}, reduce-scatter "
-        f"{_gib(c['reduce_scatter'])}",
+        f"{_gib(c['reduce_scatter'])}" + (f", expert all-to-all {_gib(c['all_to_all'])}" if "all_to_all" in c else ""),
         f"estimate (roofline, perfect overlap): step {t['step_s']:.2f} s (compute {t['compute_s']:.2f} s, "
         f"collectives {t['communication_s']:.2f} s, optimizer {t['optimizer_s']:.3f} s), "
         f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}",

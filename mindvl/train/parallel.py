@@ -1,6 +1,7 @@
 """Devices, process groups and parallelism, applied to the model from outside (torchrun's environment).
 
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
+- expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
   head), with a bf16 MixedPrecisionPolicy on accelerators (fp32 reductions) and full fp32 on CPU.
 - mixed precision on ONE device uses the same policy: a bf16 run of a single process is FSDP over a one-rank group
@@ -161,14 +162,20 @@ def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.
     if cfg.compile:
         for b in blocks(model):
             b.compile()
+    if cfg.expert_parallel > 1 and not env.distributed:
+        raise ValueError("parallel.expert_parallel: expert parallelism needs more than one process")
     if uses_fsdp(cfg, env):
         if not env.distributed:
             _single_process_group(env)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        from .expert_parallel import shard_experts
+
         mp = MixedPrecisionPolicy(param_dtype=param_dtype(cfg, env.device), reduce_dtype=torch.float32)
+        # experts first (EP over their own mesh dimension), then the rest over the whole world
+        mesh = shard_experts(model, cfg.expert_parallel, env.world_size, env.device.type, mp)
+        mesh = mesh if mesh is not None else init_device_mesh(env.device.type, (env.world_size,))
         for b in blocks(model):
             fully_shard(b, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -39,7 +39,15 @@ from .guard import BadStepGuard, is_finite
 from .materialize import build_model
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
-from .parallel import ParallelEnv, all_reduce_sum, barrier, destroy, init_distributed, parallelize, param_dtype
+from .parallel import (
+    ParallelEnv,
+    all_reduce_sum,
+    barrier,
+    destroy,
+    init_distributed,
+    parallelize,
+    param_dtype,
+)
 from .phases import apply_phase
 from .plan_headline import PlannerHeadline
 from .preempt import StepVotes, StopSignals, resume_hint

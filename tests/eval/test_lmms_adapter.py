@@ -350,3 +350,16 @@ def test_simple_class_scores_multiple_choice_options(simple_lm):  # lmms-eval pi
     for (logprob, is_greedy), (ref_logprob, ref_greedy) in zip(got, want, strict=True):
         assert logprob == pytest.approx(ref_logprob, rel=1e-5, abs=1e-4)
         assert is_greedy is ref_greedy
+
+
+def test_generate_until_serves_a_deepseek_v3_model(lmms_eval, tmp_path):
+    """A MindVL with a DeepSeek-V3 (MLA + MoE) decoder serves through the adapter (its MLA KV cache)."""
+    folder = tiny_model_folder(tmp_path / "ds", moe=True)
+    lm = adapter.MindVLLMM.create_from_arg_string(f"pretrained={folder},min_pixels=3136,max_pixels=50176,"
+                                                  "batch_size=2,device=cpu")
+    lm.task_dict = {"toy": {"test": DOCS}}
+    assert lm.model.config.text.is_moe
+    gen = {"max_new_tokens": 5, "temperature": 0, "do_sample": False}
+    got = lm.generate_until([Instance(("", doc_to_messages, gen, i, "toy", "test")) for i in range(len(DOCS))])
+    assert got == [chat(lm.model, lm.tokenizer, d["question"], doc_to_visual(d), max_new_tokens=5, **PIXELS)
+                   for d in DOCS]
