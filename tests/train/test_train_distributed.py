@@ -23,6 +23,16 @@ def losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def train_one_and_two(script, one, two, *one_overrides: str) -> None:
+    """Train recipe `one` in one process and `two` on two torchrun processes (gloo); both must succeed."""
+    r1 = run([sys.executable, str(script), "train", str(one), *one_overrides], timeout=300)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+              str(free_port()), str(script), "train", str(two)], timeout=300)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "2 rank(s)" in r2.stdout
+
+
 @pytest.mark.slow
 def test_two_processes_fsdp_match_one_process(tmp_path):
     cache = tmp_path / "cache"
@@ -33,12 +43,7 @@ def test_two_processes_fsdp_match_one_process(tmp_path):
                                                          batch={"global_batch_size": 2, "data_shards": 2}))
     two = write_recipe(tmp_path / "two.yaml", raw_recipe(tmp_path / "two", cache, budget=budget,
                                                          batch={"global_batch_size": 2}))
-    r1 = run([sys.executable, str(script), "train", str(one), "parallel.fsdp=off"], timeout=300)
-    assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), str(script), "train", str(two)], timeout=300)
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    assert "2 rank(s)" in r2.stdout
+    train_one_and_two(script, one, two, "parallel.fsdp=off")
 
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(l1) == len(l2) == 3

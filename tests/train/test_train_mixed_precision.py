@@ -3,12 +3,10 @@ on the same global batch (`batch.data_shards=2`), which runs FSDP's policy on a 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from test_train_distributed import free_port, losses
-from train_helpers import CLI, load_weights, raw_recipe, run, write_recipe
+from test_train_distributed import losses, train_one_and_two
+from train_helpers import CLI, load_weights, raw_recipe, write_recipe
 
 
 @pytest.mark.slow
@@ -22,12 +20,7 @@ def test_two_processes_bf16_checkpointed_accumulation_match_one_process(tmp_path
                                                          batch={"global_batch_size": 4, "data_shards": 2}))
     two = write_recipe(tmp_path / "two.yaml", raw_recipe(tmp_path / "two", cache, **common,
                                                          batch={"global_batch_size": 4}))
-    r1 = run([sys.executable, str(script), "train", str(one)], timeout=300)
-    assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), str(script), "train", str(two)], timeout=300)
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    assert "2 rank(s)" in r2.stdout
+    train_one_and_two(script, one, two)
 
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(l1) == len(l2) == 2
