@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -194,6 +195,13 @@ def barrier(env: ParallelEnv) -> None:
 
 
 def destroy(env: ParallelEnv) -> None:
-    """End the process group: torchrun's, or the one-rank group of single-device mixed precision."""
+    """End the process group: torchrun's, or the one-rank group of single-device mixed precision.
+
+    FSDP2's and DTensor's state (module hooks, DeviceMeshes) keeps process groups alive through reference cycles, so
+    a finished model may only be freed by the garbage collector at interpreter exit; gloo's worker threads torn down
+    that late can abort the process (SIGABRT, "terminate called without an active exception"; pytorch#179291). Collect
+    the cycles while the interpreter is fully alive, before and after destroying the groups."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
