@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from train_helpers import raw_recipe
+from train_helpers import CPU_ENV, recipe_and_packs
 
-from mindvl.config import ParallelSection, load_recipe
-from mindvl.data import DataConfig, build_loader, load_tokenizer
+from mindvl.config import ParallelSection
 from mindvl.train.materialize import build_model
-from mindvl.train.parallel import ParallelEnv, parallelize
+from mindvl.train.parallel import parallelize
 from mindvl.train.step import accumulate_gradients
 
-ENV = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
+ENV = CPU_ENV
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ac")
-    recipe = load_recipe(raw=raw_recipe(tmp / "o", tmp / "cache"))
-    tok = load_tokenizer()
-    packs = [p.to_torch() for p in itertools.islice(build_loader(DataConfig.from_dict(recipe.data), tok), 2)]
-    return recipe, tok, packs
+    return recipe_and_packs(tmp_path_factory.mktemp("ac"))
 
 
 def step_grads(recipe, tok, packs, mode: str) -> tuple[dict, torch.nn.Module]:

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from train_helpers import load_weights, raw_recipe
+from train_helpers import CPU_ENV, load_weights, raw_recipe, recipe_and_packs
 
 from mindvl.config import load_recipe
-from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.train.materialize import build_model
 from mindvl.train.optim import build_optimizer
-from mindvl.train.parallel import ParallelEnv
 from mindvl.train.phases import apply_phase
 from mindvl.train.trainer import accumulate_gradients, labelled_targets, train
 
-ENV = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
+ENV = CPU_ENV
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("step")
-    recipe = load_recipe(raw=raw_recipe(tmp / "o", tmp / "cache"))
-    tok = load_tokenizer()
-    loader = build_loader(DataConfig.from_dict(recipe.data), tok)
-    packs = [p.to_torch() for p in itertools.islice(loader, 2)]
-    return recipe, tok, packs
+    return recipe_and_packs(tmp_path_factory.mktemp("step"))
 
 
 def join(a: dict, b: dict) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -12,6 +13,9 @@ import torch
 import yaml
 
 from mindvl.checkpoint.safetensors_io import TensorFolder
+from mindvl.config import load_recipe
+from mindvl.data import DataConfig, build_loader, load_tokenizer
+from mindvl.train.parallel import ParallelEnv
 
 BASE = {
     "seed": 0,
@@ -68,3 +72,15 @@ def env() -> dict:
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, **kw)
+
+
+# One CPU process, no process group: what the in-process step tests run on.
+CPU_ENV = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
+
+
+def recipe_and_packs(tmp: Path, n: int = 2):
+    """The tiny test recipe, its tokenizer and the first `n` packs of its data (model input dicts)."""
+    recipe = load_recipe(raw=raw_recipe(tmp / "o", tmp / "cache"))
+    tok = load_tokenizer()
+    packs = [p.to_torch() for p in itertools.islice(build_loader(DataConfig.from_dict(recipe.data), tok), n)]
+    return recipe, tok, packs
