@@ -121,7 +121,7 @@ class Scale:
 
 # The digit strips are 4 merged tokens, so for OCR only min_pixels (upscaling) changes the input; for charts and
 # documents max_pixels does. `tiny` is the tiny recipes' own step counts (the quickstart's, whose models read 62-76% of
-# held-out digit strips): the whole suite with 3 seeds is ~45 min on 2 idle cores (RESULTS.md). A first budget of
+# held-out digit strips): the whole suite with 3 seeds took 48.5 min on one core (RESULTS.md). A first budget of
 # multitask 1200 / SFT 200 steps left 2 of 3 seeds unable to read at all (0% OCR), which decides nothing.
 SCALES: dict[str, Scale] = {
     "tiny": Scale({"text.yaml": 300, "warmup.yaml": 60, "pretrain.yaml": 200, "multitask.yaml": 2000,

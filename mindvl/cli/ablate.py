@@ -11,7 +11,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/ablate", help="output folder; a rerun reuses finished runs (default "
                    "runs/ablate)")
     p.add_argument("--scale", default="tiny", help="step budget: tiny (the tiny recipes' own step counts; the whole "
-                   "suite with 3 seeds in ~45 min on 2 idle cores) or small (twice the steps)")
+                   "suite with 3 seeds: 48.5 min measured on one core) or small (twice the steps)")
     p.add_argument("--recipes", default=None, help="folder with text/warmup/pretrain/multitask/sft.yaml (default: "
                    "the tiny ones)")
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
