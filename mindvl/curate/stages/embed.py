@@ -81,6 +81,22 @@ def load_clip(path: str) -> ClipModel:
     return _MODELS[path]
 
 
+def clip_image_features(path: str, pairs: list[tuple[Any, Any]], batch_size: int) -> np.ndarray:
+    """[N, D] normalised image embeddings of `pairs` [(item, its first image)] from the CLIP/SigLIP folder `path`.
+    Each item's embedding is computed once per model and kept in `item.features[path]`, so clip_score, embed and
+    the heads over CLIP embeddings (stages/scores.py) in one pass embed every image once."""
+    todo = [(item, image) for item, image in pairs if path not in item.features]
+    if todo:
+        model = load_clip(path)
+        for a in range(0, len(todo), batch_size):
+            chunk = todo[a:a + batch_size]
+            for (item, _), e in zip(chunk, model.image_embeddings([im for _, im in chunk]), strict=True):
+                item.features[path] = e
+    if not pairs:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.stack([item.features[path] for item, _ in pairs])
+
+
 def thumbnail_embedding(image, side: int) -> np.ndarray:
     from PIL import Image
 
@@ -107,12 +123,9 @@ class Embed(MapStage):
         if self.path is None:
             for item, image in pairs:
                 item.arrays["embedding"] = thumbnail_embedding(image, self.o.thumbnail)
-        else:
-            model = load_clip(self.path)
-            for a in range(0, len(pairs), self.o.batch_size):
-                chunk = pairs[a:a + self.o.batch_size]
-                for (item, _), e in zip(chunk, model.image_embeddings([im for _, im in chunk]), strict=True):
-                    item.arrays["embedding"] = e
+        elif pairs:
+            for (item, _), e in zip(pairs, clip_image_features(self.path, pairs, self.o.batch_size), strict=True):
+                item.arrays["embedding"] = e
         return [item for item, _ in pairs], dropped
 
 
@@ -139,7 +152,7 @@ class ClipScore(MapStage):
         kept = []
         for a in range(0, len(pairs), self.o.batch_size):
             chunk = pairs[a:a + self.o.batch_size]
-            img = model.image_embeddings([im for _, im in chunk])
+            img = clip_image_features(self.path, chunk, self.o.batch_size)  # shared with embed and scores.py
             txt = model.text_embeddings([item.texts(self.o.field) or " " for item, _ in chunk])
             for (item, _), score in zip(chunk, (img * txt).sum(1), strict=True):
                 score = float(score)
