@@ -181,23 +181,6 @@ def test_watermark_probe_scores_the_named_class_of_a_two_class_head(tmp_path, co
     assert dropped(report, "0:watermark_score") == {"watermark": sum(v > threshold for v in direct.values())}
 
 
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory):
-    """A tiny random ConvNeXt watermark classifier (class 0 = watermark, as LAION's detector) with its processor."""
-    from transformers import ConvNextConfig, ConvNextForImageClassification, ConvNextImageProcessor
-
-    cfg = ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2,
-                         id2label={0: "watermark", 1: "clear"}, label2id={"watermark": 0, "clear": 1})
-    torch.manual_seed(0)
-    model = ConvNextForImageClassification(cfg).eval()
-    with torch.no_grad():
-        model.classifier.weight.mul_(20)  # spread the probabilities
-    d = tmp_path_factory.mktemp("watermark")
-    model.save_pretrained(d)
-    ConvNextImageProcessor(size={"shortest_edge": 32}).save_pretrained(d)
-    return str(d)
-
-
 def test_watermark_classifier_folder_keeps_exactly_the_images_below_max_score(tmp_path, corpus, classifier_dir):
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageClassification
