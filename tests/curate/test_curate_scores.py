@@ -278,3 +278,12 @@ def test_bad_heads_and_options_are_one_line_errors_naming_the_key_and_file(tmp_p
     garbage.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match=r"stages\[0\]\.nsfw_score\.head: .*garbage\.safetensors: not a readable"):
         _load({"nsfw_score": {"model": clip_dir, "head": str(garbage)}})
+
+
+def test_a_score_that_is_not_finite_is_a_counted_drop(tmp_path, corpus, clip_dir):
+    files, records, _ = corpus
+    torch.save({"0.weight": torch.ones(1, D), "0.bias": torch.tensor([float("nan")])}, tmp_path / "nan.pth")
+    report, items = run(files, str(tmp_path / "out"), [{"nsfw_score": {"model": clip_dir,
+                                                                       "head": str(tmp_path / "nan.pth")}}])
+    assert items == []
+    assert dropped(report, "0:nsfw_score") == {"nsfw_not_finite": len(records)}

@@ -34,6 +34,7 @@ in one pass share it. Scores go to `meta[<stage name>]` and the report's histogr
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -177,11 +178,11 @@ class Head:
 
         if embeddings.ndim != 2 or embeddings.shape[1] != self.in_features:
             raise ValueError(f"{self.where}: {self.path}: {self.first_key} takes {self.in_features}-d input but the "
-                             f"embeddings are {embeddings.shape[1]}-d")
+                             f"embeddings have shape {list(embeddings.shape)}")
         with torch.no_grad():
             x = torch.from_numpy(np.ascontiguousarray(embeddings, dtype=np.float32)).to(self.device)
-            if self.norm is not None:
-                x = (x - self.norm[0]) / self.norm[1].sqrt()
+            if self.norm is not None:  # Keras' Normalization: the standard deviation floored at 1e-7
+                x = (x - self.norm[0]) / self.norm[1].sqrt().clamp_min(1e-7)
             for i, (_, w, b) in enumerate(self.layers):
                 x = F.linear(x, w, b)
                 act = self.activations[i] if i < len(self.activations) else "none"  # none after the last
@@ -263,6 +264,9 @@ class _EmbeddingHeadStage(MapStage):
             chunk = pairs[a:a + self.o.batch_size]
             for (item, _), score in zip(chunk, self.batch_scores(chunk), strict=True):
                 score = float(score)
+                if not math.isfinite(score):  # broken weights or a degenerate image: counted, never kept blindly
+                    dropped.append((item, f"{self.reason}_not_finite"))
+                    continue
                 self.observe(self.name, score)
                 item.meta[self.name] = score
                 if self.drops(score):
