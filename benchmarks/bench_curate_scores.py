@@ -109,10 +109,10 @@ def unshared(enabled: bool):
     original = getattr(embed, "_original_clip_image_features", embed.clip_image_features)
     embed._original_clip_image_features = original
 
-    def forgetting(path, pairs, batch_size):
+    def forgetting(path, pairs, batch_size, device="cpu"):
         for item, _ in pairs:
             item.features.pop(path, None)
-        return original(path, pairs, batch_size)
+        return original(path, pairs, batch_size, device)
 
     fn = forgetting if enabled else original
     embed.clip_image_features = scores.clip_image_features = fn

@@ -246,7 +246,7 @@ class _EmbeddingHeadStage(MapStage):
         return path, head
 
     def setup(self):
-        load_clip(self.path)
+        load_clip(self.path, self.o.device)
         self.head.to(self.o.device)
 
     def drops(self, score: float) -> bool:
@@ -255,7 +255,8 @@ class _EmbeddingHeadStage(MapStage):
         return score < self.threshold if self.threshold_key == "min_score" else score > self.threshold
 
     def batch_scores(self, chunk: list[tuple[Any, Any]]) -> np.ndarray:
-        return self.head.to(self.o.device).scores(clip_image_features(self.path, chunk, self.o.batch_size))
+        embeddings = clip_image_features(self.path, chunk, self.o.batch_size, self.o.device)
+        return self.head.to(self.o.device).scores(embeddings)
 
     def process(self, batch):
         pairs, dropped = with_first_image(batch)
