@@ -287,3 +287,27 @@ def test_a_score_that_is_not_finite_is_a_counted_drop(tmp_path, corpus, clip_dir
                                                                        "head": str(tmp_path / "nan.pth")}}])
     assert items == []
     assert dropped(report, "0:nsfw_score") == {"nsfw_not_finite": len(records)}
+
+
+def test_embedding_size_is_read_from_clip_and_siglip_configs(tmp_path, clip_dir):
+    from transformers import SiglipConfig, SiglipModel
+
+    from mindvl.curate.stages.embed import ClipModel
+    from mindvl.curate.stages.scores import clip_embedding_dim
+
+    assert clip_embedding_dim(clip_dir) == D == ClipModel(clip_dir).image_embeddings([_image()]).shape[1]
+    cfg = SiglipConfig(text_config={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                    "num_hidden_layers": 1, "num_attention_heads": 2},
+                       vision_config={"hidden_size": 24, "intermediate_size": 32, "num_hidden_layers": 1,
+                                      "num_attention_heads": 2, "image_size": 16, "patch_size": 8})
+    SiglipModel(cfg).save_pretrained(tmp_path)
+    with torch.no_grad():  # what get_image_features gives is the width the heads must take
+        out = SiglipModel.from_pretrained(tmp_path).get_image_features(pixel_values=torch.zeros(1, 3, 16, 16))
+    width = (out.pooler_output if hasattr(out, "pooler_output") else out).shape[-1]
+    assert clip_embedding_dim(str(tmp_path)) == width == 24
+
+
+def _image():
+    from PIL import Image
+
+    return Image.new("RGB", (40, 30), (200, 80, 20))
