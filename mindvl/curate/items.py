@@ -26,6 +26,9 @@ class Item:
     where: str  # file:line or shard:key of the input, for messages
     meta: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    # Model outputs shared by the stages of one pass and never written (e.g. the CLIP image embedding by model
+    # folder, computed once for clip_score, embed and the aesthetic/NSFW/watermark heads).
+    features: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
     _decoded: list[Image.Image] | None = field(default=None, repr=False, compare=False)
 
     def pil_images(self) -> list[Image.Image]:

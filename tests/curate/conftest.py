@@ -1,4 +1,4 @@
-"""Shared fixtures of the curation tests: a tiny random CLIP folder."""
+"""Shared fixtures of the curation tests: a tiny random CLIP folder and a tiny random image classifier."""
 
 from __future__ import annotations
 
@@ -26,4 +26,22 @@ def clip_dir(tmp_path_factory):
     model.save_pretrained(d)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(d)
     tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory):
+    """A tiny random ConvNeXt watermark classifier (class 0 = watermark, as LAION's detector) with its processor."""
+    pytest.importorskip("transformers")
+    from transformers import ConvNextConfig, ConvNextForImageClassification, ConvNextImageProcessor
+
+    cfg = ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2,
+                         id2label={0: "watermark", 1: "clear"}, label2id={"watermark": 0, "clear": 1})
+    torch.manual_seed(0)
+    model = ConvNextForImageClassification(cfg).eval()
+    with torch.no_grad():
+        model.classifier.weight.mul_(20)  # spread the probabilities
+    d = tmp_path_factory.mktemp("watermark")
+    model.save_pretrained(d)
+    ConvNextImageProcessor(size={"shortest_edge": 32}).save_pretrained(d)
     return str(d)

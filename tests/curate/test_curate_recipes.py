@@ -15,20 +15,28 @@ from mindvl.curate.synth import pairs_corpus
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "curation")
 
 
-def test_caption_recipe_is_valid_with_local_models(tmp_path, clip_dir):
+def test_caption_recipe_is_valid_with_local_models(tmp_path, clip_dir, classifier_dir):
+    import torch
     from tiny_mindvl import tiny_model_folder
 
     vlm = str(tiny_model_folder(tmp_path / "vlm"))
+    head = str(tmp_path / "head.pth")
+    torch.save(torch.nn.Linear(16, 1).state_dict(), head)  # a 1-layer head over the tiny CLIP's 16-d embedding
     d = yaml.safe_load(open(os.path.join(RECIPES, "captions.yaml")))
     for entry in d["stages"]:
         (name, opts), = entry.items()
-        if name in ("clip_score", "embed"):
+        if name in ("clip_score", "embed", "aesthetic_score", "nsfw_score"):
             opts["model"] = clip_dir
-        elif name == "recaption":
+        if "head" in opts:
+            opts["head"] = head
+        if "classifier" in opts:
+            opts["classifier"] = classifier_dir
+        if name == "recaption":
             opts["model"] = vlm
     cfg = PipelineConfig.from_dict(d, "captions.yaml")
-    assert [n for n, _ in cfg.stages] == ["image_filter", "text_filter", "phash_dedup", "clip_score", "recaption",
-                                          "embed", "cluster"]
+    assert [n for n, _ in cfg.stages] == ["image_filter", "text_filter", "phash_dedup", "aesthetic_score",
+                                          "nsfw_score", "watermark_score", "clip_score", "recaption", "embed",
+                                          "cluster"]
 
 
 @pytest.mark.skipif(shutil.which("tesseract") is None, reason="tesseract is not installed (not in CI)")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .base import GlobalStage, Histogram, MapStage, Options, register, with_first_image
 
-_MODELS: dict[str, Any] = {}  # one loaded model per folder per worker process
+_MODELS: dict[tuple[str, str], Any] = {}  # one loaded model per (folder, device) per worker process
 
 
 def check_model_folder(path: str, where: str) -> str:
@@ -40,15 +40,15 @@ def check_model_folder(path: str, where: str) -> str:
 class ClipModel:
     """A local CLIP/SigLIP model: normalised image and text embeddings in its joint space."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, device: str = "cpu"):
         try:
             import torch
             from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
         except ImportError as exc:  # pragma: no cover - environment
             raise ImportError("CLIP stages need transformers and torch: pip install transformers") from exc
-        self.torch = torch
+        self.torch, self.device = torch, device
         torch.set_num_threads(1)
-        self.model = AutoModel.from_pretrained(path).eval()
+        self.model = AutoModel.from_pretrained(path).eval().to(device)
         self.image_processor = AutoImageProcessor.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.is_siglip = "siglip" in type(self.model).__name__.lower()
@@ -59,26 +59,45 @@ class ClipModel:
 
     def image_embeddings(self, images: list) -> np.ndarray:
         with self.torch.no_grad():
-            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"].to(self.device)
             e = self._tensor(self.model.get_image_features(pixel_values=pixels))
             e = e / e.norm(dim=-1, keepdim=True)
-        return e.float().numpy()
+        return e.float().cpu().numpy()
 
     def text_embeddings(self, texts: list[str]) -> np.ndarray:
         padding = "max_length" if self.is_siglip else True  # SigLIP was trained on max-length padding
         with self.torch.no_grad():
             tok = self.tokenizer(texts, padding=padding, truncation=True, return_tensors="pt",
                                  max_length=self.model.config.text_config.max_position_embeddings)
-            e = self._tensor(self.model.get_text_features(
-                input_ids=tok["input_ids"], attention_mask=None if self.is_siglip else tok.get("attention_mask")))
+            mask = None if self.is_siglip else tok.get("attention_mask")
+            mask = None if mask is None else mask.to(self.device)
+            e = self._tensor(self.model.get_text_features(input_ids=tok["input_ids"].to(self.device),
+                                                          attention_mask=mask))
             e = e / e.norm(dim=-1, keepdim=True)
-        return e.float().numpy()
+        return e.float().cpu().numpy()
 
 
-def load_clip(path: str) -> ClipModel:
-    if path not in _MODELS:
-        _MODELS[path] = ClipModel(path)
-    return _MODELS[path]
+def load_clip(path: str, device: str = "cpu") -> ClipModel:
+    if (path, device) not in _MODELS:
+        _MODELS[(path, device)] = ClipModel(path, device)
+    return _MODELS[(path, device)]
+
+
+def clip_image_features(path: str, pairs: list[tuple[Any, Any]], batch_size: int, device: str = "cpu") -> np.ndarray:
+    """[N, D] normalised image embeddings of `pairs` [(item, its first image)] from the CLIP/SigLIP folder `path`.
+    Each item's embedding is computed once per model and kept in `item.features[path]`, so clip_score, embed and
+    the heads over CLIP embeddings (stages/scores.py) in one pass embed every image once (on the device of the
+    first stage that needs it)."""
+    todo = [(item, image) for item, image in pairs if path not in item.features]
+    if todo:
+        model = load_clip(path, device)
+        for a in range(0, len(todo), batch_size):
+            chunk = todo[a:a + batch_size]
+            for (item, _), e in zip(chunk, model.image_embeddings([im for _, im in chunk]), strict=True):
+                item.features[path] = e
+    if not pairs:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.stack([item.features[path] for item, _ in pairs])
 
 
 def thumbnail_embedding(image, side: int) -> np.ndarray:
@@ -107,12 +126,9 @@ class Embed(MapStage):
         if self.path is None:
             for item, image in pairs:
                 item.arrays["embedding"] = thumbnail_embedding(image, self.o.thumbnail)
-        else:
-            model = load_clip(self.path)
-            for a in range(0, len(pairs), self.o.batch_size):
-                chunk = pairs[a:a + self.o.batch_size]
-                for (item, _), e in zip(chunk, model.image_embeddings([im for _, im in chunk]), strict=True):
-                    item.arrays["embedding"] = e
+        elif pairs:
+            for (item, _), e in zip(pairs, clip_image_features(self.path, pairs, self.o.batch_size), strict=True):
+                item.arrays["embedding"] = e
         return [item for item, _ in pairs], dropped
 
 
@@ -139,7 +155,7 @@ class ClipScore(MapStage):
         kept = []
         for a in range(0, len(pairs), self.o.batch_size):
             chunk = pairs[a:a + self.o.batch_size]
-            img = model.image_embeddings([im for _, im in chunk])
+            img = clip_image_features(self.path, chunk, self.o.batch_size)  # shared with embed and scores.py
             txt = model.text_embeddings([item.texts(self.o.field) or " " for item, _ in chunk])
             for (item, _), score in zip(chunk, (img * txt).sum(1), strict=True):
                 score = float(score)
