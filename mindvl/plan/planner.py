@@ -213,8 +213,8 @@ def format_report(r: PlanResult) -> str:
              f"from {r.model_source}; {'; '.join(r.notes)}",
              "memory per rank (traced):"]
     for part in PARTS:
-        lines.append(f"  {part:<18} {_gib(r.breakdown[part]):>10}")
-    lines.append(f"  {'peak':<18} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
+        lines.append(f"  {part:<21} {_gib(r.breakdown[part]):>10}")
+    lines.append(f"  {'peak':<21} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
                  f"{_gib(r.reserve_bytes)} (runtime, comm buffers, workspaces, fragmentation: not traced)")
     c = r.comm_bytes_per_step
     t = r.timing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -122,3 +123,45 @@ def test_bad_input_names_what_is_known(tmp_path):
         preset_config("llama-3-8b")
     with pytest.raises(ValueError, match="missing tflops"):
         get_device("custom:mem_gb=10")
+
+
+def test_traced_attention_has_the_fused_kernels_memory_for_mla_head_sizes():
+    """MLA's V head (128) is smaller than Q/K's (192): CPU sdpa would fall back to its math path and build fp32
+    [heads, L, L] scores that no accelerator kernel holds. Under the planner's `fused_attention_memory` V is padded as
+    the flash/npu backends pad it: the same output (checked on real tensors against plain sdpa), and no [L, L]
+    tensor in the fake trace (checked on every op's output)."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from mindvl.plan.simulate import fused_attention_memory
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 24, d, generator=g) for d in (12, 12, 8))
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with fused_attention_memory():
+        padded = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # restored
+    torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-6)
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            return out
+
+    L = 512
+    for fused in (False, True):
+        with FakeTensorMode(), Shapes() as shapes:
+            q, k = (torch.empty(1, 16, L, 192, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            v = torch.empty(1, 16, L, 128, dtype=torch.bfloat16, requires_grad=True)
+            with fused_attention_memory() if fused else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+        scores = [s for s in shapes.seen if s[-2:] == (L, L)]
+        assert out.shape == (1, 16, L, 128) and bool(scores) != fused, scores[:3]
