@@ -165,3 +165,40 @@ def test_traced_attention_has_the_fused_kernels_memory_for_mla_head_sizes():
             out.sum().backward()
         scores = [s for s in shapes.seen if s[-2:] == (L, L)]
         assert out.shape == (1, 16, L, 128) and bool(scores) != fused, scores[:3]
+
+
+def test_untied_embedding_is_resharded_after_the_forward(tmp_path):
+    """parallelize gives an untied input embedding its own FSDP group: after the forward (on a fake world of 8) it is
+    back to rank 0's shard (ceil(V / 8) rows) while the root's head stays gathered for the backward; a tied
+    embedding (it is the head) stays in the root. The planner's count: the table is gathered twice per micro-batch."""
+    from mindvl.config import ParallelSection
+    from mindvl.models import MindVLConfig, TextConfig
+    from mindvl.plan import estimate
+    from mindvl.plan.fake import MetadataGateway, fake_world
+    from mindvl.plan.packs import PackShape, fake_pack
+    from mindvl.train.parallel import ParallelEnv, own_embedding_group, parallelize
+
+    text = {k: v for k, v in ARCH["text"].items() if k != "mrope_section"}
+    for tied in (False, True):
+        config = MindVLConfig(text=TextConfig(vocab_size=100, tie_word_embeddings=tied, **text))
+        with fake_world(8) as world:
+            with torch.device("meta"):
+                model = MindVL(config)
+            assert (own_embedding_group(model) is None) == tied
+            counts = estimate.param_counts(model)
+            embed_numel = model.language_model.embed_tokens.weight.numel()
+            head_numel = 0 if tied else model.language_model.lm_head.weight.numel()
+            model = parallelize(model, ParallelEnv(0, 8, 0, torch.device("cpu"), "fake"),
+                                ParallelSection(mixed_precision="bf16"))
+            world.materialize(model)
+            with world.mode, MetadataGateway():
+                out = model(**fake_pack(PackShape([32]), config, world.fake))
+            embedding = model.language_model.embed_tokens.weight
+            if tied:  # the root's parameter, kept gathered after the forward
+                assert embedding.shape == (100, 64) and not hasattr(embedding, "to_local")
+                assert counts.root_params == embed_numel + 64  # + the final norm
+            else:
+                assert embedding.to_local().shape == (13, 64)  # ceil(100 / 8) rows: resharded
+                assert tuple(model.language_model.lm_head.weight.shape) == (100, 64)
+                assert counts.root_params == head_numel + 64
+            assert out.loss_sum.dim() == 0
