@@ -4,9 +4,9 @@ FLOPs per pack come from `train.metrics` (the same count the trainer logs MFU wi
 per micro-batch every sharded block (and an untied input embedding, its own group) is all-gathered in bf16 for the
 forward and again for the backward (they reshard after forward; the root keeps its parameters after the forward, so
 it is gathered once), and the gradients of trainable parameters are reduce-scattered in fp32, once per micro-batch
-(`sharded` accumulation) or once per step (`unsharded`). A ring moves (N-1)/N of the buffer per rank. Under expert parallelism (N = EP size) a rank gathers
-and reduces only its EP slice of the routed experts (1/N of them), over the W/N ranks holding the same slice, and
-everything else over all W ranks.
+(`sharded` accumulation) or once per step (`unsharded`). A ring moves (N-1)/N of the buffer per rank. Under expert
+parallelism (N = EP size) a rank gathers and reduces only its EP slice of the routed experts (1/N of them), over the
+W/N ranks holding the same slice, and everything else over all W ranks.
 
 Step time (an estimate, not a measurement): compute at the device's peak bf16 FLOP/s, collectives at the
 interconnect bandwidth (intra-node when the world fits one node, else the inter-node NIC bandwidth), the optimizer
