@@ -4,9 +4,9 @@ The world of W ranks is laid out as a DeviceMesh ("efsdp", "ep") of shape (W / N
 N`. Each MoE layer's routed experts ([E, ...] parameters) become DTensors sharded on dim 0 over "ep": rank r of an
 EP group holds experts [r*E/N, (r+1)*E/N). FSDP2 then shards every expert slice over "efsdp" (the N-th ranks of the
 other EP groups, which hold the same experts) along an inner dim (`replica_shard_dim`: every rank holds exactly 1/W
-of the experts), and everything else (attention, routers, shared experts, dense MLPs,
-the vision tower, the projector, embeddings) over the whole world flattened from both dimensions: the vision tower
-and projector stay data-parallel on every rank while the MoE layers use EP.
+of the experts), and everything else (attention, routers, shared experts, dense MLPs, the vision tower, the
+projector, embeddings) over the whole world flattened from both dimensions: the vision tower and projector stay
+data-parallel on every rank while the MoE layers use EP.
 
 Tokens: every rank routes its own tokens with its (replicated) router, sorts the (token, slot) rows by expert, and
 `AllToAllTokenDispatch` sends each block of rows to the rank owning those experts with one autograd-aware
