@@ -96,6 +96,8 @@ def main() -> None:
         for world in args.worlds:
             r = plan(recipe, world, DEVICES["h100-80g"], recipe_name=phase)
             b = dict(r.breakdown)
+            for part in ("parameters", "gradients"):  # this table's columns: owned shards + FSDP's unsharded copies
+                b[part] += b.pop(f"unsharded_{part}", 0)
             if args.before:  # the old loop held all of the step's packs (fp32 pixel rows); the trace, its window
                 per_pack = r.packs[0]["patches"] * 1176 * 4
                 extra = int(per_pack * r.accumulation - b["data_buffers"])

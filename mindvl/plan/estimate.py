@@ -1,10 +1,12 @@
 """What the planner estimates rather than traces: FLOPs, collective traffic and a roofline step time.
 
 FLOPs per pack come from `train.metrics` (the same count the trainer logs MFU with). Communication is FSDP2's:
-per micro-batch every sharded block is all-gathered in bf16 for the forward and again for the backward (blocks
-reshard after forward; the root keeps its parameters after the forward, so it is gathered once), and the gradients
-of trainable parameters are reduce-scattered in fp32, once per micro-batch (`sharded` accumulation) or once per step
-(`unsharded`). A ring moves (N-1)/N of the buffer per rank.
+per micro-batch every sharded block (and an untied input embedding, its own group) is all-gathered in bf16 for the
+forward and again for the backward (they reshard after forward; the root keeps its parameters after the forward, so
+it is gathered once), and the gradients of trainable parameters are reduce-scattered in fp32, once per micro-batch
+(`sharded` accumulation) or once per step (`unsharded`). A ring moves (N-1)/N of the buffer per rank. Under expert
+parallelism (N = EP size) a rank gathers and reduces only its EP slice of the routed experts (1/N of them), over the
+W/N ranks holding the same slice, and everything else over all W ranks.
 
 Step time (an estimate, not a measurement): compute at the device's peak bf16 FLOP/s, collectives at the
 interconnect bandwidth (intra-node when the world fits one node, else the inter-node NIC bandwidth), the optimizer
@@ -28,16 +30,23 @@ _BF16, _FP32 = 2, 4
 class Counts:
     total_params: int
     trainable_params: int
-    root_params: int  # parameters FSDP wraps at the root (embeddings, head, projector, final norm)
+    root_params: int  # parameters FSDP gathers once per micro-batch (the root: head, projector, final norm)
+    expert_params: int = 0  # routed experts ([E, ...] tensors; sharded by expert parallelism, inside blocks)
+    trainable_expert_params: int = 0
 
 
 def param_counts(model, trainable_names: set[str] | None = None) -> Counts:
-    from mindvl.train.parallel import blocks
+    from mindvl.models.moe import RoutedExperts
+    from mindvl.train.parallel import blocks, own_embedding_group
 
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    in_blocks = sum(p.numel() for b in blocks(model) for p in b.parameters())
-    return Counts(total, trainable, total - in_blocks)
+    # gathered for the forward and again for the backward: the blocks, and the embedding when it is its own group
+    groups = [*blocks(model), *filter(None, [own_embedding_group(model)])]
+    in_blocks = sum(p.numel() for b in groups for p in b.parameters())
+    experts = [p for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()]
+    return Counts(total, trainable, total - in_blocks, sum(p.numel() for p in experts),
+                  sum(p.numel() for p in experts if p.requires_grad))
 
 
 def pack_flops(config: MindVLConfig, shape: PackShape, trainable) -> tuple[float, float]:
@@ -56,14 +65,19 @@ def pack_flops(config: MindVLConfig, shape: PackShape, trainable) -> tuple[float
     return total, vit
 
 
-def comm_bytes(counts: Counts, world: int, micro: int, accumulation: str) -> dict[str, float]:
-    """Bytes each rank sends per optimizer step, by collective."""
+def comm_bytes(counts: Counts, world: int, micro: int, accumulation: str, ep: int = 1) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step, by collective (`ep`: parallel.expert_parallel)."""
     if world <= 1:
         return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     ring = (world - 1) / world
-    block = counts.total_params - counts.root_params
-    gathers = micro * (2 * block + counts.root_params) * _BF16 * ring
-    reductions = (micro if accumulation == "sharded" else 1) * counts.trainable_params * _FP32 * ring
+    replicas = world // ep
+    expert_ring = (replicas - 1) / replicas  # an EP slice is gathered/reduced over its W/N replicas only
+    experts = counts.expert_params if ep > 1 else 0
+    trainable_experts = counts.trainable_expert_params if ep > 1 else 0
+    block = counts.total_params - counts.root_params - experts
+    gathers = micro * ((2 * block + counts.root_params) * ring + 2 * experts / ep * expert_ring) * _BF16
+    reduced = (counts.trainable_params - trainable_experts) * ring + trainable_experts / ep * expert_ring
+    reductions = (micro if accumulation == "sharded" else 1) * reduced * _FP32
     return {"all_gather": gathers, "reduce_scatter": reductions, "all_reduce": 8 * 3 * 2.0}
 
 

@@ -155,7 +155,7 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     mean_vit = sum(v for _, v in per_pack) / len(per_pack)
     flops_step = mean_flops * gb
     grad_acc = recipe.parallel.grad_accumulation
-    comm = estimate.comm_bytes(counts, world_size, accum, grad_acc)
+    comm = estimate.comm_bytes(counts, world_size, accum, grad_acc, recipe.parallel.expert_parallel)
     if recipe.parallel.expert_parallel > 1:  # token dispatch/combine of expert parallelism
         comm["all_to_all"] = estimate.expert_all_to_all_bytes(
             config, sum(p.tokens for p in packs) / len(packs), recipe.parallel.expert_parallel, accum,
@@ -213,8 +213,8 @@ def format_report(r: PlanResult) -> str:
              f"from {r.model_source}; {'; '.join(r.notes)}",
              "memory per rank (traced):"]
     for part in PARTS:
-        lines.append(f"  {part:<18} {_gib(r.breakdown[part]):>10}")
-    lines.append(f"  {'peak':<18} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
+        lines.append(f"  {part:<21} {_gib(r.breakdown[part]):>10}")
+    lines.append(f"  {'peak':<21} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
                  f"{_gib(r.reserve_bytes)} (runtime, comm buffers, workspaces, fragmentation: not traced)")
     c = r.comm_bytes_per_step
     t = r.timing

@@ -6,9 +6,10 @@ What runs is what training runs: `MindVL` built on the meta device, `phases.appl
 (activation checkpointing, FSDP2 over a DeviceMesh of `world_size` ranks on torch's fake backend), AdamW from
 `optim.build_optimizer`, and `step.optimizer_step` (streamed micro-batches, loss normalisation, clipping, AdamW) on
 fake packs. Parameters and activations are fake CPU tensors in the accelerator's dtypes (fp32 master weights and
-optimizer state, bf16 compute under FSDP's policy, fp32 gradient reductions); attention is torch's SDPA, whose
-memory (outputs + logsumexp) is that of the flash kernels used on accelerators. FSDP2's memory tracker
-(torch.distributed._tools.fsdp2_mem_tracker) records the rank's peak and what was alive at that moment.
+optimizer state, bf16 compute under FSDP's policy, fp32 gradient reductions); attention is torch's SDPA with V padded
+to Q's head size when they differ (`fused_attention_memory`), whose memory (outputs + logsumexp) is that of the flash
+kernels used on accelerators. FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker) records the
+rank's peak and what was alive at that moment.
 
 Two optimizer steps run: the first with one micro-batch (it allocates AdamW's state), the second with two (so
 accumulation across micro-batches is part of the trace); the peak is the maximum over both.
@@ -37,16 +38,20 @@ from .fake import MetadataGateway, fake_world
 from .packs import PackShape, fake_pack
 
 # Tracker categories -> the planner's breakdown (loss/logits temporaries are split out of activations, below).
+# What a rank owns (its fp32 shards: they scale as 1/W) is kept apart from what FSDP materialises for the blocks in
+# flight (bf16 all-gathered weights and their all-gather buffers; unsharded gradients and reduce-scatter buffers):
+# the latter depend on the largest blocks and on prefetching, not on W.
 _PARTS = {
-    _FSDPRefType.SHARDED_PARAM: "parameters", _FSDPRefType.UNSHARDED_PARAM: "parameters",
-    _FSDPRefType.BUFFER: "parameters", _FSDPRefType.ALL_GATHER: "parameters",
-    _FSDPRefType.SHARDED_GRAD: "gradients", _FSDPRefType.UNSHARDED_GRAD: "gradients",
-    _FSDPRefType.REDUCE_SCATTER: "gradients",
+    _FSDPRefType.SHARDED_PARAM: "parameters", _FSDPRefType.BUFFER: "parameters",
+    _FSDPRefType.UNSHARDED_PARAM: "unsharded_parameters", _FSDPRefType.ALL_GATHER: "unsharded_parameters",
+    _FSDPRefType.SHARDED_GRAD: "gradients",
+    _FSDPRefType.UNSHARDED_GRAD: "unsharded_gradients", _FSDPRefType.REDUCE_SCATTER: "unsharded_gradients",
     _FSDPRefType.OPT: "optimizer_state",
     _FSDPRefType.ACT: "activations", _FSDPRefType.TEMP: "activations",
     _FSDPRefType.INP: "data_buffers",
 }
-PARTS = ("parameters", "gradients", "optimizer_state", "activations", "loss_temporaries", "data_buffers")
+PARTS = ("parameters", "unsharded_parameters", "gradients", "unsharded_gradients", "optimizer_state", "activations",
+         "loss_temporaries", "data_buffers")
 
 
 @dataclass
@@ -101,6 +106,30 @@ def loss_region(tracker: PlanTracker) -> Iterator[None]:
         fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
 
 
+@contextlib.contextmanager
+def fused_attention_memory() -> Iterator[None]:
+    """Attention traced with the memory of the accelerator kernels the trainer runs (flash on CUDA, the fused NPU
+    kernel on Ascend), which take one head size: when V's head size differs from Q/K's (MLA: 128 vs 192), pad V
+    with zeros and slice the output, as `models.attention`'s flash and npu backends do. Without it torch's CPU sdpa
+    falls back to its math path for MLA and materialises fp32 [heads, L, L] scores (4 GiB per 4096-token sequence
+    at DeepSeek-V3's 128 heads), which no accelerator run holds."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def padded(q, k, v, *args, **kwargs):
+        dv = v.shape[-1]
+        if dv == q.shape[-1]:
+            return sdpa(q, k, v, *args, **kwargs)
+        return sdpa(q, k, F.pad(v, (0, q.shape[-1] - dv)), *args, **kwargs)[..., :dv]
+
+    F.scaled_dot_product_attention = padded
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
 class TrackedStream(MicroBatchStream):
     """The trainer's stream; the tracker's module stats are reset before each micro-batch (they hold one
     forward/backward at a time; the peak is kept across resets)."""
@@ -149,7 +178,7 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
             tracker.track_inputs((batch["pixel_values"],))
             return batch
 
-        with world.mode, tracker, loss_region(tracker), MetadataGateway():
+        with world.mode, tracker, loss_region(tracker), fused_attention_memory(), MetadataGateway():
             for n in micro_batches:
                 stream = TrackedStream(fetch, n, torch.device("cpu"), window, tracker)
                 optimizer_step(model, optimizer, stream, env, config, recipe.trainable_modules,

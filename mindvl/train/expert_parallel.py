@@ -3,9 +3,10 @@
 The world of W ranks is laid out as a DeviceMesh ("efsdp", "ep") of shape (W / N, N) for `parallel.expert_parallel:
 N`. Each MoE layer's routed experts ([E, ...] parameters) become DTensors sharded on dim 0 over "ep": rank r of an
 EP group holds experts [r*E/N, (r+1)*E/N). FSDP2 then shards every expert slice over "efsdp" (the N-th ranks of the
-other EP groups, which hold the same experts), and everything else (attention, routers, shared experts, dense MLPs,
-the vision tower, the projector, embeddings) over the whole world flattened from both dimensions: the vision tower
-and projector stay data-parallel on every rank while the MoE layers use EP.
+other EP groups, which hold the same experts) along an inner dim (`replica_shard_dim`: every rank holds exactly 1/W
+of the experts), and everything else (attention, routers, shared experts, dense MLPs, the vision tower, the
+projector, embeddings) over the whole world flattened from both dimensions: the vision tower and projector stay
+data-parallel on every rank while the MoE layers use EP.
 
 Tokens: every rank routes its own tokens with its (replicated) router, sorts the (token, slot) rows by expert, and
 `AllToAllTokenDispatch` sends each block of rows to the rank owning those experts with one autograd-aware
@@ -152,6 +153,22 @@ def shard_experts(model: nn.Module, size: int, world_size: int, device_type: str
     from torch.distributed.fsdp import fully_shard
 
     mesh = expert_mesh(device_type, world_size, size)
+    replicas = mesh["efsdp"].size()
     for m in apply_expert_parallel(model, mesh):
-        fully_shard(m, mesh=mesh["efsdp"], mp_policy=mp_policy)
+        fully_shard(m, mesh=mesh["efsdp"], mp_policy=mp_policy,
+                    shard_placement_fn=lambda p: Shard(replica_shard_dim(p.to_local().shape, replicas)))
     return mesh._flatten("dp")
+
+
+def replica_shard_dim(local_shape: torch.Size, replicas: int) -> int:
+    """The dim FSDP splits an EP-local expert slice [E/N, a, b] along over its `replicas` (W/N ranks): the first
+    inner dim (I of gate/up [E/N, I, H], H of down [E/N, H, I]) that `replicas` divides, else dim 0.
+
+    Why not dim 0 (FSDP's default): at scale there are fewer local experts than replicas (E = 256 < W), and FSDP
+    splits dim 0 in ceil(E/N / replicas)-row chunks padded to the first one: with 16 local experts over 32 replicas
+    every rank would hold (and all-gather into) one whole expert, twice its 1/W share, half of it padding. Split
+    along an inner dim, every rank holds exactly 1/W of the experts whatever E, N and W are."""
+    for dim in range(1, len(local_shape)):
+        if local_shape[dim] % replicas == 0:
+            return dim
+    return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -122,3 +123,82 @@ def test_bad_input_names_what_is_known(tmp_path):
         preset_config("llama-3-8b")
     with pytest.raises(ValueError, match="missing tflops"):
         get_device("custom:mem_gb=10")
+
+
+def test_traced_attention_has_the_fused_kernels_memory_for_mla_head_sizes():
+    """MLA's V head (128) is smaller than Q/K's (192): CPU sdpa would fall back to its math path and build fp32
+    [heads, L, L] scores that no accelerator kernel holds. Under the planner's `fused_attention_memory` V is padded as
+    the flash/npu backends pad it: the same output (checked on real tensors against plain sdpa), and no [L, L]
+    tensor in the fake trace (checked on every op's output)."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from mindvl.plan.simulate import fused_attention_memory
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 24, d, generator=g) for d in (12, 12, 8))
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with fused_attention_memory():
+        padded = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # restored
+    torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-6)
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            return out
+
+    L = 512
+    for fused in (False, True):
+        with FakeTensorMode(), Shapes() as shapes:
+            q, k = (torch.empty(1, 16, L, 192, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            v = torch.empty(1, 16, L, 128, dtype=torch.bfloat16, requires_grad=True)
+            with fused_attention_memory() if fused else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+        scores = [s for s in shapes.seen if s[-2:] == (L, L)]
+        assert out.shape == (1, 16, L, 128) and bool(scores) != fused, scores[:3]
+
+
+def test_untied_embedding_is_resharded_after_the_forward(tmp_path):
+    """parallelize gives an untied input embedding its own FSDP group: after the forward (on a fake world of 8) it is
+    back to rank 0's shard (ceil(V / 8) rows) while the root's head stays gathered for the backward; a tied
+    embedding (it is the head) stays in the root. The planner's count: the table is gathered twice per micro-batch."""
+    from mindvl.config import ParallelSection
+    from mindvl.models import MindVLConfig, TextConfig
+    from mindvl.plan import estimate
+    from mindvl.plan.fake import MetadataGateway, fake_world
+    from mindvl.plan.packs import PackShape, fake_pack
+    from mindvl.train.parallel import ParallelEnv, own_embedding_group, parallelize
+
+    text = {k: v for k, v in ARCH["text"].items() if k != "mrope_section"}
+    for tied in (False, True):
+        config = MindVLConfig(text=TextConfig(vocab_size=100, tie_word_embeddings=tied, **text))
+        with fake_world(8) as world:
+            with torch.device("meta"):
+                model = MindVL(config)
+            assert (own_embedding_group(model) is None) == tied
+            counts = estimate.param_counts(model)
+            embed_numel = model.language_model.embed_tokens.weight.numel()
+            head_numel = 0 if tied else model.language_model.lm_head.weight.numel()
+            model = parallelize(model, ParallelEnv(0, 8, 0, torch.device("cpu"), "fake"),
+                                ParallelSection(mixed_precision="bf16"))
+            world.materialize(model)
+            with world.mode, MetadataGateway():
+                out = model(**fake_pack(PackShape([32]), config, world.fake))
+            embedding = model.language_model.embed_tokens.weight
+            if tied:  # the root's parameter, kept gathered after the forward
+                assert embedding.shape == (100, 64) and not hasattr(embedding, "to_local")
+                assert counts.root_params == embed_numel + 64  # + the final norm
+            else:
+                assert embedding.to_local().shape == (13, 64)  # ceil(100 / 8) rows: resharded
+                assert tuple(model.language_model.lm_head.weight.shape) == (100, 64)
+                assert counts.root_params == head_numel + 64
+            assert out.loss_sum.dim() == 0

@@ -19,6 +19,10 @@ from mindvl.config import load_recipe
 
 HERE = Path(__file__).parent
 TOL = 1e-5  # float32; measured ~5e-7
+# The CLI with a fixed CPU peak for the MFU log line: every training process otherwise probes the CPU with 12 fp32
+# 2048^3 matmuls (~6 CPU-s, most of a rank's cost here; 11 processes per run of the test). MFU is not under test.
+FIXED_PEAK_CLI = ("from mindvl.train import metrics\n"
+                  "metrics.measure_matmul_flops = lambda *args, **kwargs: 1e11\n" + CLI + "\n")
 
 
 def free_port() -> int:
@@ -67,7 +71,7 @@ def assert_same_run(a: Path, b: Path, steps: slice = slice(None)) -> None:
 def test_ep_training_equals_one_process_and_resumes_across_ep_sizes(tmp_path):
     cache = tmp_path / "cache"
     script = tmp_path / "cli.py"
-    script.write_text(CLI + "\n")
+    script.write_text(FIXED_PEAK_CLI)
 
     def recipe(name: str, ep: int) -> str:
         return str(write_recipe(tmp_path / f"{name}.yaml", ep_raw(tmp_path / name, cache, ep)))
@@ -150,22 +154,85 @@ def test_ep_dispatch_under_fake_tensors_assumes_balanced_routing():
         dist.destroy_process_group()
 
 
+def plan_recipe(tmp_path, ep: int, world: int):
+    raw = ep_raw(tmp_path / f"p{ep}x{world}", tmp_path / "cache", ep)
+    raw["model"]["arch"]["text"].update(hidden_size=64, moe_intermediate_size=64)
+    raw["batch"], raw["budget"] = {"global_batch_size": world}, {"max_steps": 1}
+    raw["phase"] = {"name": "multitask", "trainable": ["language_model"]}
+    return load_recipe(raw=raw)
+
+
+def planned_ep(tmp_path, ep: int, world: int):
+    from mindvl.plan import get_device, plan
+
+    return plan(plan_recipe(tmp_path, ep, world), world, get_device("h100-80g"))
+
+
 def test_planner_traces_an_expert_parallel_step(tmp_path):
     """`mindvl plan` runs the real parallelize + step: with expert_parallel 2 of 8 fake ranks the experts are EP x
     FSDP sharded over all 8, so rank 0's optimizer state equals the plain-FSDP plan's (experts are 2/3 of it)."""
-    from mindvl.plan import get_device, plan
-
-    def planned(ep: int):
-        raw = ep_raw(tmp_path / f"p{ep}", tmp_path / "cache", ep)
-        raw["model"]["arch"]["text"].update(hidden_size=64, moe_intermediate_size=64)
-        raw["batch"], raw["budget"] = {"global_batch_size": 8}, {"max_steps": 1}
-        raw["phase"] = {"name": "multitask", "trainable": ["language_model"]}
-        return plan(load_recipe(raw=raw), 8, get_device("h100-80g"))
-
-    with_ep, without = planned(2), planned(1)
+    with_ep, without = planned_ep(tmp_path, 2, 8), planned_ep(tmp_path, 1, 8)
     assert with_ep.breakdown["optimizer_state"] == pytest.approx(without.breakdown["optimizer_state"], rel=0.02)
     assert with_ep.breakdown["activations"] > 0
     # the token all-to-all is counted: 1 MoE layer, top-2 rows of which half leave the rank, bf16, 4 transfers
     tokens = sum(p["tokens"] for p in with_ep.packs) / len(with_ep.packs)
     assert with_ep.comm_bytes_per_step["all_to_all"] == pytest.approx(1 * 4 * tokens * 2 * 0.5 * 64 * 2, rel=0.01)
     assert "all_to_all" not in without.comm_bytes_per_step
+
+
+def test_planner_ep_with_fewer_local_experts_than_replicas_holds_1_over_w_of_every_weight(tmp_path):
+    """At scale E < W (256 experts, 512 ranks): 16 experts, EP 4 of 32 fake ranks leaves 4 local experts to split
+    over 8 replicas. Rank 0 must hold 1/32 of every parameter (AdamW: 8 bytes per element it holds), counted by hand
+    from the model's parameter total; FSDP's default dim-0 split held one whole local expert per rank (2x), which
+    this would have caught. The collectives are counted by hand too: the experts (3 x 16 x 64 x 64 per MoE layer)
+    are gathered in bf16 (forward + backward) and reduced in fp32 as 1/4 slices over 8 replicas, the rest over 32."""
+    import math
+
+    from mindvl.models import MindVL
+    from mindvl.plan import model_config
+
+    r = planned_ep(tmp_path, 4, 32)
+    total, trainable = r.params["total"], r.params["trainable"]  # the language model trains, the ViT is frozen
+    with torch.device("meta"):
+        meta = MindVL(model_config(plan_recipe(tmp_path, 4, 32))[0])
+    # rank 0's elements: experts exactly 1/32; every other (trainable) weight in FSDP's ceil(dim0 / 32)-row chunks
+    params = list(meta.language_model.named_parameters())
+    held = sum(p.numel() // 32 if ".experts." in n else math.ceil(p.shape[0] / 32) * (p.numel() // p.shape[0])
+               for n, p in params)
+    # AdamW: two fp32 moments per element held, and one fp32 step count per parameter
+    assert r.breakdown["optimizer_state"] == 8 * held + 4 * len(params)
+    experts = 3 * 16 * 64 * 64  # one MoE layer (first_k_dense_replace 1 of 2 layers)
+    ring, replica_ring = 31 / 32, 7 / 8
+    gathered = (2 * (total - experts) * ring + 2 * experts / 4 * replica_ring) * 2  # the root once: see below
+    assert gathered - (total - experts) * ring * 2 < r.comm_bytes_per_step["all_gather"] < gathered
+    assert r.comm_bytes_per_step["reduce_scatter"] == pytest.approx(
+        ((trainable - experts) * ring + experts / 4 * replica_ring) * 4, rel=1e-9)
+
+
+def test_expert_slices_split_evenly_over_their_replicas():
+    """parallelize on a fake world of 32 ranks at EP 4: every routed-expert parameter of rank 0 is exactly 1/32 of
+    the global tensor (split on an inner dim over the 8 replicas), and keeps its global [E, ...] shape."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mindvl.config import ParallelSection
+    from mindvl.models import MindVL, MindVLConfig, TextConfig
+    from mindvl.train.expert_parallel import replica_shard_dim
+    from mindvl.train.parallel import ParallelEnv, parallelize
+
+    text = {**ep_raw(Path("x"), Path("c"), 4)["model"]["arch"]["text"], "mrope_section": None}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
+    try:
+        with torch.device("meta"):
+            model = MindVL(MindVLConfig(text=TextConfig(vocab_size=64, **text)))
+        parallelize(model, ParallelEnv(0, 32, 0, torch.device("cpu"), "fake"),
+                    ParallelSection(expert_parallel=4, mixed_precision="bf16"))
+        experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+        assert experts
+        for name, p in experts:
+            assert p.shape[0] == 16 and p.to_local().numel() * 32 == p.numel(), (name, p.to_local().shape)
+    finally:
+        dist.destroy_process_group()
+    assert replica_shard_dim(torch.Size([4, 64, 32]), 8) == 1
+    assert replica_shard_dim(torch.Size([4, 6, 32]), 8) == 2
+    assert replica_shard_dim(torch.Size([16, 6, 5]), 8) == 0  # no inner dim divides: FSDP's padded dim-0 split
