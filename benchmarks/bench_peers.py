@@ -1,12 +1,16 @@
 """mindvl side by side with its peers on the same weights, samples and images; ratios with their spread.
 
-    python benchmarks/bench_peers.py [--vocab 151936] [--rounds 3] [--tv-python /work/venv-tv/bin/python]
-                                     [--sections train,optim,image,generate]
+    python benchmarks/bench_peers.py [--train 32000:6:3,151936:4:2] [--vocab 151936] [--rounds 3]
+                                     [--tv-python /work/venv-tv/bin/python]
+                                     [--sections train,optim,image,resize-loss,generate]
 
 Sections (each arm alternated with the others, `--rounds` times; medians and min..max over rounds):
-- train: a Qwen2.5-VL-shaped model (4-block ViT, 4-layer LLM, `--vocab`) built once in transformers and converted
-  to mindvl. 28 samples (70% with one native-resolution image) in `--steps` steps of <= 2048 tokens; every arm
-  trains on the same sample groups: mindvl's packed rows; transformers with padded sdpa batches; transformers
+- train: a Qwen2.5-VL-shaped model (4-block ViT, 4-layer LLM) built once per vocabulary in transformers and
+  converted to mindvl, for each `VOCAB:STEPS:ROUNDS` of `--train` (the 151,936-wide configuration runs fewer steps
+  and rounds: transformers' padded arm computes several GB of logits per step there and takes minutes per round).
+  `--samples` samples (70% with one native-resolution image); the first STEPS first-fit rows of <= 2048 tokens
+  are the steps (the output states how many samples and tokens they hold); every arm trains on the same sample
+  groups: mindvl's packed rows; transformers with padded sdpa batches; transformers
   padding-free (one packed row, `position_ids` [4, 1, T] whose text row restarts per sample, `use_cache=False`:
   with the cache on, transformers builds a DynamicCache and drops the packed mask, so samples would attend to each
   other). The step-0 losses of the three arms must agree (checked). Each arm round runs in its own process: the
@@ -36,12 +40,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653  # Qwen2.5-VL's ids
+QWEN_IDS = (151655, 151656, 151652, 151653)  # Qwen2.5-VL's image, video, vision-start and vision-end ids
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = QWEN_IDS
 
 
 def set_vocab(vocab: int) -> None:
-    """Below Qwen's vocabulary the special ids move to the top of the given one."""
+    """Qwen's special ids, or below Qwen's vocabulary the top of the given one."""
     global IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END
+    IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = QWEN_IDS
     if vocab <= VIDEO_TOKEN:
         IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = vocab - 5, vocab - 4, vocab - 3, vocab - 2
 
@@ -231,7 +237,9 @@ def train_worker(args) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # GB (Linux reports KiB)
     # Step 0 warms allocators and kernels: throughput over the remaining steps.
     print(json.dumps({"tokens_per_s": sum(real[1:]) / sum(steps[1:]), "optimizer_s": statistics.median(opt_s[1:]),
-                      "loss0": losses[0], "rss_gb": rss, "tokens": sum(real), "steps": len(steps)}))
+                      "loss0": losses[0], "rss_gb": rss, "tokens": sum(real), "steps": len(steps),
+                      "samples": sum(len(g) for g in groups), "timed_tokens": sum(real[1:]),
+                      "step_s": [round(x, 3) for x in steps]}))
 
 
 def run_worker(python: str, argv: list[str], env_extra: dict | None = None) -> dict:
@@ -258,15 +266,42 @@ def save_models(folder: Path, vocab: int) -> None:
     convert_from_hf(folder / "hf", folder / "mindvl")
 
 
+def parse_train_configs(spec: str, rounds: int, steps: int) -> list[tuple[int, int, int]]:
+    """`VOCAB[:STEPS[:ROUNDS]]`, comma-separated -> [(vocab, steps, rounds)] (missing parts: --steps / --rounds)."""
+    configs = []
+    for item in filter(None, spec.split(",")):
+        parts = [int(x) for x in item.split(":")]
+        if not 1 <= len(parts) <= 3 or min(parts) < 1 or (len(parts) > 1 and parts[1] < 2):
+            raise SystemExit(f"--train {item!r}: expected VOCAB[:STEPS[:ROUNDS]] with STEPS >= 2 (step 0 is warm-up)")
+        configs.append((parts[0], parts[1] if len(parts) > 1 else steps, parts[2] if len(parts) > 2 else rounds))
+    return configs
+
+
 def section_train(args, folder: Path) -> list[str]:
+    import shutil
+
+    lines = []
+    for vocab, steps, rounds in parse_train_configs(args.train, args.rounds, args.steps):
+        sub = folder / f"train-{vocab}"
+        set_vocab(vocab)
+        save_models(sub, vocab)
+        set_vocab(args.vocab)
+        lines += train_table(args, sub, vocab, steps, rounds)
+        shutil.rmtree(sub)  # two copies of a 151,936-wide model: free the disk before the next configuration
+    return lines
+
+
+def train_table(args, folder: Path, vocab: int, steps: int, rounds: int) -> list[str]:
     arms = ["mindvl", "hf_padded", "hf_packed"]
     results: dict[str, list[dict]] = {a: [] for a in arms}
-    base = ["--worker", "train", "--folder", str(folder), "--vocab", str(args.vocab), "--steps", str(args.steps),
+    base = ["--worker", "train", "--folder", str(folder), "--vocab", str(vocab), "--steps", str(steps),
             "--samples", str(args.samples), "--seed", str(args.seed), "--row-tokens", str(args.row_tokens)]
-    for r in range(args.rounds):
+    for r in range(rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
+            t0 = time.perf_counter()
             results[arm].append(run_worker(sys.executable, [*base, "--arm", arm]))
-            print(f"  train round {r} {arm}: {results[arm][-1]}", flush=True)
+            print(f"  train vocab {vocab} round {r} {arm} ({time.perf_counter() - t0:.0f} s wall): "
+                  f"{results[arm][-1]}", flush=True)
     loss0 = {a: results[a][0]["loss0"] for a in arms}
     agree = max(abs(loss0[a] - loss0["mindvl"]) for a in arms) / abs(loss0["mindvl"])
     if agree > 1e-5:  # float32 losses over thousands of tokens: a leak across samples moves them far more
@@ -274,20 +309,22 @@ def section_train(args, folder: Path) -> list[str]:
     tps = {a: [x["tokens_per_s"] for x in results[a]] for a in arms}
     opt = {a: [x["optimizer_s"] for x in results[a]] for a in arms}
     rss = {a: [x["rss_gb"] for x in results[a]] for a in arms}
-    lines = [f"train, vocab {args.vocab}: {results['mindvl'][0]['tokens']} real tokens in {args.steps} steps of "
-             f"<= {args.row_tokens}; step-0 losses {', '.join(f'{a} {v:.5f}' for a, v in loss0.items())} "
-             f"(max relative difference {agree:.1e})",
-             "| measure | mindvl | transformers padded (sdpa) | transformers padding-free "
-             "| ratio padded / padding-free |",
-             "|---|---|---|---|---|",
-             f"| train tokens/s | {spread(tps['mindvl'])} | {spread(tps['hf_padded'])} | {spread(tps['hf_packed'])} | "
-             f"{ratio(tps['mindvl'], tps['hf_padded'])} / {ratio(tps['mindvl'], tps['hf_packed'])} |",
-             f"| optimizer + clip s/step | {spread(opt['mindvl'])} | {spread(opt['hf_padded'])} | "
-             f"{spread(opt['hf_packed'])} | {ratio(opt['mindvl'], opt['hf_padded'], False)} / "
-             f"{ratio(opt['mindvl'], opt['hf_packed'], False)} |",
-             f"| peak RSS GB | {spread(rss['mindvl'])} | {spread(rss['hf_padded'])} | {spread(rss['hf_packed'])} | "
-             f"{ratio(rss['mindvl'], rss['hf_padded'], False)} / {ratio(rss['mindvl'], rss['hf_packed'], False)} |"]
-    return lines
+    first = results["mindvl"][0]
+    return [f"train, vocab {vocab}: {first['samples']} samples, {first['tokens']} real tokens in {steps} steps of "
+            f"<= {args.row_tokens} (tokens/s over steps 2..{steps}: {first['timed_tokens']} tokens), {rounds} "
+            f"rounds; step-0 losses {', '.join(f'{a} {v:.6f}' for a, v in loss0.items())} "
+            f"(max relative difference {agree:.1e})",
+            "| measure | mindvl packed | transformers padded (sdpa) | transformers padding-free "
+            "| mindvl vs padded / padding-free (>1: mindvl better) |",
+            "|---|---|---|---|---|",
+            f"| train tokens/s | {spread(tps['mindvl'])} | {spread(tps['hf_padded'])} | {spread(tps['hf_packed'])} | "
+            f"{ratio(tps['mindvl'], tps['hf_padded'])} / {ratio(tps['mindvl'], tps['hf_packed'])} |",
+            f"| optimizer + clip s/step | {spread(opt['mindvl'])} | {spread(opt['hf_padded'])} | "
+            f"{spread(opt['hf_packed'])} | {ratio(opt['mindvl'], opt['hf_padded'], False)} / "
+            f"{ratio(opt['mindvl'], opt['hf_packed'], False)} |",
+            f"| peak RSS GB | {spread(rss['mindvl'])} | {spread(rss['hf_padded'])} | {spread(rss['hf_packed'])} | "
+            f"{ratio(rss['mindvl'], rss['hf_padded'], False)} / {ratio(rss['mindvl'], rss['hf_packed'], False)} |",
+            ""]
 
 
 # ---- optimizer alone ------------------------------------------------------------------------------------------------
@@ -535,7 +572,9 @@ def section_generate(args, folder: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="train,optim,image,resize-loss,generate")
-    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--train", default="32000:6:3,151936:4:2",
+                    help="train configurations VOCAB[:STEPS[:ROUNDS]], comma-separated")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of the optim/resize-loss/generate models")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--samples", type=int, default=28)
@@ -559,7 +598,7 @@ def main() -> None:
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        if {"train", "optim", "generate", "resize-loss"} & set(sections):
+        if {"optim", "generate", "resize-loss"} & set(sections):
             save_models(folder, args.vocab)
         for name in sections:
             fn = {"train": section_train, "optim": section_optim, "image": section_image,
