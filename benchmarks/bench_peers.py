@@ -29,6 +29,7 @@ Sections (each arm alternated with the others, `--rounds` times; medians and min
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -295,7 +296,8 @@ def train_table(args, folder: Path, vocab: int, steps: int, rounds: int) -> list
     arms = ["mindvl", "hf_padded", "hf_packed"]
     results: dict[str, list[dict]] = {a: [] for a in arms}
     base = ["--worker", "train", "--folder", str(folder), "--vocab", str(vocab), "--steps", str(steps),
-            "--samples", str(args.samples), "--seed", str(args.seed), "--row-tokens", str(args.row_tokens)]
+            "--samples", str(args.samples), "--seed", str(args.seed), "--row-tokens", str(args.row_tokens),
+            "--threads", str(args.threads)]
     for r in range(rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
             t0 = time.perf_counter()
@@ -512,11 +514,17 @@ def section_resize_loss(args, folder: Path) -> list[str]:
 
 # ---- generate -------------------------------------------------------------------------------------------------------
 def section_generate(args, folder: Path) -> list[str]:
+    """Each arm's run stamps the time at which every generated token is chosen (mindvl: when its token selection
+    returns; transformers: its stopping criteria, called right after each token): prefill = time to the first token,
+    decode = the further tokens over the time from the first token to the last, both from one run (no difference of
+    two noisy timings)."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
 
     from mindvl.checkpoint import load_pretrained
     from mindvl.infer import Prompt, generate
+
+    mindvl_generate = importlib.import_module("mindvl.infer.generate")  # the module (the package exports the function)
 
     ours = load_pretrained(folder / "mindvl").eval()
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder / "hf", attn_implementation="sdpa",
@@ -529,7 +537,20 @@ def section_generate(args, folder: Path) -> list[str]:
         ids = torch.cat([text[:20], torch.tensor([VISION_START]), torch.full((80,), IMAGE_TOKEN),
                          torch.tensor([VISION_END]), text[20:]])  # 281 tokens
         prompts.append(Prompt(ids, torch.randn(320, 1176, generator=gen), torch.tensor([grid])))
-    new = args.new_tokens
+    stamps: list[float] = []
+    choose = mindvl_generate.next_tokens
+
+    def stamped_choice(*a, **kw):
+        out = choose(*a, **kw)
+        stamps.append(time.perf_counter())
+        return out
+
+    mindvl_generate.next_tokens = stamped_choice  # generate() looks the function up in its module at each step
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def ours_run(batch, n):
         return generate(ours, prompts[:batch], n)
@@ -541,28 +562,33 @@ def section_generate(args, folder: Path) -> list[str]:
                           pixel_values=torch.cat([p.pixel_values for p in prompts[:batch]]),
                           image_grid_thw=torch.cat([p.image_grid_thw for p in prompts[:batch]]),
                           mm_token_type_ids=(ids == IMAGE_TOKEN).long(), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False)
+                          do_sample=False, stopping_criteria=StoppingCriteriaList([Stamp()]))
         return out[:, ids.shape[1]:].tolist()
 
-    first = ours_run(1, 8)[0]
-    if first != hf_run(1, 8)[0]:
-        print("  note: greedy tokens differ between mindvl and transformers (random weights; near-ties in fp32)")
-    times: dict[str, list[float]] = {}
-    for _ in range(args.rounds * 2):
-        for name, fn in (("mindvl", ours_run), ("hf", hf_run)):
+    new = args.new_tokens
+    same = ours_run(1, 8)[0] == hf_run(1, 8)[0]  # also warms both arms up
+    ours_run(4, 2), hf_run(4, 2)
+    prefill: dict[str, list[float]] = {}
+    decode: dict[str, list[float]] = {}
+    for r in range(args.rounds * 2):
+        arms = (("mindvl", ours_run), ("hf", hf_run))
+        for name, fn in (arms if r % 2 == 0 else arms[::-1]):
             for batch in (1, 4):
-                for n in (1, new):
-                    t0 = time.perf_counter()
-                    fn(batch, n)
-                    times.setdefault(f"{name}-{batch}-{n}", []).append(time.perf_counter() - t0)
-    lines = [f"greedy generation, prompts of 281 tokens with one 224x280 image (80 image tokens), "
-             f"{new} new tokens; prefill = time to the first token, decode = further tokens / their time:",
-             "| measure | mindvl | transformers | ratio |", "|---|---|---|---|"]
+                stamps.clear()
+                t0 = time.perf_counter()
+                fn(batch, new)
+                if len(stamps) != new:
+                    raise SystemExit(f"{name}: {len(stamps)} token stamps for {new} tokens")
+                prefill.setdefault(f"{name}-{batch}", []).append(stamps[0] - t0)
+                decode.setdefault(f"{name}-{batch}", []).append(batch * (new - 1) / (stamps[-1] - stamps[0]))
+    mindvl_generate.next_tokens = choose
+    lines = [f"greedy generation, prompts of 281 tokens with one 224x280 image (80 image tokens), {new} new tokens, "
+             f"{args.rounds * 2} rounds; prefill = time to the first token, decode = the further tokens over their "
+             f"time; greedy tokens {'equal' if same else 'DIFFER (random weights: near-ties in fp32)'}:",
+             "| measure | mindvl | transformers | mindvl vs transformers (>1: mindvl faster) |", "|---|---|---|---|"]
     for batch in (1, 4):
-        pre_o, pre_h = times[f"mindvl-{batch}-1"], times[f"hf-{batch}-1"]
-        dec_o = [batch * (new - 1) / max(a - b, 1e-9) for a, b in zip(times[f"mindvl-{batch}-{new}"], pre_o,
-                                                                       strict=True)]
-        dec_h = [batch * (new - 1) / max(a - b, 1e-9) for a, b in zip(times[f"hf-{batch}-{new}"], pre_h, strict=True)]
+        pre_o, pre_h = prefill[f"mindvl-{batch}"], prefill[f"hf-{batch}"]
+        dec_o, dec_h = decode[f"mindvl-{batch}"], decode[f"hf-{batch}"]
         lines.append(f"| prefill ms, batch {batch} | {spread([1e3 * x for x in pre_o])} | "
                      f"{spread([1e3 * x for x in pre_h])} | {ratio(pre_o, pre_h, False)} |")
         lines.append(f"| decode tokens/s, batch {batch} | {spread(dec_o)} | {spread(dec_h)} | {ratio(dec_o, dec_h)} |")
@@ -582,18 +608,21 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch threads of the train, optim, resize-loss and generate arms (image arms use one)")
     ap.add_argument("--tv-python", default=None, help="python of a venv with torchvision + transformers")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     set_vocab(args.vocab)
+    import torch
+
+    torch.set_num_threads(args.threads)
     if args.worker == "train":
         return train_worker(args)
     if args.worker == "image":
         return image_worker(args)
-    import torch
-
     print(f"bench_peers: torch {torch.__version__}, {torch.get_num_threads()} threads; {load_average()}", flush=True)
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory() as tmp:
