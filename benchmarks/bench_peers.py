@@ -23,7 +23,8 @@ Sections (each arm alternated with the others, `--rounds` times; medians and min
 - resize-loss: the torch resize's tolerance against Pillow's bit-exact resize, in pixels and in the training loss
   (the same model trained 4 steps on either version of 8 images).
 - generate: greedy generation of a 281-token prompt with an image (and a batch of 4 such prompts): prefill
-  (time to the first token) and decode tokens/s, mindvl's `generate` against transformers' `generate`.
+  (time to the first token) and decode tokens/s, mindvl's `generate` against transformers' `generate`, both from
+  the time stamps of each generated token in one run.
 """
 
 from __future__ import annotations
@@ -504,7 +505,7 @@ def section_resize_loss(args, folder: Path) -> list[str]:
         for _ in range(4):
             loss_sum, count = model(**row)
             loss = loss_sum / count
-            losses.append(float(loss))
+            losses.append(loss.item())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
