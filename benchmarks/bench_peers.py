@@ -1,12 +1,16 @@
 """mindvl side by side with its peers on the same weights, samples and images; ratios with their spread.
 
-    python benchmarks/bench_peers.py [--vocab 151936] [--rounds 3] [--tv-python /work/venv-tv/bin/python]
-                                     [--sections train,optim,image,generate]
+    python benchmarks/bench_peers.py [--train 32000:6:3,151936:4:2] [--vocab 151936] [--rounds 3]
+                                     [--tv-python /work/venv-tv/bin/python]
+                                     [--sections train,optim,image,resize-loss,generate]
 
 Sections (each arm alternated with the others, `--rounds` times; medians and min..max over rounds):
-- train: a Qwen2.5-VL-shaped model (4-block ViT, 4-layer LLM, `--vocab`) built once in transformers and converted
-  to mindvl. 28 samples (70% with one native-resolution image) in `--steps` steps of <= 2048 tokens; every arm
-  trains on the same sample groups: mindvl's packed rows; transformers with padded sdpa batches; transformers
+- train: a Qwen2.5-VL-shaped model (4-block ViT, 4-layer LLM) built once per vocabulary in transformers and
+  converted to mindvl, for each `VOCAB:STEPS:ROUNDS` of `--train` (the 151,936-wide configuration runs fewer steps
+  and rounds: transformers' padded arm computes several GB of logits per step there and takes minutes per round).
+  `--samples` samples (70% with one native-resolution image); the first STEPS first-fit rows of <= 2048 tokens
+  are the steps (the output states how many samples and tokens they hold); every arm trains on the same sample
+  groups: mindvl's packed rows; transformers with padded sdpa batches; transformers
   padding-free (one packed row, `position_ids` [4, 1, T] whose text row restarts per sample, `use_cache=False`:
   with the cache on, transformers builds a DynamicCache and drops the packed mask, so samples would attend to each
   other). The step-0 losses of the three arms must agree (checked). Each arm round runs in its own process: the
@@ -19,12 +23,14 @@ Sections (each arm alternated with the others, `--rounds` times; medians and min
 - resize-loss: the torch resize's tolerance against Pillow's bit-exact resize, in pixels and in the training loss
   (the same model trained 4 steps on either version of 8 images).
 - generate: greedy generation of a 281-token prompt with an image (and a batch of 4 such prompts): prefill
-  (time to the first token) and decode tokens/s, mindvl's `generate` against transformers' `generate`.
+  (time to the first token) and decode tokens/s, mindvl's `generate` against transformers' `generate`, both from
+  the time stamps of each generated token in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -36,12 +42,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653  # Qwen2.5-VL's ids
+QWEN_IDS = (151655, 151656, 151652, 151653)  # Qwen2.5-VL's image, video, vision-start and vision-end ids
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = QWEN_IDS
 
 
 def set_vocab(vocab: int) -> None:
-    """Below Qwen's vocabulary the special ids move to the top of the given one."""
+    """Qwen's special ids, or below Qwen's vocabulary the top of the given one."""
     global IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END
+    IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = QWEN_IDS
     if vocab <= VIDEO_TOKEN:
         IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = vocab - 5, vocab - 4, vocab - 3, vocab - 2
 
@@ -231,7 +239,9 @@ def train_worker(args) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # GB (Linux reports KiB)
     # Step 0 warms allocators and kernels: throughput over the remaining steps.
     print(json.dumps({"tokens_per_s": sum(real[1:]) / sum(steps[1:]), "optimizer_s": statistics.median(opt_s[1:]),
-                      "loss0": losses[0], "rss_gb": rss, "tokens": sum(real), "steps": len(steps)}))
+                      "loss0": losses[0], "rss_gb": rss, "tokens": sum(real), "steps": len(steps),
+                      "samples": sum(len(g) for g in groups), "timed_tokens": sum(real[1:]),
+                      "step_s": [round(x, 3) for x in steps]}))
 
 
 def run_worker(python: str, argv: list[str], env_extra: dict | None = None) -> dict:
@@ -258,15 +268,43 @@ def save_models(folder: Path, vocab: int) -> None:
     convert_from_hf(folder / "hf", folder / "mindvl")
 
 
+def parse_train_configs(spec: str, rounds: int, steps: int) -> list[tuple[int, int, int]]:
+    """`VOCAB[:STEPS[:ROUNDS]]`, comma-separated -> [(vocab, steps, rounds)] (missing parts: --steps / --rounds)."""
+    configs = []
+    for item in filter(None, spec.split(",")):
+        parts = [int(x) for x in item.split(":")]
+        if not 1 <= len(parts) <= 3 or min(parts) < 1 or (len(parts) > 1 and parts[1] < 2):
+            raise SystemExit(f"--train {item!r}: expected VOCAB[:STEPS[:ROUNDS]] with STEPS >= 2 (step 0 is warm-up)")
+        configs.append((parts[0], parts[1] if len(parts) > 1 else steps, parts[2] if len(parts) > 2 else rounds))
+    return configs
+
+
 def section_train(args, folder: Path) -> list[str]:
+    import shutil
+
+    lines = []
+    for vocab, steps, rounds in parse_train_configs(args.train, args.rounds, args.steps):
+        sub = folder / f"train-{vocab}"
+        set_vocab(vocab)
+        save_models(sub, vocab)
+        set_vocab(args.vocab)
+        lines += train_table(args, sub, vocab, steps, rounds)
+        shutil.rmtree(sub)  # two copies of a 151,936-wide model: free the disk before the next configuration
+    return lines
+
+
+def train_table(args, folder: Path, vocab: int, steps: int, rounds: int) -> list[str]:
     arms = ["mindvl", "hf_padded", "hf_packed"]
     results: dict[str, list[dict]] = {a: [] for a in arms}
-    base = ["--worker", "train", "--folder", str(folder), "--vocab", str(args.vocab), "--steps", str(args.steps),
-            "--samples", str(args.samples), "--seed", str(args.seed), "--row-tokens", str(args.row_tokens)]
-    for r in range(args.rounds):
+    base = ["--worker", "train", "--folder", str(folder), "--vocab", str(vocab), "--steps", str(steps),
+            "--samples", str(args.samples), "--seed", str(args.seed), "--row-tokens", str(args.row_tokens),
+            "--threads", str(args.threads)]
+    for r in range(rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
+            t0 = time.perf_counter()
             results[arm].append(run_worker(sys.executable, [*base, "--arm", arm]))
-            print(f"  train round {r} {arm}: {results[arm][-1]}", flush=True)
+            print(f"  train vocab {vocab} round {r} {arm} ({time.perf_counter() - t0:.0f} s wall): "
+                  f"{results[arm][-1]}", flush=True)
     loss0 = {a: results[a][0]["loss0"] for a in arms}
     agree = max(abs(loss0[a] - loss0["mindvl"]) for a in arms) / abs(loss0["mindvl"])
     if agree > 1e-5:  # float32 losses over thousands of tokens: a leak across samples moves them far more
@@ -274,20 +312,22 @@ def section_train(args, folder: Path) -> list[str]:
     tps = {a: [x["tokens_per_s"] for x in results[a]] for a in arms}
     opt = {a: [x["optimizer_s"] for x in results[a]] for a in arms}
     rss = {a: [x["rss_gb"] for x in results[a]] for a in arms}
-    lines = [f"train, vocab {args.vocab}: {results['mindvl'][0]['tokens']} real tokens in {args.steps} steps of "
-             f"<= {args.row_tokens}; step-0 losses {', '.join(f'{a} {v:.5f}' for a, v in loss0.items())} "
-             f"(max relative difference {agree:.1e})",
-             "| measure | mindvl | transformers padded (sdpa) | transformers padding-free "
-             "| ratio padded / padding-free |",
-             "|---|---|---|---|---|",
-             f"| train tokens/s | {spread(tps['mindvl'])} | {spread(tps['hf_padded'])} | {spread(tps['hf_packed'])} | "
-             f"{ratio(tps['mindvl'], tps['hf_padded'])} / {ratio(tps['mindvl'], tps['hf_packed'])} |",
-             f"| optimizer + clip s/step | {spread(opt['mindvl'])} | {spread(opt['hf_padded'])} | "
-             f"{spread(opt['hf_packed'])} | {ratio(opt['mindvl'], opt['hf_padded'], False)} / "
-             f"{ratio(opt['mindvl'], opt['hf_packed'], False)} |",
-             f"| peak RSS GB | {spread(rss['mindvl'])} | {spread(rss['hf_padded'])} | {spread(rss['hf_packed'])} | "
-             f"{ratio(rss['mindvl'], rss['hf_padded'], False)} / {ratio(rss['mindvl'], rss['hf_packed'], False)} |"]
-    return lines
+    first = results["mindvl"][0]
+    return [f"train, vocab {vocab}: {first['samples']} samples, {first['tokens']} real tokens in {steps} steps of "
+            f"<= {args.row_tokens} (tokens/s over steps 2..{steps}: {first['timed_tokens']} tokens), {rounds} "
+            f"rounds; step-0 losses {', '.join(f'{a} {v:.6f}' for a, v in loss0.items())} "
+            f"(max relative difference {agree:.1e})",
+            "| measure | mindvl packed | transformers padded (sdpa) | transformers padding-free "
+            "| mindvl vs padded / padding-free (>1: mindvl better) |",
+            "|---|---|---|---|---|",
+            f"| train tokens/s | {spread(tps['mindvl'])} | {spread(tps['hf_padded'])} | {spread(tps['hf_packed'])} | "
+            f"{ratio(tps['mindvl'], tps['hf_padded'])} / {ratio(tps['mindvl'], tps['hf_packed'])} |",
+            f"| optimizer + clip s/step | {spread(opt['mindvl'])} | {spread(opt['hf_padded'])} | "
+            f"{spread(opt['hf_packed'])} | {ratio(opt['mindvl'], opt['hf_padded'], False)} / "
+            f"{ratio(opt['mindvl'], opt['hf_packed'], False)} |",
+            f"| peak RSS GB | {spread(rss['mindvl'])} | {spread(rss['hf_padded'])} | {spread(rss['hf_packed'])} | "
+            f"{ratio(rss['mindvl'], rss['hf_padded'], False)} / {ratio(rss['mindvl'], rss['hf_packed'], False)} |",
+            ""]
 
 
 # ---- optimizer alone ------------------------------------------------------------------------------------------------
@@ -357,11 +397,15 @@ def hf_image_rate(paths: list[str], kind: str) -> float:
     blobs = [Path(p).read_bytes() for p in paths]
     import io
 
-    t0 = time.perf_counter()
-    for b in blobs:
+    def one(b):
         img = Image.open(io.BytesIO(b))
         img.load()
         proc(images=[img], return_tensors="np" if kind == "pil" else "pt")
+
+    one(blobs[0])  # warm-up, untimed in every arm (lazy imports, kernels compiled or loaded from their cache)
+    t0 = time.perf_counter()
+    for b in blobs:
+        one(b)
     return len(blobs) / (time.perf_counter() - t0)
 
 
@@ -369,6 +413,7 @@ def mindvl_image_rate(paths: list[str], resize: str) -> float:
     from mindvl.data.image import expand_patches, load_image, preprocess_uint8
 
     blobs = [Path(p).read_bytes() for p in paths]
+    expand_patches(preprocess_uint8(load_image(blobs[0]), resize=resize)[0])  # warm-up, as in hf_image_rate
     t0 = time.perf_counter()
     for b in blobs:
         patches, _ = preprocess_uint8(load_image(b), resize=resize)
@@ -460,7 +505,7 @@ def section_resize_loss(args, folder: Path) -> list[str]:
         for _ in range(4):
             loss_sum, count = model(**row)
             loss = loss_sum / count
-            losses.append(float(loss))
+            losses.append(loss.item())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -475,11 +520,17 @@ def section_resize_loss(args, folder: Path) -> list[str]:
 
 # ---- generate -------------------------------------------------------------------------------------------------------
 def section_generate(args, folder: Path) -> list[str]:
+    """Each arm's run stamps the time at which every generated token is chosen (mindvl: when its token selection
+    returns; transformers: its stopping criteria, called right after each token): prefill = time to the first token,
+    decode = the further tokens over the time from the first token to the last, both from one run (no difference of
+    two noisy timings)."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
 
     from mindvl.checkpoint import load_pretrained
     from mindvl.infer import Prompt, generate
+
+    mindvl_generate = importlib.import_module("mindvl.infer.generate")  # the module (the package exports the function)
 
     ours = load_pretrained(folder / "mindvl").eval()
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder / "hf", attn_implementation="sdpa",
@@ -492,7 +543,20 @@ def section_generate(args, folder: Path) -> list[str]:
         ids = torch.cat([text[:20], torch.tensor([VISION_START]), torch.full((80,), IMAGE_TOKEN),
                          torch.tensor([VISION_END]), text[20:]])  # 281 tokens
         prompts.append(Prompt(ids, torch.randn(320, 1176, generator=gen), torch.tensor([grid])))
-    new = args.new_tokens
+    stamps: list[float] = []
+    choose = mindvl_generate.next_tokens
+
+    def stamped_choice(*a, **kw):
+        out = choose(*a, **kw)
+        stamps.append(time.perf_counter())
+        return out
+
+    mindvl_generate.next_tokens = stamped_choice  # generate() looks the function up in its module at each step
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def ours_run(batch, n):
         return generate(ours, prompts[:batch], n)
@@ -504,28 +568,33 @@ def section_generate(args, folder: Path) -> list[str]:
                           pixel_values=torch.cat([p.pixel_values for p in prompts[:batch]]),
                           image_grid_thw=torch.cat([p.image_grid_thw for p in prompts[:batch]]),
                           mm_token_type_ids=(ids == IMAGE_TOKEN).long(), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False)
+                          do_sample=False, stopping_criteria=StoppingCriteriaList([Stamp()]))
         return out[:, ids.shape[1]:].tolist()
 
-    first = ours_run(1, 8)[0]
-    if first != hf_run(1, 8)[0]:
-        print("  note: greedy tokens differ between mindvl and transformers (random weights; near-ties in fp32)")
-    times: dict[str, list[float]] = {}
-    for _ in range(args.rounds * 2):
-        for name, fn in (("mindvl", ours_run), ("hf", hf_run)):
+    new = args.new_tokens
+    same = ours_run(1, 8)[0] == hf_run(1, 8)[0]  # also warms both arms up
+    ours_run(4, 2), hf_run(4, 2)
+    prefill: dict[str, list[float]] = {}
+    decode: dict[str, list[float]] = {}
+    for r in range(args.rounds * 2):
+        arms = (("mindvl", ours_run), ("hf", hf_run))
+        for name, fn in (arms if r % 2 == 0 else arms[::-1]):
             for batch in (1, 4):
-                for n in (1, new):
-                    t0 = time.perf_counter()
-                    fn(batch, n)
-                    times.setdefault(f"{name}-{batch}-{n}", []).append(time.perf_counter() - t0)
-    lines = [f"greedy generation, prompts of 281 tokens with one 224x280 image (80 image tokens), "
-             f"{new} new tokens; prefill = time to the first token, decode = further tokens / their time:",
-             "| measure | mindvl | transformers | ratio |", "|---|---|---|---|"]
+                stamps.clear()
+                t0 = time.perf_counter()
+                fn(batch, new)
+                if len(stamps) != new:
+                    raise SystemExit(f"{name}: {len(stamps)} token stamps for {new} tokens")
+                prefill.setdefault(f"{name}-{batch}", []).append(stamps[0] - t0)
+                decode.setdefault(f"{name}-{batch}", []).append(batch * (new - 1) / (stamps[-1] - stamps[0]))
+    mindvl_generate.next_tokens = choose
+    lines = [f"greedy generation, prompts of 281 tokens with one 224x280 image (80 image tokens), {new} new tokens, "
+             f"{args.rounds * 2} rounds; prefill = time to the first token, decode = the further tokens over their "
+             f"time; greedy tokens {'equal' if same else 'DIFFER (random weights: near-ties in fp32)'}:",
+             "| measure | mindvl | transformers | mindvl vs transformers (>1: mindvl faster) |", "|---|---|---|---|"]
     for batch in (1, 4):
-        pre_o, pre_h = times[f"mindvl-{batch}-1"], times[f"hf-{batch}-1"]
-        dec_o = [batch * (new - 1) / max(a - b, 1e-9) for a, b in zip(times[f"mindvl-{batch}-{new}"], pre_o,
-                                                                       strict=True)]
-        dec_h = [batch * (new - 1) / max(a - b, 1e-9) for a, b in zip(times[f"hf-{batch}-{new}"], pre_h, strict=True)]
+        pre_o, pre_h = prefill[f"mindvl-{batch}"], prefill[f"hf-{batch}"]
+        dec_o, dec_h = decode[f"mindvl-{batch}"], decode[f"hf-{batch}"]
         lines.append(f"| prefill ms, batch {batch} | {spread([1e3 * x for x in pre_o])} | "
                      f"{spread([1e3 * x for x in pre_h])} | {ratio(pre_o, pre_h, False)} |")
         lines.append(f"| decode tokens/s, batch {batch} | {spread(dec_o)} | {spread(dec_h)} | {ratio(dec_o, dec_h)} |")
@@ -535,7 +604,9 @@ def section_generate(args, folder: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="train,optim,image,resize-loss,generate")
-    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--train", default="32000:6:3,151936:4:2",
+                    help="train configurations VOCAB[:STEPS[:ROUNDS]], comma-separated")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of the optim/resize-loss/generate models")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--samples", type=int, default=28)
@@ -543,23 +614,26 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch threads of the train, optim, resize-loss and generate arms (image arms use one)")
     ap.add_argument("--tv-python", default=None, help="python of a venv with torchvision + transformers")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     set_vocab(args.vocab)
+    import torch
+
+    torch.set_num_threads(args.threads)
     if args.worker == "train":
         return train_worker(args)
     if args.worker == "image":
         return image_worker(args)
-    import torch
-
     print(f"bench_peers: torch {torch.__version__}, {torch.get_num_threads()} threads; {load_average()}", flush=True)
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        if {"train", "optim", "generate", "resize-loss"} & set(sections):
+        if {"optim", "generate", "resize-loss"} & set(sections):
             save_models(folder, args.vocab)
         for name in sections:
             fn = {"train": section_train, "optim": section_optim, "image": section_image,

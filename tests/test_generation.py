@@ -93,6 +93,33 @@ def check_prefill_and_decode_equal_full_forward(model: MindVL, prompts: list[Pro
             torch.testing.assert_close(got[b], full_logits(model, prompt, feed[b][:k]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["vl", "q3"])
+def test_prefill_runs_the_last_layer_for_the_last_tokens_only(models, name):
+    """The prefill's last layer computes queries and MLP for each prompt's last token alone: its cache is the same
+    bits as a full prefill's and its logits are the full forward's last rows (to float rounding)."""
+    model, prompts = models[name][1], PROMPTS[name]()
+    lm = model.language_model
+    packed = pack_prompts(prompts, torch.device("cpu"))
+    embeds = model.embed(packed["input_ids"], packed["pixel_values"], packed["image_grid_thw"])
+    positions = model.default_position_ids(packed["input_ids"], packed["cu_seqlens"], packed["image_grid_thw"])
+    cu, width = packed["cu_seqlens"], int((packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).max())
+    mlp_rows = []
+    hook = lm.layers[-1].mlp.register_forward_hook(lambda m, args, out: mlp_rows.append(args[0].shape[0]))
+    with torch.inference_mode():
+        full_cache, last_cache = model.new_kv_cache(len(prompts), 64), model.new_kv_cache(len(prompts), 64)
+        full = lm(embeds, positions, cu, width, cache=full_cache)
+        last = lm(embeds, positions, cu, width, cache=last_cache, last_only=True)
+    hook.remove()
+    assert mlp_rows == [int(cu[-1]), len(prompts)]
+    assert last.shape == (len(prompts), full.shape[1])
+    for a, b in zip(full_cache.keys + full_cache.values, last_cache.keys + last_cache.values, strict=True):
+        assert torch.equal(a, b)
+    assert full_cache.lengths == last_cache.lengths
+    torch.testing.assert_close(last, full[cu[1:].long() - 1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="last_only"):
+        lm(embeds, positions, cu, width, cache=last_cache, last_only=True)  # not an empty cache
+
+
 # --------------------------------------------------------------------------------------------- transformers
 
 

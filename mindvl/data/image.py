@@ -7,11 +7,11 @@ by 1/255 computed in float64 then cast to float32, float32 normalisation with th
 patch layout where the 2x2 patches that the merger fuses are consecutive rows and each row is flattened
 (C=3, T=2, 14, 14) with the single frame repeated along T.
 
-Speed and memory: the per-pixel arithmetic (rescale, normalise) depends only on the uint8 value and the channel, so
-it is precomputed once as a 3x256 float32 table with exactly the same operations; gathering from the table gives
-the same bits as doing the arithmetic on every pixel, several times faster. The pipeline keeps patches as uint8
-(`preprocess_uint8`, 588 bytes a row) while samples wait in the packing buffer and expands them to float32 rows
-(`expand_patches`) only when a pack is built, straight into the pack's buffer.
+Speed and memory: the per-pixel arithmetic (rescale, normalise) is float32 `(x / 255 - mean) / std`, the same bits
+as transformers' float64 rescale + float32 normalisation for every uint8 level (`_CLIP_TABLE` holds them; a test
+checks all 768). The pipeline keeps patches as uint8 (`preprocess_uint8`, 588 bytes a row) while samples wait in
+the packing buffer and expands them to float32 rows (`expand_patches`) only when a pack is built, straight into the
+pack's buffer, in one compiled pass when numba (the `fast` extra) is installed, else in a few numpy passes.
 
 Decoding (`load_image`) applies the EXIF orientation and refuses decompression bombs *before* the pixels are
 decoded. transformers' processor does not apply EXIF orientation itself, so equality tests pass the same already
@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
+
+from . import _compiled
 
 PATCH_SIZE = 14
 TEMPORAL_PATCH_SIZE = 2
@@ -183,12 +185,16 @@ def expand_patches(patches: np.ndarray, out: np.ndarray | None = None) -> np.nda
 
     Writes into `out` when given (e.g. a pack's shared-memory buffer), so the float rows are materialised once.
     float32 `(x / 255 - mean) / std` gives the same bits as transformers' float64 rescale, float32 cast and float32
-    normalisation for every uint8 level and channel (`_CLIP_TABLE` holds those; a test checks all 768), and runs
-    as a few SIMD passes instead of a table gather with 8-byte indices.
+    normalisation for every uint8 level and channel (`_CLIP_TABLE` holds those; a test checks all 768). With numba
+    it is one compiled pass (`mindvl.data._compiled`), else a few SIMD numpy passes.
     """
     n = patches.shape[0]
     if out is None:
         out = np.empty((n, PATCH_DIM), np.float32)
+    if _compiled.available() and n:
+        _compiled.expand_rows(patches.reshape(n, PATCH_PIXELS), _CLIP_MEAN32.reshape(CHANNELS),
+                              _CLIP_STD32.reshape(CHANNELS), out)
+        return out
     view = out.reshape(n, CHANNELS, TEMPORAL_PATCH_SIZE, PATCH_SIZE * PATCH_SIZE)
     frame = patches.reshape(n, CHANNELS, PATCH_SIZE * PATCH_SIZE).astype(np.float32)
     np.divide(frame, np.float32(255), out=frame)

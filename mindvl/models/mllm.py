@@ -297,9 +297,14 @@ class MindVL(nn.Module):
         embeds = self.embed(input_ids, pixel_values, image_grid_thw)
         position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, None, second_per_grid_ts)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache)  # [T, H]
-        last = cu_seqlens[1:].long() - 1
-        logits = self.language_model.logits(hidden[last])  # [B, V]
+        if isinstance(self.language_model, TextModel):
+            # Only the last token's logits are needed: the last layer runs its queries and MLP for those alone.
+            hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache,
+                                         last_only=True)  # [B, H]
+        else:
+            hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache)  # [T, H]
+            hidden = hidden[cu_seqlens[1:].long() - 1]
+        logits = self.language_model.logits(hidden)  # [B, V]
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device), lengths)
         top = position_ids.reshape(-1, position_ids.shape[-1]).amax(0)  # [T]: max over the M-RoPE axes
         next_pos = torch.full_like(lengths, -1).scatter_reduce(0, seq, top, "amax") + 1

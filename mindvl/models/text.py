@@ -8,6 +8,12 @@ Generation passes a `KVCache` (B independent sequences): the prefill is the same
 varlen attention as training, so its numerics are the full forward's) and also stores every token's K/V; each
 decode step then takes one token per sequence ([B, H]) and attends over that sequence's cached keys with a key
 mask. Without a cache the training path is unchanged.
+
+Generation needs only each prompt's last hidden state, so a prefill may ask for just those (`last_only`): every
+layer still computes keys and values for every token (the cache needs them), but the last layer's queries,
+attention output, o_proj and MLP run for B tokens instead of T (transformers computes the whole last layer and
+keeps only the last logits). That removes almost 1/num_layers of the language model's prefill work; the B kept rows
+go through the same ops on fewer rows, so they agree with the full forward to float rounding.
 """
 
 from __future__ import annotations
@@ -34,19 +40,23 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = "auto"
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV | None = None):  # x [T, H]
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV | None = None,
+                rows: torch.Tensor | None = None):
+        """x [T, H] -> [T, H]; with `rows` [B] (each cached sequence's last token, prefill only) -> [B, H]: keys and
+        values for all T tokens go into the cache, queries only for those rows."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
+        q = self.q_proj(xq).view(xq.shape[0], self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
         if kv is None:
             out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
         else:
-            out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+            out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None)
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class TextDecoderLayer(nn.Module):
@@ -57,8 +67,11 @@ class TextDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV | None = None,
+                rows: torch.Tensor | None = None):
+        """x [T, H] -> [T, H], or [B, H] for the given `rows` (see TextAttention)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv, rows)
+        x = (x if rows is None else x[rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -85,11 +98,13 @@ class TextModel(nn.Module):
         cu_seqlens: torch.Tensor | None,
         max_seqlen: int,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
 
         With `cache`: an empty cache takes a prefill (T packed prompt tokens, cu_seqlens [B+1]); a filled one takes
-        a decode step (T = B, one token per sequence, cu_seqlens unused).
+        a decode step (T = B, one token per sequence, cu_seqlens unused). `last_only` (a prefill) returns only each
+        prompt's last hidden state [B, H] and skips the rest of the last layer's work (see the module docstring).
         """
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section)
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates text in x.dtype
@@ -100,9 +115,13 @@ class TextModel(nn.Module):
             return self.norm(x)
         if len(cache.keys) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.keys)} layers but the model has {len(self.layers)}")
+        if last_only and (cu_seqlens is None or max(cache.lengths) > 0):
+            raise ValueError("last_only applies to a prefill into an empty cache (with cu_seqlens)")
         cache.begin(x.shape[0], cu_seqlens, x.device)
+        last = len(self.layers) - 1
+        rows = cu_seqlens[1:].long() - 1 if last_only else None  # [B]: each prompt's last token
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i))
+            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i), rows if i == last else None)
         cache.commit()
         return self.norm(x)
 
@@ -177,8 +196,12 @@ class KVCache:
                     store[i] = t[torch.tensor(rows, device=t.device)]
         self.lengths = [self.lengths[r] for r in rows]
 
-    def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, backend: str) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of this forward's tokens -> [T, Hq, D]; stores k/v first."""
+    def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False
+               ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this forward's tokens -> [T, Hq, D]; stores k/v first.
+
+        `last_only` (a prefill): q [B, Hq, D] holds each sequence's last query only, which sees all of its
+        sequence's keys, so it attends over the just-written cache like a decode step -> [B, Hq, D]."""
         step = self._step
         if self.keys[layer] is None:
             shape = (self.batch, k.shape[1], self.capacity)
@@ -187,15 +210,18 @@ class KVCache:
         keys, values = self.keys[layer], self.values[layer]
         keys[step.rows, :, step.slots] = k  # advanced indices around a slice: the indexed view is [T, Hkv, D]
         values[step.rows, :, step.slots] = v
-        if step.mask is None:
-            # The prefill attends within the new tokens only: the training path's varlen attention.
-            return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=backend)
+        mask = step.mask
+        if mask is None:
+            if not last_only:
+                # The prefill attends within the new tokens only: the training path's varlen attention.
+                return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=backend)
+            mask = step.last_mask()
         # One query per sequence, so the query heads sharing a KV head can stand in for query positions:
         # [B, Hkv, group, D] against [B, Hkv, width, D] is GQA without expanding K/V, and is a plain sdpa call.
         b, hq, d = q.shape
-        hkv, width = k.shape[1], step.mask.shape[-1]
+        hkv, width = k.shape[1], mask.shape[-1]
         out = F.scaled_dot_product_attention(
-            q.view(b, hkv, hq // hkv, d), keys[:, :, :width], values[:, :, :width], attn_mask=step.mask
+            q.view(b, hkv, hq // hkv, d), keys[:, :, :width], values[:, :, :width], attn_mask=mask
         )
         return out.reshape(b, hq, values.shape[-1])
 
@@ -206,6 +232,11 @@ class _Step:
     def __init__(self, rows, slots, new_lengths: list[int], mask: torch.Tensor | None) -> None:
         self.rows, self.slots, self.new_lengths, self.mask = rows, slots, new_lengths, mask
 
+    def last_mask(self) -> torch.Tensor:
+        """[B, 1, 1, width]: each row's last token sees every slot of its sequence (a prefill's last query)."""
+        lengths = torch.tensor(self.new_lengths, device=self.rows.device)
+        return (torch.arange(max(self.new_lengths), device=self.rows.device)[None, :] < lengths[:, None])[:, None, None]
+
 
 class LayerKV:
     """One layer's view of a KVCache, handed down to its attention."""
@@ -213,5 +244,5 @@ class LayerKV:
     def __init__(self, cache: KVCache, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
-    def attend(self, q, k, v, cu_seqlens, max_seqlen, backend: str) -> torch.Tensor:
-        return self.cache.attend(self.layer, q, k, v, cu_seqlens, max_seqlen, backend)
+    def attend(self, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False) -> torch.Tensor:
+        return self.cache.attend(self.layer, q, k, v, cu_seqlens, max_seqlen, backend, last_only)

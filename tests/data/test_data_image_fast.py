@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mindvl.data import DataConfig
+from mindvl.data import DataConfig, _compiled
 from mindvl.data.image import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -27,7 +27,12 @@ def transformers_normalise(levels: np.ndarray) -> np.ndarray:
     return (rescaled - mean) / std
 
 
-def test_expansion_is_bit_identical_for_every_level_and_channel():
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
+def test_expansion_is_bit_identical_for_every_level_and_channel(path, monkeypatch):
+    if path == "compiled":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("MINDVL_DATA_NUMPY", "1" if path == "numpy" else "0")
+    assert _compiled.available() == (path == "compiled")
     patches = np.resize(np.arange(256, dtype=np.uint8), (4, 588))  # every level in every channel
     out = expand_patches(patches).reshape(4, 3, 2, 196)  # (row, C, T, pixel)
     for c in range(3):
@@ -37,6 +42,9 @@ def test_expansion_is_bit_identical_for_every_level_and_channel():
         assert np.array_equal(out[:, c, 0], expected) and np.array_equal(out[:, c, 1], expected), c
     buffer = np.full((4, 1176), np.nan, np.float32)
     assert expand_patches(patches, out=buffer) is buffer and np.array_equal(buffer, out.reshape(4, 1176))
+    pack = np.full((7, 1176), np.nan, np.float32)  # rows of a pack's buffer, as the packer writes them
+    expand_patches(patches, out=pack[2:6])
+    assert np.array_equal(pack[2:6], out.reshape(4, 1176)) and np.isnan(pack[[0, 1, 6]]).all()
 
 
 def photo(h: int, w: int, seed: int) -> Image.Image:
