@@ -1,6 +1,10 @@
 """FLOPs counting for MFU, against values worked out by hand."""
 
+import pytest
+import torch
+
 from mindvl.models import MindVLConfig, TextConfig, VisionConfig
+from mindvl.train import metrics
 from mindvl.train.metrics import forward_flops, training_flops
 
 
@@ -56,3 +60,20 @@ def test_deepseek_flops_by_hand():
                       q_lora_rank=3, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
     cfg = MindVLConfig(text=text, vision=None)
     assert forward_flops(cfg, [1], labelled_tokens=1) == 1584 + 80 + 160
+
+
+def test_peak_flops_override_replaces_the_cpu_probe(monkeypatch):
+    """MINDVL_PEAK_TFLOPS wins over the datasheet/probe; a bad value is a one-line error naming the variable; unset,
+    the CPU peak is the measured matmul."""
+    probed = []
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda *a, **k: probed.append(1) or 3.0e11)
+    monkeypatch.setenv(metrics.PEAK_ENV, "989")
+    assert metrics.device_peak_flops(torch.device("cpu")) == (989e12, "MINDVL_PEAK_TFLOPS=989")
+    assert probed == []
+    for bad in ("fast", "0", "-5", "nan"):
+        monkeypatch.setenv(metrics.PEAK_ENV, bad)
+        with pytest.raises(ValueError, match="MINDVL_PEAK_TFLOPS"):
+            metrics.device_peak_flops(torch.device("cpu"))
+    monkeypatch.delenv(metrics.PEAK_ENV)
+    assert metrics.device_peak_flops(torch.device("cpu"))[0] == 3.0e11
+    assert probed == [1]

@@ -13,6 +13,7 @@ has no backward at all. With everything trainable this is the usual 3x the forwa
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ import torch
 
 from mindvl.models.config import MindVLConfig, TextConfig
 
+PEAK_ENV = "MINDVL_PEAK_TFLOPS"
 # Dense bf16 tensor-core peaks in TFLOP/s (vendor datasheets; Ascend from the MindVL paper's Table 10).
 PEAK_TFLOPS_BF16 = {
     "H100": 989.0,
@@ -120,7 +122,19 @@ def training_flops(config: MindVLConfig, text_lengths: list[int], labelled_token
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[float, str]:
-    """(peak FLOP/s, how it was obtained): the datasheet table for known accelerators, else a measured matmul."""
+    """(peak FLOP/s, how it was obtained): `MINDVL_PEAK_TFLOPS` when set (a device missing from the datasheet table,
+    or a fixed figure so MFU is comparable across runs), the datasheet table for known accelerators, else a measured
+    matmul."""
+    override = os.environ.get(PEAK_ENV, "").strip()
+    if override:
+        try:
+            tflops = float(override)
+        except ValueError:
+            tflops = float("nan")
+        if not tflops > 0:
+            raise ValueError(f"{PEAK_ENV}={override!r}: give the device's peak in TFLOP/s as a positive number "
+                             "(e.g. 989 for an H100 in bf16), or unset it to use the datasheet table / a measured peak")
+        return tflops * 1e12, f"{PEAK_ENV}={override}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, tflops in PEAK_TFLOPS_BF16.items():
