@@ -159,7 +159,7 @@ class Cluster(GlobalStage):
             if self.o.semdedup is None or n < 2:
                 continue
             keep = semdedup_rows(lambda a, b, li=li: spill_read(emb(li), np.float32, a, b - a, dim), n,
-                                 self.o.semdedup)
+                                 self.o.semdedup, SEMDEDUP_BLOCK)
             dup_counts[li] = int((~keep).sum())
             spill_append(keep_path(li), keep)
             if dup_counts[li]:  # the variance is that of the survivors
@@ -241,6 +241,7 @@ class Cluster(GlobalStage):
         return leaf
 
 
+SEMDEDUP_BLOCK = 1024  # members compared at once: a 1024 x 1024 similarity tile (4 MB)
 KEPT, SEMANTIC_DUPLICATE, NOT_SAMPLED = 0, 1, 2
 REASONS = {SEMANTIC_DUPLICATE: "semantic_duplicate", NOT_SAMPLED: "not_sampled"}
 

@@ -20,7 +20,9 @@ Bounded driver memory (the global index): the driver streams the sidecars once a
 (block value, hash, SHA-1 prefix, corpus position) into 2^p partition files by the top p bits of the block value,
 with p chosen so a partition holds about `partition_rows` rows. A flip mask that changes top bits t sends the
 lookup to partition A ^ t, so partition pairs (A, A ^ t) with popcount(t) <= r are joined, two partitions in
-memory at a time (32 bytes a row). Drops go to one spill file per shard, and the plan is emitted shard by shard.
+memory at a time (32 bytes a row, a few copies: about 130 MB at the default 2^20 rows) and at most CANDIDATES
+candidate pairs at once. Drops go to one spill file per shard, and the plan is emitted shard by shard. The
+partitions are read (1 + p + ... + C(p, r)) times each per block: the I/O price of the bound.
 Limit: the bound assumes hashes spread over block values; a corpus dominated by one hash (e.g. millions of blank
 images) puts them all in one partition and one bucket.
 """
@@ -39,7 +41,8 @@ from ..io import read_sidecar, spill_append, spill_read
 from .base import GlobalStage, Options, register, with_first_image
 
 BLOCK = 2048
-QUERY_CHUNK = 1 << 16  # queries joined at once: bounds the candidate arrays
+CANDIDATES = 1 << 20  # candidate pairs checked at once (about 40 bytes each): bounds the join's working memory
+LOOKUP = 20  # measured: one searchsorted lookup costs about as much as 20 vectorised candidate checks
 ROW = np.dtype([("v", "<u8"), ("h", "<u8"), ("sha", "<u8"), ("gid", "<i8")])  # gid = shard << 32 | row
 
 
@@ -76,15 +79,15 @@ def n_masks(width: int, radius: int) -> int:
 
 
 def block_layout(max_distance: int, n: int) -> tuple[list[tuple[int, int]], int]:
-    """([(bit offset, width)] of the m blocks, flip radius r = d // m), m minimising the expected lookups and
-    candidates per record: m x masks(w, r) x (1 + n / 2^w)."""
+    """([(bit offset, width)] of the m blocks, flip radius r = d // m), m minimising the expected work per record:
+    m x masks(w, r) x (LOOKUP + n / 2^w), a lookup (binary search) costing about LOOKUP candidate checks."""
     best = None
     for m in range(1, min(max_distance + 1, 64) + 1):
         w, r = 64 // m, max_distance // m
         masks = n_masks(w, r)
         if masks > 1 << 22:
             continue
-        cost = m * masks * (1 + n / 2.0 ** w)
+        cost = m * masks * (LOOKUP + n / 2.0 ** w)
         if best is None or cost < best[0]:
             best = (cost, m)
     m = best[1] if best else max_distance + 1
@@ -115,9 +118,13 @@ def join(q: np.ndarray, d: np.ndarray, masks: np.ndarray, max_distance: int, blo
         return empty, empty, np.zeros(0, dtype=bool)
     order = np.argsort(d["v"], kind="stable")
     dv, dh, dsha, dgid = d["v"][order], d["h"][order], d["sha"][order], d["gid"][order]
+    q = q[np.argsort(q["v"], kind="stable")]  # sorted queries: v ^ mask stays in few runs, lookups stay in cache
     out_q, out_d, out_x = [], [], []
-    for a in range(0, len(q), QUERY_CHUNK):
-        qc = q[a:a + QUERY_CHUNK]
+    # queries per step: at most CANDIDATES candidates per mask, even if every lookup hits the largest bucket
+    bucket = int(np.diff(np.flatnonzero(np.r_[True, dv[1:] != dv[:-1], True])).max())
+    step = max(1, CANDIDATES // bucket)
+    for a in range(0, len(q), step):
+        qc = q[a:a + step]
         for mask in masks:
             keys = qc["v"] ^ mask
             lo = np.searchsorted(dv, keys, side="left")
