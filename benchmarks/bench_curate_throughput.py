@@ -15,6 +15,7 @@ the driver of 2 local workers: flat when streaming and when the global plans kee
 
 `--dedup`: near-duplicate search time against corpus size (synthetic 64-bit hashes with planted near copies): the
 old full pair scan, multi-index hashing in memory, and the phash_dedup plan with its spill partitions.
+`--recall`: duplicate recall per variant and false drops at several max_distance values (not a timing).
 
     python benchmarks/bench_curate_throughput.py --n 2000 --rounds 3
     python benchmarks/bench_curate_throughput.py --memory --n 1500 --scale 8
@@ -152,6 +153,33 @@ def dedup_scaling(args) -> None:
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
+def dedup_recall(args) -> None:
+    """Duplicate recall per variant and distinct images dropped, for several max_distance values (not a timing)."""
+    from mindvl.curate import iter_output
+    from mindvl.curate.synth import VARIANTS
+
+    tmp = tempfile.mkdtemp(prefix="bench-recall-")
+    try:
+        truth = pairs_corpus(os.path.join(tmp, "in"), 1000, dup_fraction=0.5, n_files=4, seed=21)
+        dups = list(truth.original_of)
+        print(f"{len(truth.names) - len(dups)} distinct images, {len(dups)} duplicates")
+        print("| max_distance | duplicate recall | " + " / ".join(VARIANTS) + " | distinct images dropped |")
+        print("|---|---|---|---|")
+        for dist in (6, 8, 10, 12):
+            out = os.path.join(tmp, f"out{dist}")
+            cfg = PipelineConfig.from_dict({"inputs": truth.files, "output": out,
+                                            "stages": [{"phash_dedup": {"max_distance": dist}}]})
+            run_pipeline(cfg, report=False)
+            kept = {item.record["id"] for item in iter_output(out)}
+            per = [sum(n not in kept for n in dups if f"_{k}." in n) / max(1, sum(f"_{k}." in n for n in dups))
+                   for k in VARIANTS]
+            false = sum(n not in kept for n in truth.names if n not in truth.original_of)
+            print(f"| {dist} | {sum(n not in kept for n in dups) / len(dups):.3f} | "
+                  + " / ".join(f"{r:.3f}" for r in per) + f" | {false} |", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000)
@@ -163,6 +191,7 @@ def main() -> None:
     ap.add_argument("--memory-child", type=int, default=None)
     ap.add_argument("--engine", default="inprocess")
     ap.add_argument("--dedup", action="store_true")
+    ap.add_argument("--recall", action="store_true")
     ap.add_argument("--dedup-sizes", type=int, nargs="+", default=[10_000, 30_000, 100_000, 300_000, 1_000_000])
     ap.add_argument("--scan-max", type=int, default=100_000)
     ap.add_argument("--tmp", default=None)
@@ -172,6 +201,9 @@ def main() -> None:
         return
     if args.dedup:
         dedup_scaling(args)
+        return
+    if args.recall:
+        dedup_recall(args)
         return
     tmp = tempfile.mkdtemp(prefix="bench-curate-")
     try:
