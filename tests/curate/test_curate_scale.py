@@ -144,7 +144,7 @@ def _plan_peak(stage, shards, workdir) -> int:
 @pytest.mark.parametrize("which", ["phash_dedup", "cluster"])
 def test_driver_memory_of_a_plan_does_not_grow_with_the_corpus(tmp_path, which, monkeypatch):
     """Same shard size, 4x the shards: the plan's peak Python/numpy allocation (tracemalloc) stays flat: here
-    0.44 -> 0.49 MB (dedup) and 1.18 -> 1.20 MB (cluster). The plans before spill files held every key, hash and
+    0.39 -> 0.43 MB (dedup) and 1.19 -> 1.19 MB (cluster). The plans before spill files held every key, hash and
     pair, or key and embedding: 38.2 -> 44.8 MB and 12.0 -> 27.9 MB on these corpora."""
     if which == "cluster":
         pytest.importorskip("faiss")
@@ -153,7 +153,7 @@ def test_driver_memory_of_a_plan_does_not_grow_with_the_corpus(tmp_path, which, 
     monkeypatch.setattr("mindvl.curate.stages.cluster.SEMDEDUP_BLOCK", 128)
     monkeypatch.setattr("mindvl.curate.stages.cluster.SPILL_CHUNK", 256)
     peaks = []
-    for n in (3000, 12000):
+    for n in (600, 3000, 12000):  # the first run only warms up (lazy imports, numpy caches): not compared
         rng = np.random.default_rng(n)
         if which == "phash_dedup":
             h = _planted_hashes(n, 4, 6, seed=n)
@@ -165,4 +165,4 @@ def test_driver_memory_of_a_plan_does_not_grow_with_the_corpus(tmp_path, which, 
         d = tmp_path / str(n)
         d.mkdir()
         peaks.append(_plan_peak(stage, _sidecars(d, cols, per_shard=500), str(d)))
-    assert peaks[1] < peaks[0] + 200_000, peaks  # < 23 bytes a record more
+    assert peaks[2] < peaks[1] + 200_000, peaks  # < 23 bytes a record more
