@@ -8,7 +8,8 @@ folder):
 2. one pass assigns every record to its centroid and measures each cluster's size and radius (root mean squared
    distance to its centroid); clusters above `max_cluster_size` or `max_radius` are *re-clustered* with their own
    k-means (ceil(size / max_cluster_size) sub-clusters, or 2 when only the radius is over), trained on their own
-   bounded sample (at most `max_train` records of each): the paper's re-clustering of overly broad clusters;
+   bounded sample (at most `max_train` records of each, collected in one more pass only when some cluster is
+   too broad): the paper's re-clustering of overly broad clusters;
 3. a second pass assigns every record to its leaf (parent centroid, then child centroid), appends its embedding
    and its priority (the seeded hash of its key) to the leaf's spill files, its leaf to the shard's spill file,
    and adds it to the leaf's streaming statistics (count, sum and sum of squares of the offsets to the leaf
@@ -105,28 +106,35 @@ class Cluster(GlobalStage):
         top = kmeans(sample.x, self.o.k, self.seed, self.o.niter)
         dim = top.shape[1]
         del sample
-        # 2. sizes and radii of the top-level clusters, and a bounded sample of each for re-clustering
+        # 2. sizes and radii of the top-level clusters; then, only if some are too broad, a bounded sample of each
+        # of those (one more pass) for re-clustering
         sizes = np.zeros(len(top), dtype=np.int64)
         sq = np.zeros(len(top))
-        per_cluster = [_Smallest(self.o.max_train) for _ in range(len(top))]
         for path in paths:
-            keys, x = _read(path)
+            _keys, x = _read(path)
             if x is None:
                 continue
             idx, d2 = assign(x, top)
             np.add.at(sizes, idx, 1)
             np.add.at(sq, idx, d2)
-            pri = self._priorities(keys)
-            for c in np.unique(idx):
-                per_cluster[c].add(pri[idx == c], x[idx == c])
         radius = np.sqrt(sq / np.maximum(sizes, 1))
-        children: dict[int, np.ndarray] = {}
+        broad: dict[int, int] = {}  # cluster -> number of sub-clusters
         for c in range(len(top)):
             too_big = self.o.max_cluster_size is not None and sizes[c] > self.o.max_cluster_size
             too_wide = self.o.max_radius is not None and radius[c] > self.o.max_radius
             if (too_big or too_wide) and sizes[c] >= 2:
-                sub_k = math.ceil(sizes[c] / self.o.max_cluster_size) if too_big else 2
-                children[c] = kmeans(per_cluster[c].x, sub_k, self.seed + 1 + c, self.o.niter)
+                broad[c] = math.ceil(sizes[c] / self.o.max_cluster_size) if too_big else 2
+        per_cluster = {c: _Smallest(self.o.max_train) for c in broad}
+        for path in paths if broad else []:
+            keys, x = _read(path)
+            if x is None:
+                continue
+            idx, _ = assign(x, top)
+            pri = self._priorities(keys)
+            for c in np.unique(idx):
+                if c in per_cluster:
+                    per_cluster[c].add(pri[idx == c], x[idx == c])
+        children = {c: kmeans(per_cluster[c].x, sub_k, self.seed + 1 + c, self.o.niter) for c, sub_k in broad.items()}
         del per_cluster
         # 3. leaf assignment: embeddings and priorities spilled per leaf, leaves per shard, streaming statistics
         leaves = [str(c) if c not in children else f"{c}.{j}" for c in range(len(top))
