@@ -43,7 +43,8 @@ from .base import GlobalStage, Options, register, with_first_image
 BLOCK = 2048
 CANDIDATES = 1 << 20  # candidate pairs checked at once (about 40 bytes each): bounds the join's working memory
 LOOKUP = 2  # measured: one lookup (two binary searches) costs about as much as 2 vectorised candidate checks
-TABLE_PER_ROW = 16  # a bucket-start table is used when it has at most 16 entries (64 bytes) a data row
+TABLE_PER_ROW = 16  # a bucket-start table is used when it has at most 16 entries (64 bytes) a data row,
+TABLE_MIN = 1 << 22  # or at most 2^22 entries (16 MB)
 ROW = np.dtype([("v", "<u8"), ("h", "<u8"), ("sha", "<u8"), ("gid", "<i8")])  # gid = shard << 32 | row
 
 
@@ -125,10 +126,10 @@ def join(q: np.ndarray, d: np.ndarray, masks: np.ndarray, max_distance: int, blo
     bucket = int(np.diff(np.flatnonzero(np.r_[True, dv[1:] != dv[:-1], True])).max())
     step = max(1, CANDIDATES // bucket)
     # where the block values are dense enough, a table of bucket starts (two gathers a lookup) replaces the two
-    # binary searches: TABLE_PER_ROW int32 entries a data row at most
+    # binary searches: at most max(TABLE_PER_ROW entries a data row, TABLE_MIN) int32 entries
     base, span = dv[0], int(dv[-1] - dv[0]) + 1
     starts = (np.searchsorted(dv, base + np.arange(span + 1, dtype=np.uint64)).astype(np.int32)
-              if span <= TABLE_PER_ROW * len(dv) + (1 << 16) and len(dv) < 1 << 31 else None)
+              if span <= max(TABLE_PER_ROW * len(dv), TABLE_MIN) and len(dv) < 1 << 31 else None)
     for a in range(0, len(q), step):
         qc = q[a:a + step]
         for mask in masks:
