@@ -267,3 +267,39 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# ------------------------------------------------------------------------------------ driver-side spill files
+# Global plans keep per-record state on disk, not in the driver's memory: flat binary files of one numpy dtype,
+# appended shard by shard (so rows are in corpus order) and read back in bounded chunks.
+
+SPILL_CHUNK = 1 << 18  # rows per chunk read back (at most a few MB for the row types used here)
+
+
+def spill_append(path: str, rows: np.ndarray) -> None:
+    """Append rows (a 1-D or 2-D array of a fixed dtype) to a flat binary file."""
+    with open(path, "ab") as f:
+        np.ascontiguousarray(rows).tofile(f)
+
+
+def spill_rows(path: str, dtype: Any, width: int = 1) -> int:
+    """Number of rows in a spill file (0 when it does not exist)."""
+    if not os.path.exists(path):
+        return 0
+    return os.path.getsize(path) // (np.dtype(dtype).itemsize * width)
+
+
+def spill_read(path: str, dtype: Any, start: int = 0, count: int = -1, width: int = 1) -> np.ndarray:
+    """Rows [start, start + count) of a spill file ([n] or [n, width])."""
+    if not os.path.exists(path):
+        return np.zeros((0, width) if width > 1 else 0, dtype=dtype)
+    item = np.dtype(dtype).itemsize * width
+    a = np.fromfile(path, dtype=dtype, count=count * width if count >= 0 else -1, offset=start * item)
+    return a.reshape(-1, width) if width > 1 else a
+
+
+def spill_chunks(path: str, dtype: Any, width: int = 1, chunk: int = SPILL_CHUNK):
+    """The rows of a spill file in chunks of at most `chunk` rows, in file order."""
+    n = spill_rows(path, dtype, width)
+    for a in range(0, n, chunk):
+        yield spill_read(path, dtype, a, min(chunk, n - a), width)

@@ -3,10 +3,11 @@
 The stage list is cut at every global stage into *segments*. Segment k, run independently per shard by the
 engine's workers: apply global stage k-1's plan (drop/annotate by key), run the map stages, run global stage k's
 `annotate`, write the shard (intermediate: `OUT/.work/seg<k>/<shard>.tar` + sidecar arrays; last segment:
-`OUT/shards/<shard>.tar`). Between segments the driver runs the global stage's `plan` over the sidecars and saves
-one plan file per shard. Memory per worker is one batch, the stages' models and one shard's sidecar vectors (an
-embedding row per record of the shard: 100k records x 768 float32 = 300 MB; `split` makes shards smaller); the
-driver holds what a global plan needs (see each global stage).
+`OUT/shards/<shard>.tar`). Between segments the driver runs the global stage's `plan` over the sidecars and writes
+one plan file per shard, shard by shard. Memory per worker is one batch, the stages' models and one shard's sidecar
+vectors (an embedding row per record of the shard: 100k records x 768 float32 = 300 MB; `split` makes shards
+smaller); the driver holds what a global plan needs, which does not grow with the number of records (per-record
+state goes to spill files in the plan's folder; see GlobalStage.plan and each global stage).
 
 Resume: a shard is done when its `.done.json` exists (written after the shard was renamed into place), a plan when
 its `summary.json` exists; a rerun skips both, so an interrupted run redoes only unfinished shards and never
@@ -321,9 +322,14 @@ def _ensure_plan(layout: Layout, seg: Segment, stages: list[Stage], tasks: list[
     sidecars = [(t.name, layout.shard_in(seg, t.name)[1]) for t in tasks]
     sidecars = [(n, p) for n, p in sidecars if os.path.exists(p)]
     t0 = time.perf_counter()
-    per_shard, summary = stage.plan(sidecars, pdir)
-    for name, plan in per_shard.items():
+    for name in os.listdir(pdir):  # an interrupted plan's shard files: this plan writes its own
+        if name.endswith(".json"):
+            os.remove(os.path.join(pdir, name))
+
+    def emit(name: str, plan: dict) -> None:  # one shard's plan to disk as soon as it is decided
         write_json_atomic(os.path.join(pdir, f"{name}.json"), plan)
+
+    summary = stage.plan(sidecars, pdir, emit)
     summary = dict(summary, seconds=time.perf_counter() - t0)
     write_json_atomic(summary_path, summary)
     return summary

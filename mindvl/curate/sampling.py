@@ -13,6 +13,8 @@ quotas are rounded by largest remainder so they sum exactly to min(target, N).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy as np
 
 
@@ -86,14 +88,71 @@ def semdedup(x: np.ndarray, threshold: float, block: int = 1024) -> np.ndarray:
     """SemDeDup within one cluster: drop member i if its cosine similarity to any earlier member (j < i) is
     >= threshold (Abbas et al. 2023, in the given order). Returns a keep mask [n]. Blockwise: memory block x n."""
     x = np.asarray(x, dtype=np.float32)
-    n = len(x)
+    return semdedup_rows(lambda a, b: x[a:b], len(x), threshold, block)
+
+
+def semdedup_rows(rows: Callable[[int, int], np.ndarray], n: int, threshold: float, block: int = 1024) -> np.ndarray:
+    """`semdedup` over a cluster read piecewise: `rows(a, b)` returns members [a, b) as float [b - a, d] (e.g. from
+    a spill file), so memory is a few blocks of rows and a block x block similarity tile, whatever n is.
+    Returns the keep mask [n] (one byte a member)."""
     keep = np.ones(n, dtype=bool)
     if n < 2:
         return keep
-    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    def unit(a: int, b: int) -> np.ndarray:
+        x = np.asarray(rows(a, b), dtype=np.float32)
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
     for a in range(0, n, block):
-        sims = x[a:a + block] @ x[: a + block].T  # [b, a+b]: each row against every earlier member
-        rows = np.arange(a, min(a + block, n))
-        sims[np.arange(len(rows))[:, None] <= (np.arange(sims.shape[1])[None, :] - a)] = -np.inf
-        keep[rows] = sims.max(1) < threshold
+        xa = unit(a, min(a + block, n))
+        best = np.full(len(xa), -np.inf, dtype=np.float32)
+        for c in range(0, a + len(xa), block):  # every earlier block, then the block itself (lower triangle)
+            xc = xa if c == a else unit(c, min(c + block, n))
+            sims = xa @ xc.T  # [rows of a, rows of c]
+            if c == a:
+                sims[np.triu_indices(len(xa))] = -np.inf  # j >= i is not an earlier member
+            best = np.maximum(best, sims.max(1))
+        keep[a:a + len(xa)] = best < threshold
     return keep
+
+
+def select_smallest(chunks: Callable[[], Iterator[np.ndarray]], k: int, gather: int = 1 << 20) -> tuple[int, int]:
+    """The exact rule that keeps the `k` smallest of a stream of uint64 values, ties in stream order: keep every
+    value < t and the first `take` values == t. `chunks()` yields the stream again on every call (a pass).
+
+    Streaming radix select, 16 bits a pass, in bounded memory (a 65536-bin histogram; the remaining candidates
+    are collected and sorted once at most `gather` of them are left): at most 4 passes, typically 1-2.
+    Returns (t, take); k <= 0 keeps nothing (take 0)."""
+    if k <= 0:
+        return 0, 0
+    prefix, bits = 0, 0  # the candidates are the values whose top `bits` bits equal prefix's
+    while True:
+        hist = np.zeros(1 << 16, dtype=np.int64)
+        cand: list[np.ndarray] | None = []
+        n_cand = 0
+        for v in chunks():
+            v = np.asarray(v, dtype=np.uint64)
+            if bits:
+                v = v[(v >> np.uint64(64 - bits)) == np.uint64(prefix >> (64 - bits))]
+            n_cand += len(v)
+            if cand is not None:
+                cand.append(v)
+                if n_cand > gather:
+                    cand = None
+            hist += np.bincount(((v >> np.uint64(48 - bits)) & np.uint64(0xFFFF)).astype(np.int64),
+                                minlength=1 << 16)
+        if k > n_cand:  # fewer values than asked: keep them all
+            k = n_cand
+            if k == 0:
+                return 0, 0
+        if cand is not None:
+            v = np.sort(np.concatenate(cand)) if cand else np.zeros(0, np.uint64)
+            t = v[k - 1]
+            return int(t), int(k - np.searchsorted(v, t, side="left"))
+        cum = np.cumsum(hist)
+        digit = int(np.searchsorted(cum, k, side="left"))  # first digit whose cumulative count reaches k
+        k -= int(cum[digit - 1]) if digit else 0
+        prefix |= digit << (48 - bits)
+        bits += 16
+        if bits == 64:
+            return prefix, k

@@ -8,6 +8,7 @@ import pytest
 from mindvl.curate.io import ShardWriter
 from mindvl.curate.items import Item
 from mindvl.curate.sampling import semdedup, variance_quotas
+from mindvl.curate.stages.base import plan_in_memory
 from mindvl.curate.stages.cluster import Cluster
 
 pytest.importorskip("faiss")
@@ -62,7 +63,7 @@ def test_variance_proportional_quotas_on_planted_clusters(tmp_path):
     sigmas, n_per = [0.5, 1.0, 2.0, 4.0], [150, 150, 150, 150]
     shards, keys, x, labels = _planted(tmp_path, sigmas, n_per)
     stage = Cluster({"k": 4, "target": 200, "floor": 10}, "cluster", seed=0)
-    plans, report = stage.plan(shards, str(tmp_path))
+    plans, report = plan_in_memory(stage, shards, str(tmp_path))
     clusters = report["clusters"]
     assert sorted(c["size"] for c in clusters) == [150] * 4
     # each found cluster is one planted cluster; its variance is the planted one (dim * sigma^2)
@@ -83,13 +84,14 @@ def test_variance_proportional_quotas_on_planted_clusters(tmp_path):
     assert all(reason == "not_sampled" for p in plans.values() for reason in p["drop"].values())
     assert sum(len(p["meta"]) for p in plans.values()) == 200
     # deterministic: the same plan again
-    assert Cluster({"k": 4, "target": 200, "floor": 10}, "cluster", seed=0).plan(shards, str(tmp_path))[0] == plans
+    again = Cluster({"k": 4, "target": 200, "floor": 10}, "cluster", seed=0)
+    assert plan_in_memory(again, shards, str(tmp_path))[0] == plans
 
 
 def test_broad_clusters_are_reclustered_and_semdedup_removes_planted_duplicates(tmp_path):
     # 2 planted groups, k=1: the single top-level cluster is too big and is split into sub-clusters
     shards, keys, x, labels = _planted(tmp_path, [1.0, 1.0], [120, 120], n_shards=2)
-    plans, report = Cluster({"k": 1, "max_cluster_size": 150}, "cluster", 0).plan(shards, str(tmp_path))
+    plans, report = plan_in_memory(Cluster({"k": 1, "max_cluster_size": 150}, "cluster", 0), shards, str(tmp_path))
     assert report["reclustered"] == [0]
     assert sorted(c["cluster"] for c in report["clusters"]) == ["0.0", "0.1"]
     assert sorted(c["size"] for c in report["clusters"]) == [120, 120]
@@ -108,7 +110,7 @@ def test_broad_clusters_are_reclustered_and_semdedup_removes_planted_duplicates(
             w.write(Item(f"{name}/{j:08d}", {}, [], "", arrays={"embedding": row}))
         w.close()
         shards2.append((name, str(tmp_path / f"d{name}.arrays.npz")))
-    plans, report = Cluster({"k": 3, "semdedup": 0.999}, "cluster", 0).plan(shards2, str(tmp_path))
+    plans, report = plan_in_memory(Cluster({"k": 3, "semdedup": 0.999}, "cluster", 0), shards2, str(tmp_path))
     drops = {k: r for p in plans.values() for k, r in p["drop"].items()}
     assert drops == {f"s00002/{j:08d}": "semantic_duplicate" for j in range(30)}
     assert sum(c["semantic_duplicates"] for c in report["clusters"]) == 30

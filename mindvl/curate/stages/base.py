@@ -8,13 +8,14 @@ options, the seed and the item, so any number of workers on any engine produce t
 A *global* stage needs the whole corpus before it can decide (deduplication across shards, clustering). It runs in
 three steps: `annotate(batch)` in the workers (compute what the decision needs, e.g. a hash or an embedding, stored in
 `item.arrays` and so in the shard's sidecar), `plan(shards, workdir)` once in the driver (reads only the sidecars,
-decides which keys to drop and which annotations to add, per shard), and the plan is applied by the workers in the
-next pass. Models are loaded lazily in `setup()`, once per worker process.
+decides which keys to drop and which annotations to add, and writes them shard by shard), and the plan is applied
+by the workers in the next pass. Models are loaded lazily in `setup()`, once per worker process.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,10 +158,30 @@ class GlobalStage(Stage):
         """Worker side, before the shard is written: add what `plan` reads from the sidecar."""
         return batch, []
 
-    def plan(self, shards: list[tuple[str, str]], workdir: str) -> tuple[dict[str, dict], dict[str, Any]]:
-        """Driver side: `shards` are (shard name, sidecar .npz path) in corpus order. Returns
-        ({shard name: {"drop": {key: reason}, "meta": {key: {field: value}}}}, report dict)."""
+    def plan(self, shards: list[tuple[str, str]], workdir: str, emit: Emit) -> dict[str, Any]:
+        """Driver side: `shards` are (shard name, sidecar .npz path) in corpus order. Calls `emit(shard name,
+        {"drop": {key: reason}, "meta": {key: {field: value}}})` at most once per shard (a shard never emitted
+        has an empty plan) and returns the report dict.
+
+        Memory contract: what the driver holds must not grow with the number of records (only with the number
+        of clusters, groups or shards, and the stage's bounded options): read the sidecars shard by shard, keep
+        per-record state in spill files under `workdir` (mindvl.curate.io.spill_*), emit shard by shard."""
         raise NotImplementedError
+
+
+Emit = Callable[[str, dict], None]
+
+
+def plan_in_memory(stage: GlobalStage, shards: list[tuple[str, str]], workdir: str) -> tuple[dict[str, dict], dict]:
+    """({shard: plan}, report) of a global stage, the plans collected in a dict (tests and small corpora)."""
+    plans: dict[str, dict] = {}
+
+    def emit(name: str, plan: dict) -> None:
+        assert name not in plans, f"{stage.where}: shard {name} emitted twice"
+        plans[name] = plan
+
+    report = stage.plan(shards, workdir, emit)
+    return plans, report
 
 
 REGISTRY: dict[str, type[Stage]] = {}

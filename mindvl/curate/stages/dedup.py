@@ -2,24 +2,50 @@
 64 bits).
 
 Workers hash the first image of each record (and a SHA-1 of its bytes, for exact duplicates). The driver then finds
-every pair at Hamming distance <= `max_distance`, joins them into groups (union-find) and keeps, in each group, the
-record that comes first in corpus order (shard, then position); the others are dropped as `exact_duplicate` (same
-bytes or same pixels hash with distance 0 and same bytes) or `near_duplicate`.
+every pair at Hamming distance <= `max_distance` (d) and drops every record that has such a pair with an *earlier*
+record (corpus order: shard, then position), as `exact_duplicate` (an earlier neighbour has the same bytes) or
+`near_duplicate`. The first record of every group of near copies is kept. (A decision per record from its own
+pairs, so it needs no union-find over the corpus; it differs from "keep one per connected group" only when a chain
+a-b-c has b earlier than its only neighbour c: b is then kept.)
 
-Pair search is exact: blockwise XOR + popcount over all pairs (numpy), O(N^2 / 64) word operations, about a second
-for 20k records. Memory: 8 bytes a record for the hashes plus one block of distances.
+Pair search is exact and sub-quadratic: multi-index hashing (Norouzi et al., CVPR 2012). The 64 bits are cut into
+m blocks; by pigeonhole, two hashes within distance d are within floor(d / m) = r in at least one block. Per block,
+every record is looked up under its block value with each flip mask of <= r bits (sorted block values +
+searchsorted), and each candidate is verified on all 64 bits; a pair is counted in the first block where it
+qualifies, so each pair is found once. m is chosen by a cost model (masks per lookup x expected bucket size): for
+d = 8, 9 blocks of 7 bits with exact block match on small corpora, 3 blocks of 21-22 bits with 2-bit flips from
+about 10^5 records.
+
+Bounded driver memory (the global index): the driver streams the sidecars once and spills, per block, rows of
+(block value, hash, SHA-1 prefix, corpus position) into 2^p partition files by the top p bits of the block value,
+with p chosen so a partition holds about `partition_rows` rows. A flip mask that changes top bits t sends the
+lookup to partition A ^ t, so partition pairs (A, A ^ t) with popcount(t) <= r are joined, two partitions in
+memory at a time (32 bytes a row, a few copies: about 130 MB at the default 2^20 rows) and at most CANDIDATES
+candidate pairs at once. Drops go to one spill file per shard, and the plan is emitted shard by shard. The
+partitions are read (1 + p + ... + C(p, r)) times each per block: the I/O price of the bound.
+Limit: the bound assumes hashes spread over block values; a corpus dominated by one hash (e.g. millions of blank
+images) puts them all in one partition and one bucket.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import os
+import shutil
+from itertools import combinations
 
 import numpy as np
 
-from ..io import read_sidecar
+from ..io import read_sidecar, spill_append, spill_read
 from .base import GlobalStage, Options, register, with_first_image
 
 BLOCK = 2048
+CANDIDATES = 1 << 20  # candidate pairs checked at once (about 40 bytes each): bounds the join's working memory
+LOOKUP = 2  # measured: one lookup (two binary searches) costs about as much as 2 vectorised candidate checks
+TABLE_PER_ROW = 16  # a bucket-start table is used when it has at most 16 entries (64 bytes) a data row,
+TABLE_MIN = 1 << 22  # or at most 2^22 entries (16 MB)
+ROW = np.dtype([("v", "<u8"), ("h", "<u8"), ("sha", "<u8"), ("gid", "<i8")])  # gid = shard << 32 | row
 
 
 def phash64(image) -> int:
@@ -31,8 +57,9 @@ def phash64(image) -> int:
     return int(np.packbits(bits.astype(np.uint8)).view(">u8")[0])
 
 
-def near_pairs(hashes: np.ndarray, max_distance: int) -> list[tuple[int, int]]:
-    """All (i, j), i < j, with popcount(h_i ^ h_j) <= max_distance. hashes: uint64 [N]."""
+def near_pairs_scan(hashes: np.ndarray, max_distance: int) -> list[tuple[int, int]]:
+    """The quadratic reference: all (i, j), i < j, with popcount(h_i ^ h_j) <= max_distance, by blockwise XOR +
+    popcount over all pairs (O(N^2 / 64) word operations). hashes: uint64 [N]."""
     pairs = []
     n = len(hashes)
     for a in range(0, n, BLOCK):  # 2-D blocks bound memory to BLOCK^2 distances
@@ -46,8 +73,115 @@ def near_pairs(hashes: np.ndarray, max_distance: int) -> list[tuple[int, int]]:
     return pairs
 
 
+# ------------------------------------------------------------------------------------------ multi-index hashing
+
+
+def n_masks(width: int, radius: int) -> int:
+    return sum(math.comb(width, t) for t in range(min(radius, width) + 1))
+
+
+def block_layout(max_distance: int, n: int) -> tuple[list[tuple[int, int]], int]:
+    """([(bit offset, width)] of the m blocks, flip radius r = d // m), m minimising the expected work per record:
+    m x masks(w, r) x (LOOKUP + n / 2^w), a lookup (binary search) costing about LOOKUP candidate checks."""
+    best = None
+    for m in range(1, min(max_distance + 1, 64) + 1):
+        w, r = 64 // m, max_distance // m
+        masks = n_masks(w, r)
+        if masks > 1 << 22:
+            continue
+        cost = m * masks * (LOOKUP + n / 2.0 ** w)
+        if best is None or cost < best[0]:
+            best = (cost, m)
+    m = best[1] if best else max_distance + 1
+    widths = [64 // m + (1 if i < 64 % m else 0) for i in range(m)]
+    offsets = np.cumsum([0, *widths[:-1]]).tolist()
+    return list(zip(offsets, widths, strict=True)), max_distance // m
+
+
+def flip_masks(width: int, radius: int) -> np.ndarray:
+    """Every width-bit mask with at most `radius` bits set, uint64 [masks(w, r)]."""
+    out = [0]
+    for t in range(1, min(radius, width) + 1):
+        out += [sum(1 << b for b in bits) for bits in combinations(range(width), t)]
+    return np.array(out, dtype=np.uint64)
+
+
+def block_value(h: np.ndarray, offset: int, width: int) -> np.ndarray:
+    return (h >> np.uint64(offset)) & np.uint64((1 << width) - 1)
+
+
+def join(q: np.ndarray, d: np.ndarray, masks: np.ndarray, max_distance: int, blocks: list[tuple[int, int]],
+         k: int, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs (query, data) of ROW arrays with data earlier than query (gid), hashes within max_distance, whose
+    block values differ by one of `masks`, and not within `radius` in any block before k (found there already).
+    Returns (query gid, data gid, same SHA-1) arrays."""
+    if not len(q) or not len(d):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0, dtype=bool)
+    order = np.argsort(d["v"], kind="stable")
+    dv, dh, dsha, dgid = d["v"][order], d["h"][order], d["sha"][order], d["gid"][order]
+    q = q[np.argsort(q["v"], kind="stable")]  # sorted queries: v ^ mask stays in few runs, lookups stay in cache
+    out_q, out_d, out_x = [], [], []
+    # queries per step: at most CANDIDATES candidates per mask, even if every lookup hits the largest bucket
+    bucket = int(np.diff(np.flatnonzero(np.r_[True, dv[1:] != dv[:-1], True])).max())
+    step = max(1, CANDIDATES // bucket)
+    # where the block values are dense enough, a table of bucket starts (two gathers a lookup) replaces the two
+    # binary searches: at most max(TABLE_PER_ROW entries a data row, TABLE_MIN) int32 entries
+    base, span = dv[0], int(dv[-1] - dv[0]) + 1
+    starts = (np.searchsorted(dv, base + np.arange(span + 1, dtype=np.uint64)).astype(np.int32)
+              if span <= max(TABLE_PER_ROW * len(dv), TABLE_MIN) and len(dv) < 1 << 31 else None)
+    for a in range(0, len(q), step):
+        qc = q[a:a + step]
+        for mask in masks:
+            keys = qc["v"] ^ mask
+            if starts is not None:
+                rel = keys - base  # wraps to a huge value below base
+                inside = rel < np.uint64(span)
+                r_in = rel[inside].astype(np.int64)
+                lo = np.zeros(len(keys), dtype=np.int64)
+                cnt = np.zeros(len(keys), dtype=np.int64)
+                lo[inside] = starts[r_in]
+                cnt[inside] = starts[r_in + 1] - lo[inside]
+            else:
+                lo = np.searchsorted(dv, keys, side="left")
+                cnt = np.searchsorted(dv, keys, side="right") - lo
+            hit = np.nonzero(cnt)[0]
+            if not len(hit):
+                continue
+            c = cnt[hit]
+            qi = np.repeat(hit, c)
+            di = np.repeat(lo[hit], c) + (np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c))
+            x = qc["h"][qi] ^ dh[di]
+            ok = (np.bitwise_count(x) <= max_distance) & (dgid[di] < qc["gid"][qi])
+            for off, width in blocks[:k]:  # found in an earlier block already
+                ok &= np.bitwise_count(block_value(x, off, width)) > radius
+            qi, di = qi[ok], di[ok]
+            out_q.append(qc["gid"][qi])
+            out_d.append(dgid[di])
+            out_x.append(qc["sha"][qi] == dsha[di])
+    if not out_q:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0, dtype=bool)
+    return np.concatenate(out_q), np.concatenate(out_d), np.concatenate(out_x)
+
+
+def near_pairs(hashes: np.ndarray, max_distance: int) -> list[tuple[int, int]]:
+    """All (i, j), i < j, with popcount(h_i ^ h_j) <= max_distance, by multi-index hashing in memory (one
+    partition). hashes: uint64 [N]. Same result as `near_pairs_scan`."""
+    h = np.asarray(hashes, dtype=np.uint64)
+    blocks, r = block_layout(max_distance, len(h))
+    pairs = []
+    for k, (off, width) in enumerate(blocks):
+        rows = np.zeros(len(h), dtype=ROW)
+        rows["v"], rows["h"], rows["gid"] = block_value(h, off, width), h, np.arange(len(h))
+        qg, dg, _ = join(rows, rows, flip_masks(width, r), max_distance, blocks, k, r)
+        pairs.extend(zip(dg.tolist(), qg.tolist(), strict=True))
+    return sorted(pairs)
+
+
 def duplicate_groups(n: int, pairs: list[tuple[int, int]]) -> np.ndarray:
-    """Union-find over pairs: root[i] is the smallest index in i's group."""
+    """Union-find over pairs: root[i] is the smallest index in i's group (for analysis; the stage drops by
+    earlier neighbour)."""
     parent = np.arange(n)
 
     def find(x: int) -> int:
@@ -69,9 +203,10 @@ class PhashDedup(GlobalStage):
 
     def __init__(self, cfg, where, seed):
         super().__init__(cfg, where, seed)
-        self.o = Options(cfg, {"max_distance": 8}, where)
+        self.o = Options(cfg, {"max_distance": 8, "partition_rows": 1 << 20}, where)
         if not 0 <= self.o.max_distance <= 64:
             raise ValueError(f"{where}.max_distance: must be in [0, 64], got {self.o.max_distance}")
+        self.o.positive("partition_rows")
 
     def annotate(self, batch):
         pairs, dropped = with_first_image(batch, keep_text_only=True)
@@ -81,29 +216,78 @@ class PhashDedup(GlobalStage):
                 item.arrays["sha1"] = np.frombuffer(hashlib.sha1(item.images[0]).digest()[:8], dtype="<u8")[0]
         return [item for item, _ in pairs], dropped
 
-    def plan(self, shards, workdir):
-        keys, hashes, shas = [], [], []
-        for _name, path in shards:
+    def plan(self, shards, workdir, emit):
+        d = self.o.max_distance
+        n = 0
+        for _name, path in shards:  # a first pass for the corpus size only (it sets the layout)
+            side = read_sidecar(path, ("phash",))
+            n += len(side["phash"][0]) if "phash" in side else 0
+        if n == 0:
+            return {"records": 0, "pairs": 0, "dropped": 0}
+        blocks, r = block_layout(d, n)
+        p = min(max(0, math.ceil(math.log2(n / self.o.partition_rows))), min(w for _, w in blocks))
+        spill = os.path.join(workdir, "dedup_spill")
+        shutil.rmtree(spill, ignore_errors=True)
+        os.makedirs(spill)
+        part = lambda k, a: os.path.join(spill, f"b{k}.p{a}")  # noqa: E731
+        # 1. the index, spilled per block and partition
+        for s, (_name, path) in enumerate(shards):
             side = read_sidecar(path, ("phash", "sha1"))
             if "phash" not in side:
                 continue
-            keys.extend(side["phash"][0])
-            hashes.append(side["phash"][1].astype(np.uint64))
-            shas.append(side["sha1"][1].astype(np.uint64))
-        plans: dict[str, dict] = {}
-        if not keys:
-            return plans, {"groups": 0}
-        h, s = np.concatenate(hashes), np.concatenate(shas)
-        pairs = near_pairs(h, self.o.max_distance)
-        root = duplicate_groups(len(keys), pairs)
-        n_groups = 0
-        for i in range(len(keys)):
-            r = int(root[i])
-            if r == i:
+            h = side["phash"][1].astype(np.uint64)
+            rows = np.zeros(len(h), dtype=ROW)
+            rows["h"], rows["sha"] = h, side["sha1"][1].astype(np.uint64)
+            rows["gid"] = (s << 32) + np.arange(len(h))
+            for k, (off, width) in enumerate(blocks):
+                rows["v"] = block_value(h, off, width)
+                pa = (rows["v"] >> np.uint64(width - p)).astype(np.int64) if p else np.zeros(len(h), np.int64)
+                order = np.argsort(pa, kind="stable")
+                bounds = np.searchsorted(pa[order], np.arange((1 << p) + 1))
+                for a in np.unique(pa):
+                    spill_append(part(k, a), rows[order[bounds[a]:bounds[a + 1]]])
+        # 2. per block, partition pairs (A, A ^ t) joined two at a time; drops spilled per shard
+        pairs = 0
+        for k, (_off, width) in enumerate(blocks):
+            masks = flip_masks(width, r)
+            tops = masks >> np.uint64(width - p) if p else np.zeros(len(masks), np.uint64)
+            by_top = {int(t): masks[tops == t] for t in np.unique(tops)}
+            for a in range(1 << p):
+                q = spill_read(part(k, a), ROW)
+                if not len(q):
+                    continue
+                for t, masks_t in by_top.items():
+                    data = q if t == 0 else spill_read(part(k, a ^ t), ROW)
+                    qg, _dg, exact = join(q, data, masks_t, d, blocks, k, r)
+                    pairs += len(qg)
+                    self._spill_drops(spill, qg, exact)
+        # 3. the plan, shard by shard
+        counts = {"exact_duplicate": 0, "near_duplicate": 0}
+        for s, (name, path) in enumerate(shards):
+            code = spill_read(os.path.join(spill, f"drops{s}"), np.int64)
+            if not len(code):
                 continue
-            reason = "exact_duplicate" if s[i] == s[r] else "near_duplicate"
-            shard = keys[i].split("/", 1)[0]
-            plans.setdefault(shard, {"drop": {}, "meta": {}})["drop"][keys[i]] = reason
-        n_groups = len(set(root[root != np.arange(len(keys))].tolist()))
-        return plans, {"records": len(keys), "pairs": len(pairs), "groups": n_groups,
-                       "max_distance": self.o.max_distance}
+            code = np.unique(code)  # row * 2 + exact: a row found exact and near keeps its last code (exact)
+            rows, exact = code >> 1, code & 1
+            last = np.r_[rows[1:] != rows[:-1], True]
+            keys = read_sidecar(path, ("phash",))["phash"][0]
+            drop = {keys[i]: "exact_duplicate" if x else "near_duplicate"
+                    for i, x in zip(rows[last].tolist(), exact[last].tolist(), strict=True)}
+            for reason in drop.values():
+                counts[reason] += 1
+            emit(name, {"drop": drop, "meta": {}})
+        shutil.rmtree(spill, ignore_errors=True)
+        return {"records": n, "pairs": pairs, "dropped": sum(counts.values()), **counts, "max_distance": d,
+                "blocks": len(blocks), "flip_radius": r, "partitions": 1 << p}
+
+    @staticmethod
+    def _spill_drops(spill: str, gid: np.ndarray, exact: np.ndarray) -> None:
+        if not len(gid):
+            return
+        shard = gid >> 32
+        code = ((gid & 0xFFFFFFFF) << 1) | exact.astype(np.int64)
+        order = np.argsort(shard, kind="stable")
+        shard, code = shard[order], code[order]
+        for s in np.unique(shard):
+            lo, hi = np.searchsorted(shard, [s, s + 1])
+            spill_append(os.path.join(spill, f"drops{s}"), code[lo:hi])

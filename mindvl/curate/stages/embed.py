@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -198,25 +199,66 @@ class TopFraction(GlobalStage):
             kept.append(item)
         return kept, dropped
 
-    def plan(self, shards, workdir):
-        from ..io import read_sidecar
+    def plan(self, shards, workdir, emit):
+        """Per group, the n_keep = ceil(fraction x size) best scores: scores spilled per group (as uint64 keys that
+        sort highest score first), an exact threshold per group by streaming radix select, then the plan shard by
+        shard (ties at the threshold go to the earliest keys, i.e. corpus order). Driver memory: O(groups)."""
+        from ..io import read_sidecar, spill_append, spill_chunks
+        from ..sampling import select_smallest
 
-        groups: dict[str, list[tuple[float, str]]] = {}
         name = f"top_{self.o.field}"
+        spill = os.path.join(workdir, "top_spill")
+        shutil.rmtree(spill, ignore_errors=True)
+        os.makedirs(spill)
+        groups: dict[str, int] = {}
+        sizes: list[int] = []
         for _, path in shards:
             side = read_sidecar(path, (name, "top_source"))
             if name not in side:
                 continue
-            keys, scores = side[name]
-            for k, sc, src in zip(keys, scores, side["top_source"][1], strict=True):
-                groups.setdefault(str(src), []).append((float(sc), k))
-        plans: dict[str, dict] = {}
+            g = np.array([groups.setdefault(str(src), len(groups)) for src in side["top_source"][1]])
+            sizes += [0] * (len(groups) - len(sizes))
+            v = best_first(side[name][1])
+            for gi in np.unique(g):
+                spill_append(os.path.join(spill, f"g{gi}.u64"), v[g == gi])
+                sizes[gi] += int((g == gi).sum())
+        rule = []
+        for gi, n in enumerate(sizes):
+            path = os.path.join(spill, f"g{gi}.u64")
+            rule.append(select_smallest(lambda path=path: spill_chunks(path, np.uint64),
+                                        math.ceil(self.o.fraction * n)))
+        ties = np.zeros(len(sizes), dtype=np.int64)
+        for shard, path in shards:
+            side = read_sidecar(path, (name, "top_source"))
+            if name not in side:
+                continue
+            drop = {}
+            for k, v, src in zip(side[name][0], best_first(side[name][1]), side["top_source"][1], strict=True):
+                gi = groups[str(src)]
+                t, take = rule[gi]
+                if v < t or (v == t and ties[gi] < take):
+                    ties[gi] += v == t
+                    continue
+                drop[k] = "below_top_fraction"
+            emit(shard, {"drop": drop, "meta": {}})
+        shutil.rmtree(spill, ignore_errors=True)
         report = {}
-        for src, members in sorted(groups.items()):
-            members.sort(key=lambda m: (-m[0], m[1]))
-            n_keep = math.ceil(self.o.fraction * len(members))
-            for _, k in members[n_keep:]:
-                plans.setdefault(k.split("/", 1)[0], {"drop": {}, "meta": {}})["drop"][k] = "below_top_fraction"
-            report[src or "all"] = {"records": len(members), "kept": n_keep,
-                                    "min_kept_score": members[n_keep - 1][0] if n_keep else None}
-        return plans, {"field": self.o.field, "fraction": self.o.fraction, "groups": report}
+        for src, gi in sorted(groups.items()):
+            n_keep = math.ceil(self.o.fraction * sizes[gi])
+            report[src or "all"] = {"records": sizes[gi], "kept": n_keep,
+                                    "min_kept_score": score_of(rule[gi][0]) if n_keep else None}
+        return {"field": self.o.field, "fraction": self.o.fraction, "groups": report}
+
+
+def best_first(scores: np.ndarray) -> np.ndarray:
+    """uint64 keys of float scores that sort highest score first (IEEE-754 order made unsigned, then inverted)."""
+    b = (np.asarray(scores, dtype=np.float64) + 0.0).view(np.uint64)  # + 0.0: -0.0 becomes 0.0
+    sign = np.uint64(1) << np.uint64(63)
+    return ~np.where(b & sign, ~b, b | sign)
+
+
+def score_of(key: int) -> float:
+    """The score a `best_first` key came from."""
+    b = ~np.uint64(key)
+    sign = np.uint64(1) << np.uint64(63)
+    return float((b ^ sign if b & sign else ~b).view(np.float64))
