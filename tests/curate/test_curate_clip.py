@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from curate_helpers import TOKENIZER, dropped, run
+from curate_helpers import TOKENIZER, assert_kept_exactly, dropped, run
 
 from mindvl.curate.synth import pairs_corpus
 
@@ -34,12 +34,7 @@ def test_clip_threshold_keeps_exactly_the_pairs_above_it(tmp_path, clip_dir):
     report, items = run(truth.files, str(tmp_path / "out"),
                         [{"clip_score": {"model": clip_dir, "threshold": threshold, "batch_size": 5}}])
     above = {k for k, v in direct.items() if v >= threshold}
-    assert 0 < len(above) < len(records)
-    assert {it.record["id"] for it in items} == above
-    for it in items:
-        assert it.meta["clip_score"] == pytest.approx(direct[it.record["id"]], abs=1e-5)
-    assert dropped(report, "0:clip_score") == {"clip_score": len(records) - len(above)}
-    assert sum(report["histograms"]["0:clip_score"]["clip_score"]) == len(records)
+    assert_kept_exactly(report, items, direct, above, len(records), "clip_score", "clip_score", abs=1e-5)
 
 
 def test_clip_embeddings_feed_the_clustering(tmp_path, clip_dir):

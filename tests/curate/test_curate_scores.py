@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from curate_helpers import dropped, run
+from curate_helpers import assert_kept_exactly, dropped, run
 
 from mindvl.curate import PipelineConfig
 from mindvl.curate.synth import pairs_corpus
@@ -102,12 +102,7 @@ def test_aesthetic_keeps_exactly_the_records_the_head_scores_above_the_threshold
     report, items = run(files, str(tmp_path / "out"), [{"aesthetic_score": {
         "model": clip_dir, "head": str(tmp_path / "aesthetic.pth"), "min_score": threshold, "batch_size": 7}}])
     above = {k for k, v in direct.items() if v >= threshold}
-    assert 0 < len(above) < len(records)
-    assert {it.record["id"] for it in items} == above
-    for it in items:
-        assert it.meta["aesthetic_score"] == pytest.approx(direct[it.record["id"]], rel=1e-4, abs=1e-4)
-    assert dropped(report, "0:aesthetic_score") == {"aesthetic": len(records) - len(above)}
-    assert sum(report["histograms"]["0:aesthetic_score"]["aesthetic_score"]) == len(records)
+    assert_kept_exactly(report, items, direct, above, len(records), "aesthetic_score", "aesthetic", rel=1e-4, abs=1e-4)
     md = open(tmp_path / "out" / "report.md").read()
     assert f"| 0:aesthetic_score | {len(records)} | {len(above)} | aesthetic: {len(records) - len(above)} |" in md
 
@@ -137,12 +132,7 @@ def test_nsfw_probe_with_input_normalisation_drops_above_max_score(tmp_path, cor
     report, items = run(files, str(tmp_path / "out"), [{"nsfw_score": {
         "model": clip_dir, "head": str(tmp_path / "nsfw.safetensors"), "max_score": threshold}}])
     safe = {k for k, v in direct.items() if v <= threshold}
-    assert 0 < len(safe) < len(records)
-    assert {it.record["id"] for it in items} == safe
-    for it in items:
-        assert it.meta["nsfw_score"] == pytest.approx(direct[it.record["id"]], abs=1e-5)
-    assert dropped(report, "0:nsfw_score") == {"nsfw": len(records) - len(safe)}
-    assert sum(report["histograms"]["0:nsfw_score"]["nsfw_score"]) == len(records)
+    assert_kept_exactly(report, items, direct, safe, len(records), "nsfw_score", "nsfw", abs=1e-5)
 
 
 def test_head_layer_sizes_and_order_come_from_the_state_dict(tmp_path):
@@ -198,11 +188,7 @@ def test_watermark_classifier_folder_keeps_exactly_the_images_below_max_score(tm
     report, items = run(files, str(tmp_path / "out"), [{"watermark_score": {
         "classifier": classifier_dir, "label": "watermark", "max_score": threshold, "batch_size": 6}}])
     clear = {k for k, v in direct.items() if v <= threshold}
-    assert 0 < len(clear) < len(records)
-    assert {it.record["id"] for it in items} == clear
-    for it in items:
-        assert it.meta["watermark_score"] == pytest.approx(direct[it.record["id"]], abs=1e-5)
-    assert dropped(report, "0:watermark_score") == {"watermark": len(records) - len(clear)}
+    assert_kept_exactly(report, items, direct, clear, len(records), "watermark_score", "watermark", abs=1e-5)
 
 
 def test_one_clip_embedding_per_image_serves_every_stage_of_the_pass(tmp_path, corpus, clip_dir, monkeypatch):
