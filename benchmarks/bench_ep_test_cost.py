@@ -1,5 +1,7 @@
 """Cost of the slow EP end-to-end test (tests/train/test_expert_parallel.py, 11 rank processes over 4 launches):
 its ranks with and without the CPU matmul peak probe that `mindvl train` runs for the MFU log line, interleaved.
+The arms differ only in MINDVL_PEAK_TFLOPS, which the rank processes inherit: unset, every rank probes; set (as
+tests/conftest.py does for the whole suite), none does.
 
     flock /work/lead/measure.lock env PYTHONPATH=$PWD python benchmarks/bench_ep_test_cost.py --reps 2
 
@@ -9,6 +11,7 @@ Prints per-arm wall seconds and CPU seconds of the child processes (median, min.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -19,13 +22,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "train"))
 
 import test_expert_parallel as ep  # noqa: E402
-from train_helpers import CLI  # noqa: E402
 
-ARMS = {"probe (plain CLI)": CLI + "\n", "no probe (test's CLI)": ep.FIXED_PEAK_CLI}
+from mindvl.train.metrics import PEAK_ENV  # noqa: E402
+
+ARMS = {"probe (MINDVL_PEAK_TFLOPS unset)": None, "no probe (MINDVL_PEAK_TFLOPS=0.1, as the tests)": "0.1"}
 
 
-def run_once(script: str) -> tuple[float, float]:
-    ep.FIXED_PEAK_CLI = script
+def run_once(peak: str | None) -> tuple[float, float]:
+    if peak is None:
+        os.environ.pop(PEAK_ENV, None)
+    else:
+        os.environ[PEAK_ENV] = peak
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,8 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     results: dict[str, list[tuple[float, float]]] = {a: [] for a in ARMS}
     for _ in range(args.reps):
-        for arm, script in ARMS.items():
-            results[arm].append(run_once(script))
+        for arm, peak in ARMS.items():
+            results[arm].append(run_once(peak))
             print(f"{arm}: wall {results[arm][-1][0]:.1f} s, cpu {results[arm][-1][1]:.1f} s", flush=True)
     med = {}
     for arm, rows in results.items():
