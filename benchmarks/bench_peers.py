@@ -192,11 +192,11 @@ def train_worker(args) -> None:
     samples = make_samples(args.samples, args.seed)
     groups = step_groups(samples, args.steps, args.row_tokens)
     if args.arm == "mindvl":
-        from mindvl.checkpoint import load_pretrained
+        from mindvl.checkpoint import load_model
         from mindvl.config import OptimSection
         from mindvl.train.optim import build_optimizer, clip_grad_norm
 
-        model = load_pretrained(folder / "mindvl")
+        model = load_model(folder / "mindvl")
         model.train()
         opt = build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1))
 
@@ -334,12 +334,12 @@ def train_table(args, folder: Path, vocab: int, steps: int, rounds: int) -> list
 def section_optim(args, folder: Path) -> list[str]:
     import torch
 
-    from mindvl.checkpoint import load_pretrained
+    from mindvl.checkpoint import load_model
     from mindvl.config import OptimSection
     from mindvl.train.optim import build_optimizer, clip_grad_norm
 
     def fresh():
-        model = load_pretrained(folder / "mindvl")
+        model = load_model(folder / "mindvl")
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         return model
@@ -471,7 +471,7 @@ def section_resize_loss(args, folder: Path) -> list[str]:
     Pillow-resized (bit-exact) and once with torch-resized pixels; the loss at step 0 and after 3 AdamW steps."""
     import torch
 
-    from mindvl.checkpoint import load_pretrained
+    from mindvl.checkpoint import load_model
     from mindvl.config import OptimSection
     from mindvl.data.image import expand_patches, load_image, preprocess_uint8
     from mindvl.train.optim import build_optimizer
@@ -499,7 +499,7 @@ def section_resize_loss(args, folder: Path) -> list[str]:
     diff = (rows["pil"]["pixel_values"] - rows["torch"]["pixel_values"]).abs()
     curves = {}
     for method, row in rows.items():
-        model = load_pretrained(folder / "mindvl")
+        model = load_model(folder / "mindvl")
         opt = build_optimizer(model, OptimSection(lr=1e-4))
         losses = []
         for _ in range(4):
@@ -527,12 +527,12 @@ def section_generate(args, folder: Path) -> list[str]:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
 
-    from mindvl.checkpoint import load_pretrained
+    from mindvl.checkpoint import load_model
     from mindvl.infer import Prompt, generate
 
     mindvl_generate = importlib.import_module("mindvl.infer.generate")  # the module (the package exports the function)
 
-    ours = load_pretrained(folder / "mindvl").eval()
+    ours = load_model(folder / "mindvl").eval()
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder / "hf", attn_implementation="sdpa",
                                                             dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(args.seed)

@@ -107,12 +107,11 @@ def multimodal_ids(pieces: list, seed: int = 0) -> torch.Tensor:
 
 def converted_qwen25vl(root: Path, seed: int):
     """(transformers' tiny Qwen2.5-VL, the same weights converted to a mindvl model) under `root`."""
-    from mindvl.checkpoint import convert_from_hf
-    from mindvl.models import MindVL
+    from mindvl.checkpoint import convert_from_hf, load_model
 
     hf = qwen25vl(root / "hf", seed=seed)
     convert_from_hf(root / "hf", root / "mindvl")
-    return hf, MindVL.from_pretrained(root / "mindvl")
+    return hf, load_model(root / "mindvl")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

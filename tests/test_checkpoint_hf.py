@@ -15,12 +15,12 @@ from mindvl.checkpoint import (
     compose,
     conv3d_to_matmul,
     convert_from_hf,
+    load_model,
     matmul_to_conv3d,
     save_pretrained,
 )
 from mindvl.checkpoint.hf import default_mrope_section
 from mindvl.cli import main as cli_main
-from mindvl.models import MindVL
 
 
 def test_patch_embed_matmul_equals_conv3d_and_round_trips():
@@ -53,7 +53,7 @@ def test_convert_writes_shards_index_and_loads_identically(hf_folders, tmp_path)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(TensorFolder(out).names())
     single = convert_from_hf(hf_folders / "vl", tmp_path / "single")
-    a, b = MindVL.from_pretrained(out).state_dict(), MindVL.from_pretrained(single).state_dict()
+    a, b = load_model(out).state_dict(), load_model(single).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     src = load_file(hf_folders / "vl" / "model.safetensors")
     assert torch.equal(a["visual.patch_embed.weight"], src["visual.patch_embed.proj.weight"].reshape(64, -1))
@@ -69,7 +69,7 @@ def test_load_lists_missing_unexpected_and_misshaped_tensors_in_one_error(hf_fol
     tensors["projector.fc1.bias"] = torch.zeros(3)
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ValueError) as err:
-        MindVL.from_pretrained(out)
+        load_model(out)
     msg = str(err.value)
     assert "1 missing: language_model.norm.weight" in msg
     assert "1 unexpected: language_model.extra.weight" in msg
@@ -85,7 +85,7 @@ def test_pickled_checkpoints_are_refused_not_loaded(tmp_path):
 
 def test_hf_folder_given_to_from_pretrained_says_to_convert(hf_folders):
     with pytest.raises(ValueError, match="mindvl convert --from-hf"):
-        MindVL.from_pretrained(hf_folders / "q3")
+        load_model(hf_folders / "q3")
 
 
 def test_unsupported_model_type_is_named(tmp_path):
@@ -101,16 +101,16 @@ def test_existing_output_is_kept_unless_overwrite_is_asked(hf_folders, tmp_path)
     with pytest.raises(FileExistsError, match="already exists"):
         convert_from_hf(hf_folders / "vl", out)
     assert (out / "model.safetensors").read_bytes() == before
-    model = MindVL.from_pretrained(convert_from_hf(hf_folders / "vl", tmp_path / "vl"))
+    model = load_model(convert_from_hf(hf_folders / "vl", tmp_path / "vl"))
     save_pretrained(model, out, overwrite=True)
-    assert MindVL.from_pretrained(out).visual is not None
+    assert load_model(out).visual is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "vl"]  # no temporary folders left behind
 
 
 def test_atomic_save_leaves_no_partial_folder_on_crash(hf_folders, tmp_path, monkeypatch):
     import mindvl.checkpoint.hf as hf
 
-    model = MindVL.from_pretrained(convert_from_hf(hf_folders / "q3", tmp_path / "src"))
+    model = load_model(convert_from_hf(hf_folders / "q3", tmp_path / "src"))
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
@@ -123,7 +123,7 @@ def test_atomic_save_leaves_no_partial_folder_on_crash(hf_folders, tmp_path, mon
 
 def test_compose_takes_vision_and_llm_weights_and_seeds_the_projector(hf_folders, tmp_path):
     out = compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "mindvl", seed=7)
-    model = MindVL.from_pretrained(out)
+    model = load_model(out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["projector_seed"] == 7 and cfg["text"]["mrope_section"] == default_mrope_section(16) == [2, 3, 3]
     assert cfg["image_token_id"] == 151  # read from the language model's tokenizer
@@ -136,14 +136,14 @@ def test_compose_takes_vision_and_llm_weights_and_seeds_the_projector(hf_folders
     assert torch.equal(sd[f"language_model.{q_norm}"], lang[f"model.{q_norm}"])
     assert sd["projector.fc2.weight"].shape == (40, 256)  # vision width 64 * 4 -> Qwen3 width 40
     assert not torch.equal(sd["projector.fc1.weight"], vis["visual.merger.mlp.0.weight"])  # new, not the VL's merger
-    again = MindVL.from_pretrained(compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "again", seed=7))
-    other = MindVL.from_pretrained(compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "other", seed=8))
+    again = load_model(compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "again", seed=7))
+    other = load_model(compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "other", seed=8))
     assert torch.equal(again.state_dict()["projector.fc1.weight"], sd["projector.fc1.weight"])
     assert not torch.equal(other.state_dict()["projector.fc1.weight"], sd["projector.fc1.weight"])
 
 
 def test_composed_model_keeps_the_llm_text_behaviour_and_runs_images(hf_folders, tmp_path):
-    model = MindVL.from_pretrained(compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "c", seed=1))
+    model = load_model(compose(hf_folders / "vl", hf_folders / "q3", tmp_path / "c", seed=1))
     hf_q3 = H.qwen3(seed=4, tie=False, hidden=40)  # the same weights as the saved folder
     ids = H.multimodal_ids([19], seed=2)[None]
     with torch.no_grad():
@@ -162,7 +162,7 @@ def test_compose_rejects_a_text_model_as_vision_source(hf_folders, tmp_path):
 
 def test_cli_convert_and_one_line_errors(hf_folders, tmp_path, capsys):
     assert cli_main(["convert", "--from-hf", str(hf_folders / "vl"), "--out", str(tmp_path / "a")]) == 0
-    assert MindVL.from_pretrained(tmp_path / "a").visual is not None
+    assert load_model(tmp_path / "a").visual is not None
     assert cli_main(["convert", "--vision-from", str(hf_folders / "vl"), "--language-from",
                      str(hf_folders / "q3"), "--out", str(tmp_path / "b"), "--seed", "3"]) == 0
     assert cli_main(["convert", "--from-hf", str(hf_folders / "vl"), "--out", str(tmp_path / "a")]) == 2

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from tiny_mindvl import tiny_model_folder
 
-from mindvl.checkpoint import convert_from_hf, save_pretrained
+from mindvl.checkpoint import convert_from_hf, load_model, save_pretrained
 from mindvl.cli import main as cli_main
 from mindvl.data.image import preprocess
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, QWEN2_VL_CHAT_TEMPLATE, load_tokenizer
@@ -27,7 +27,7 @@ def models(tmp_path_factory):
     hf_q3 = H.qwen3(root / "hf_q3", seed=8)
     convert_from_hf(root / "hf_vl", root / "vl")
     convert_from_hf(root / "hf_q3", root / "q3")
-    return {"vl": (hf_vl, MindVL.from_pretrained(root / "vl")), "q3": (hf_q3, MindVL.from_pretrained(root / "q3"))}
+    return {"vl": (hf_vl, load_model(root / "vl")), "q3": (hf_q3, load_model(root / "q3"))}
 
 
 def vl_prompts() -> list[Prompt]:
@@ -234,7 +234,7 @@ def test_chat_cli_end_to_end(chat_folder, capsys):
 
     # Reference: the prompt rendered by transformers' chat template (generation prompt included), the image pad
     # expanded as Qwen's processor does, and greedy decoding by full recomputation.
-    model, tok = MindVL.from_pretrained(folder), load_tokenizer(folder)
+    model, tok = load_model(folder), load_tokenizer(folder)
     hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What does the sign say?"}]}]
     ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -253,7 +253,7 @@ def test_chat_cli_end_to_end(chat_folder, capsys):
 
 
 def test_chat_cli_needs_a_tokenizer(chat_folder, tmp_path, capsys):
-    model = MindVL.from_pretrained(chat_folder / "model")
+    model = load_model(chat_folder / "model")
     save_pretrained(model, tmp_path / "bare")  # no tokenizer files beside the weights
     argv = ["chat", str(tmp_path / "bare"), "--prompt", "hi", "--max-new-tokens", "2"]
     assert cli_main(argv) == 2

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from mindvl.checkpoint import compose, convert_from_hf
+from mindvl.checkpoint import compose, convert_from_hf, load_model
 from mindvl.checkpoint.hf_export import export_to_hf
 from mindvl.checkpoint.merge import merge_checkpoints
 from mindvl.checkpoint.training import export_checkpoint
@@ -32,7 +32,6 @@ from mindvl.data.template import DEFAULT_SYSTEM
 from mindvl.data.tokenizer import load_tokenizer
 from mindvl.infer import generate
 from mindvl.infer.chat import conversation_prompt, load_for_chat, process_images, stop_ids, user_message
-from mindvl.models import MindVL
 from mindvl.train.trainer import train
 
 transformers = pytest.importorskip("transformers")
@@ -237,6 +236,6 @@ def test_auto_processor_loads_the_exported_folder(folders, use_fast):
 def test_mindvl_loads_what_it_exported(folders):
     """The --to-hf folder converts back to the same weights (the round trip closes)."""
     back = convert_from_hf(folders["to-hf"], folders["to-hf"].parent / "back")
-    a, b = MindVL.from_pretrained(folders["final"]), MindVL.from_pretrained(back)
+    a, b = load_model(folders["final"]), load_model(back)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name

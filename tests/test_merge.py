@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mindvl.checkpoint.merge as merge_mod
-from mindvl.checkpoint import TensorFolder, save_pretrained
+from mindvl.checkpoint import TensorFolder, load_model, save_pretrained
 from mindvl.checkpoint.merge import merge_checkpoints, merge_language_model, normalise_weights
 from mindvl.checkpoint.safetensors_io import StreamingShardWriter
 from mindvl.cli import main as cli_main
@@ -64,7 +64,7 @@ def hand_average(states: list[dict[str, torch.Tensor]], weights: list[float]) ->
 
 
 def assert_all_close(out_folder, reference: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    merged = MindVL.from_pretrained(out_folder).state_dict()
+    merged = load_model(out_folder).state_dict()
     assert merged.keys() == reference.keys()
     for name, ref in reference.items():
         assert merged[name].dtype == dtype, name
@@ -127,7 +127,7 @@ def bases(tmp_path_factory):
 
 def check_lm_merge(out, mllm: dict[str, torch.Tensor], base_lm: dict[str, torch.Tensor], weights) -> None:
     """Vision tower and projector bit-identical to the MLLM; language model = the hand average with the base."""
-    merged = MindVL.from_pretrained(out).state_dict()
+    merged = load_model(out).state_dict()
     assert merged.keys() == mllm.keys()
     lm = [k for k in mllm if k.startswith("language_model.")]
     assert set(lm) == set(base_lm) and len(lm) < len(mllm)

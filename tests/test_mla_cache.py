@@ -16,9 +16,8 @@ from test_generation import (
     vl_prompts,
 )
 
-from mindvl.checkpoint import compose, convert_from_hf
+from mindvl.checkpoint import compose, convert_from_hf, load_model
 from mindvl.infer.generate import pack_prompts
-from mindvl.models import MindVL
 from mindvl.models.mla_cache import MLACache
 
 
@@ -33,8 +32,8 @@ def models(tmp_path_factory):
     (root / "hf_ds2" / "tokenizer.json").write_text(json.dumps({"added_tokens": [  # the vision token ids
         {"id": 151, "content": "<|image_pad|>"}, {"id": 152, "content": "<|video_pad|>"},
         {"id": 150, "content": "<|vision_start|>"}, {"id": 153, "content": "<|vision_end|>"}]}))
-    ds = MindVL.from_pretrained(convert_from_hf(root / "hf_ds", root / "ds"))
-    dsvl = MindVL.from_pretrained(compose(root / "hf_vl", root / "hf_ds2", root / "dsvl", seed=1))
+    ds = load_model(convert_from_hf(root / "hf_ds", root / "ds"))
+    dsvl = load_model(compose(root / "hf_vl", root / "hf_ds2", root / "dsvl", seed=1))
     return {"ds": (hf_ds, ds), "dsvl": (None, dsvl)}
 
 

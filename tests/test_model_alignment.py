@@ -9,8 +9,8 @@ import hf_tiny as H
 import pytest
 import torch
 
-from mindvl.checkpoint import convert_from_hf
-from mindvl.models import MindVL, mrope_position_ids
+from mindvl.checkpoint import convert_from_hf, load_model
+from mindvl.models import mrope_position_ids
 
 TOL = 1e-4
 
@@ -20,7 +20,7 @@ def vl_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl")
     hf = H.qwen25vl(root / "hf", seed=1)
     convert_from_hf(root / "hf", root / "mindvl")
-    return hf, MindVL.from_pretrained(root / "mindvl")
+    return hf, load_model(root / "mindvl")
 
 
 def test_vision_features_match_transformers_with_partial_windows_and_frames(vl_pair):
@@ -80,7 +80,7 @@ def test_text_only_prompt_on_vl_model_matches_transformers(vl_pair):
 def test_qwen3_logits_match_transformers(tmp_path, tie):
     hf = H.qwen3(tmp_path / "hf", seed=2, tie=tie)
     convert_from_hf(tmp_path / "hf", tmp_path / "mindvl")
-    ours = MindVL.from_pretrained(tmp_path / "mindvl")
+    ours = load_model(tmp_path / "mindvl")
     assert ours.visual is None and (ours.language_model.lm_head is None) == tie
     ids = torch.randint(0, H.VOCAB, (1, 23), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -90,7 +90,7 @@ def test_qwen3_logits_match_transformers(tmp_path, tie):
 def test_qwen25vl_tied_embeddings_convert_and_match(tmp_path):
     hf = H.qwen25vl(tmp_path / "hf", seed=9, tie=True)
     convert_from_hf(tmp_path / "hf", tmp_path / "mindvl")
-    ours = MindVL.from_pretrained(tmp_path / "mindvl")
+    ours = load_model(tmp_path / "mindvl")
     ids = H.multimodal_ids([4, [1, 8, 8], 3], seed=1)[None]
     pixels, grid = H.random_pixels([[1, 8, 8]], seed=2)
     with torch.no_grad():
@@ -103,7 +103,7 @@ def test_bf16_is_as_accurate_as_transformers_bf16(tmp_path):
     """bf16 cannot match bit for bit across kernels; it must be as close to the fp32 truth as transformers' bf16."""
     hf32 = H.qwen25vl(tmp_path / "hf", seed=1)
     convert_from_hf(tmp_path / "hf", tmp_path / "mindvl")
-    ours = MindVL.from_pretrained(tmp_path / "mindvl", dtype=torch.bfloat16)
+    ours = load_model(tmp_path / "mindvl", dtype=torch.bfloat16)
     hf16 = H.qwen25vl(seed=1).to(torch.bfloat16)
     ids = H.multimodal_ids([5, [1, 12, 20], 7, [1, 8, 8], 4], seed=5)[None]
     pixels, grid = H.random_pixels([[1, 12, 20], [1, 8, 8]], seed=6)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mindvl.checkpoint import convert_from_hf
-from mindvl.models import MindVL, attend, available_backends
+from mindvl.checkpoint import convert_from_hf, load_model
+from mindvl.models import attend, available_backends
 from mindvl.models.loss import chunked_cross_entropy, next_token_targets
 
 BACKENDS = available_backends("cpu")
@@ -78,7 +78,7 @@ def tiny_vl(tmp_path_factory):
     root = tmp_path_factory.mktemp("pack")
     H.qwen25vl(root / "hf", seed=11)
     convert_from_hf(root / "hf", root / "mindvl")
-    return MindVL.from_pretrained(root / "mindvl")
+    return load_model(root / "mindvl")
 
 
 def _samples():

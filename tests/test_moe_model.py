@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mindvl.checkpoint import compose, convert_from_hf
+from mindvl.checkpoint import compose, convert_from_hf, load_model
 from mindvl.checkpoint.hf_export import export_to_hf
-from mindvl.models import MindVL, MindVLConfig, TextConfig
-from mindvl.models.moe import MoETextModel, TopKRouter, record_routing, routers, update_router_bias
+from mindvl.models import MindVLConfig, TextConfig
+from mindvl.models.mla import MLAttention
+from mindvl.models.moe import MoE, TopKRouter, record_routing, routers, update_router_bias
 
 TOL = 1e-4
 YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=0.707,
@@ -45,8 +46,10 @@ def ds_folder(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(tmp_path, variant):
     hf = H.deepseek_v3(tmp_path / "hf", seed=1, **VARIANTS[variant])
-    ours = MindVL.from_pretrained(convert_from_hf(tmp_path / "hf", tmp_path / "mindvl"))
-    assert isinstance(ours.language_model, MoETextModel)
+    ours = load_model(convert_from_hf(tmp_path / "hf", tmp_path / "mindvl"))
+    layers = ours.language_model.layers  # one decoder, MLA + MoE layers from its factory
+    assert all(isinstance(layer.self_attn, MLAttention) for layer in layers)
+    assert isinstance(layers[-1].mlp, MoE)
     ids = ids_of(50, seed=2)[None]
     with torch.no_grad():
         err = H.rel_err(ours(input_ids=ids).logits, hf(input_ids=ids).logits)
@@ -55,7 +58,7 @@ def test_logits_match_transformers(tmp_path, variant):
 
 def test_packed_row_equals_separate_forwards(ds_folder):
     root, _ = ds_folder
-    model = MindVL.from_pretrained(root / "mindvl")
+    model = load_model(root / "mindvl")
     a, b = ids_of(9, 3), ids_of(14, 4)
     cu = torch.tensor([0, 9, 23], dtype=torch.int32)
     with torch.no_grad():
@@ -93,8 +96,8 @@ def test_fused_experts_mtp_layers_and_fp8_on_disk(ds_folder, tmp_path):
     state["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)  # an MTP layer (index == num_hidden_layers)
     save_file(state, fused / "model.safetensors")
     (fused / "config.json").write_text((root / "hf" / "config.json").read_text())
-    a = MindVL.from_pretrained(convert_from_hf(fused, tmp_path / "a")).state_dict()
-    b = MindVL.from_pretrained(root / "mindvl").state_dict()
+    a = load_model(convert_from_hf(fused, tmp_path / "a")).state_dict()
+    b = load_model(root / "mindvl").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     state["model.layers.1.self_attn.o_proj.weight_scale_inv"] = torch.ones(1)
     save_file(state, fused / "model.safetensors")
@@ -104,7 +107,7 @@ def test_fused_experts_mtp_layers_and_fp8_on_disk(ds_folder, tmp_path):
 
 def test_router_bias_stays_float32(ds_folder):
     root, _ = ds_folder
-    model = MindVL.from_pretrained(root / "mindvl", dtype=torch.bfloat16)
+    model = load_model(root / "mindvl", dtype=torch.bfloat16)
     bias = model.language_model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32 and model.language_model.layers[1].mlp.experts.gate_proj.dtype == torch.bfloat16
     assert model.float().to(torch.bfloat16).language_model.layers[2].mlp.gate.e_score_correction_bias.dtype == \
@@ -121,7 +124,7 @@ def test_mindvl_with_moe_llm_keeps_text_logits_and_trains(tmp_path):
     (tmp_path / "ds" / "tokenizer.json").write_text(json.dumps({"added_tokens": [  # the vision token ids
         {"id": 151, "content": "<|image_pad|>"}, {"id": 152, "content": "<|video_pad|>"},
         {"id": 150, "content": "<|vision_start|>"}, {"id": 153, "content": "<|vision_end|>"}]}))
-    model = MindVL.from_pretrained(compose(tmp_path / "vl", tmp_path / "ds", tmp_path / "c", seed=1))
+    model = load_model(compose(tmp_path / "vl", tmp_path / "ds", tmp_path / "c", seed=1))
     assert model.config.text.mrope_section == [1, 1, 2]  # the rotary width (qk_rope_head_dim 8) is split
     text = ids_of(17, 8)[None]
     with torch.no_grad():  # M-RoPE with equal rows is 1-D RoPE: the composed model keeps the LLM's text logits
@@ -155,7 +158,7 @@ def test_mindvl_with_moe_llm_keeps_text_logits_and_trains(tmp_path):
 
 def test_eval_forwards_do_not_count_load(ds_folder):
     root, _ = ds_folder
-    model = MindVL.from_pretrained(root / "mindvl")  # eval mode
+    model = load_model(root / "mindvl")  # eval mode
     with torch.no_grad():
         model(input_ids=ids_of(5, 0))
     assert all(int(r.expert_load.sum()) == 0 for r in routers(model))
@@ -200,7 +203,7 @@ def test_update_router_bias_sums_counts_over_ranks():
 
 def test_recorded_routing_is_in_descending_weight_order(ds_folder):
     root, _ = ds_folder
-    model = MindVL.from_pretrained(root / "mindvl")
+    model = load_model(root / "mindvl")
     with record_routing(model) as rs, torch.no_grad():
         model(input_ids=ids_of(12, 9))
     assert len(rs) == 2 and all(len(r.records) == 1 for r in rs)

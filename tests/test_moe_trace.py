@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mindvl.checkpoint import convert_from_hf
-from mindvl.models import MindVL
+from mindvl.checkpoint import convert_from_hf, load_model
 from mindvl.moe_analysis.trace import trace_corpus, trace_folder
 from mindvl.moe_analysis.trace_io import load_trace
 
@@ -72,7 +71,7 @@ def test_hf_trace_equals_topk_of_router_logits(family):
 
 def test_mindvl_trace_equals_transformers_trace_packed_or_not(tmp_path):
     hf = H.deepseek_v3(tmp_path / "hf", seed=7)
-    ours = MindVL.from_pretrained(convert_from_hf(tmp_path / "hf", tmp_path / "mindvl"))
+    ours = load_model(convert_from_hf(tmp_path / "hf", tmp_path / "mindvl"))
     seqs = corpus(2)
     ref = trace_corpus(hf, seqs)
     packed = trace_corpus(ours, seqs)  # all four sequences in one packed row
@@ -83,7 +82,7 @@ def test_mindvl_trace_equals_transformers_trace_packed_or_not(tmp_path):
         np.testing.assert_allclose(got.topk_scores.astype(np.float32), ref.topk_scores.astype(np.float32),
                                    atol=1e-3)
         assert np.array_equal(got.seq_offsets, ref.seq_offsets) and got.num_experts == 8
-    bare = trace_corpus(ours.language_model, seqs)  # the MoETextModel alone traces the same
+    bare = trace_corpus(ours.language_model, seqs)  # the TextModel alone traces the same
     assert np.array_equal(bare.topk_ids, ref.topk_ids)
 
 

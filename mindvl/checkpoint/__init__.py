@@ -1,7 +1,7 @@
 """Checkpoints: HF import (key maps, Conv->Matmul), mindvl model folders (sharded safetensors + config.json)."""
 
 from .conv import conv3d_to_matmul, matmul_to_conv3d
-from .hf import compose, convert_from_hf, load_pretrained, save_pretrained
+from .hf import compose, convert_from_hf, load_model, save_pretrained
 from .safetensors_io import ShardedWriter, TensorFolder, atomic_output_folder
 
 __all__ = [
@@ -11,7 +11,7 @@ __all__ = [
     "compose",
     "conv3d_to_matmul",
     "convert_from_hf",
-    "load_pretrained",
+    "load_model",
     "matmul_to_conv3d",
     "save_pretrained",
 ]

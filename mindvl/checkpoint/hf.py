@@ -339,7 +339,7 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
         raise ValueError(f"{where} does not match its config: " + "; ".join(parts))
 
 
-def load_pretrained(folder: str | os.PathLike, dtype: torch.dtype | None = None,
+def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu") -> MindVL:
     """Build the model on the meta device and fill it tensor by tensor from the folder (no full-size init)."""
     folder = Path(folder)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from mindvl.checkpoint import load_model
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
 from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
@@ -207,6 +208,6 @@ def load_for_chat(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | N
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     tok = resolve_tokenizer(model_dir, tokenizer)
-    model = MindVL.from_pretrained(model_dir, dtype=dtype, device=device).eval()
+    model = load_model(model_dir, dtype=dtype, device=device).eval()
     check_tokenizer(model, tok)
     return model, tok

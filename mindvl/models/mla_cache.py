@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attend
-from .text import KVCache
+from .kv_cache import KVCache
 
 
 class MLACache(KVCache):
@@ -59,12 +59,3 @@ class MLACache(KVCache):
                                                     scale=scale)  # [B, 1, nh, r]
         return torch.einsum("bhr,hvr->bhv", out_latent[:, 0], w_uv)  # [B, nh, v]
 
-
-class LayerMLA:
-    """One layer's view of an MLACache, handed down to its attention."""
-
-    def __init__(self, cache: MLACache, layer: int) -> None:
-        self.cache, self.layer = cache, layer
-
-    def attend_latent(self, *args, **kwargs) -> torch.Tensor:
-        return self.cache.attend_latent(self.layer, *args, **kwargs)

@@ -26,12 +26,11 @@ from torch import nn
 
 from .attention import check_backend_name
 from .config import MindVLConfig
+from .kv_cache import KVCache
 from .loss import chunked_cross_entropy, next_token_targets
-from .mla_cache import MLACache
-from .moe import MoETextModel
 from .projector import Projector
 from .random_init import seeded_init_tensors
-from .text import KVCache, TextModel
+from .text import TextModel
 from .vision import VisionTransformer
 
 
@@ -123,16 +122,9 @@ class MindVL(nn.Module):
             self.projector = Projector(config.vision.hidden_size, config.text.hidden_size, config.vision.merge_unit)
         else:
             self.visual, self.projector = None, None
-        self.language_model = MoETextModel(config.text) if config.text.is_moe else TextModel(config.text)
+        self.language_model = TextModel(config.text)  # dense or MoE layers, GQA or MLA: text.py's factory
 
     # ------------------------------------------------------------------------------------------------ set-up
-
-    @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> MindVL:
-        """Load a mindvl model folder (sharded safetensors + config.json), as written by `mindvl convert`/`export`."""
-        from mindvl.checkpoint.hf import load_pretrained  # file I/O lives in mindvl.checkpoint, not here
-
-        return load_pretrained(path, dtype=dtype, device=device)
 
     def set_attention_backend(self, name: str) -> None:
         """`auto`, `sdpa`, `flex`, `flash` or `npu`, for every attention layer of both towers."""
@@ -273,10 +265,9 @@ class MindVL(nn.Module):
     # ------------------------------------------------------------------------------------------- generation
 
     def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty cache for `batch` sequences of up to `capacity` tokens each (prompt + generated)."""
-        if isinstance(self.language_model, MoETextModel):  # MLA: latents + rope keys, not per-head K/V
-            return MLACache(len(self.language_model.layers), batch, capacity)
-        return KVCache(len(self.language_model.layers), batch, capacity)
+        """An empty cache for `batch` sequences of up to `capacity` tokens each (prompt + generated): per-head K/V
+        for GQA, latents + rope keys for MLA (TextModel.new_kv_cache)."""
+        return self.language_model.new_kv_cache(batch, capacity)
 
     def prefill(
         self,
@@ -297,13 +288,9 @@ class MindVL(nn.Module):
         embeds = self.embed(input_ids, pixel_values, image_grid_thw)
         position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, None, second_per_grid_ts)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        if isinstance(self.language_model, TextModel):
-            # Only the last token's logits are needed: the last layer runs its queries and MLP for those alone.
-            hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache,
-                                         last_only=True)  # [B, H]
-        else:
-            hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache)  # [T, H]
-            hidden = hidden[cu_seqlens[1:].long() - 1]
+        # Only the last token's logits are needed: the last layer runs (most of) its work for those alone.
+        hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache,
+                                     last_only=True)  # [B, H]
         logits = self.language_model.logits(hidden)  # [B, V]
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device), lengths)
         top = position_ids.reshape(-1, position_ids.shape[-1]).amax(0)  # [T]: max over the M-RoPE axes

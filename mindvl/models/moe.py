@@ -1,26 +1,18 @@
-"""DeepSeek-V3-style language model: Multi-head Latent Attention (MLA) + DeepSeek-MoE, on mindvl's packed layout.
+"""DeepSeek-MoE: the router, the routed experts and the MoE MLP that the decoder (text.py) uses in its MoE layers.
 
 Numerics follow transformers' DeepseekV3ForCausalLM (5.23; shared/reference/model-numerics.md §4):
 
-- MLA: q = q_b(rms(q_a(x))) (or a plain q_proj when q_lora_rank is None); one latent kv_a(x) = [c_kv | k_rot] per
-  token, k/v = kv_b(rms(c_kv)) per head, and ONE rotary key k_rot shared by all heads. The rotary part uses the
-  interleaved pair layout of the checkpoints when `rope_interleave` (transformers' even/odd formula). The softmax
-  scale is (nope + rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn rope scaling; the yarn rotary
-  frequencies and their cos/sin attention factor are transformers' `_compute_yarn_parameters`. The two latent
-  norms use eps 1e-6 whatever `rms_norm_eps` says (transformers' default).
 - Routing (fp32): sigmoid scores; `e_score_correction_bias` is added only to CHOOSE experts; groups are scored by
   the sum of their top-2 biased scores, all but `topk_group` groups are masked with -inf (transformers >= 5.8),
   then top-k; the weights are the UNBIASED scores of the chosen experts, optionally normalised to sum 1, times
   `routed_scaling_factor`. Shared experts are one SwiGLU of width moe_intermediate_size * n_shared_experts.
-- Layers [0, first_k_dense_replace) use a dense SwiGLU MLP of width intermediate_size.
+- Layers [0, first_k_dense_replace) use a dense SwiGLU MLP of width intermediate_size (text.mlp_for).
 
-Layout: one packed row inputs_embeds [T, H] with `cu_seqlens` (samples never attend across boundaries) and positions
-restarting per sample ([T], or [3, T] for M-RoPE; a 1-D model given [3, T] uses row 0). `MoETextModel` has
-`TextModel`'s interface, so MindVL and the trainer use either; FSDP2 wraps each element of `layers`, so a block's
-experts are sharded with it. Routed experts are stored as three [E, ...] tensors (transformers >= 5's in-memory
-form; conversion to and from the hub's per-expert tensors lives in mindvl.checkpoint). Because every expert of a
-layer is a slice of the same parameter, all expert weights get a gradient (zeros for idle experts) every step, so
-FSDP's reduce-scatters stay identical across ranks however the tokens are routed.
+FSDP2 wraps each decoder layer, so a block's experts are sharded with it. Routed experts are stored as three
+[E, ...] tensors (transformers >= 5's in-memory form; conversion to and from the hub's per-expert tensors lives in
+mindvl.checkpoint). Because every expert of a layer is a slice of the same parameter, all expert weights get a
+gradient (zeros for idle experts) every step, so FSDP's reduce-scatters stay identical across ranks however the
+tokens are routed.
 
 Auxiliary-loss-free load balancing (DeepSeek-V3 §2.1.2): in training mode each router counts the tokens it sends
 to every expert (`expert_load`, an int64 non-persistent buffer: not a parameter, not in checkpoints). The trainer
@@ -33,157 +25,22 @@ changes nothing. The correction bias is kept in float32 however the model is cas
 Tracing: `with record_routing(model) as routers:` makes every router keep, per forward, its top-k expert ids and
 routing weights in descending weight order (`router.records`); mindvl.moe_analysis.trace reads them.
 
-Generation: `forward(..., cache=MLACache)` prefills / decodes with a cache of latents and rope keys
-(mindvl.models.mla_cache). Experts run as grouped GEMMs (`F.grouped_mm`, or an exact `unbind(0)` fallback where it
-cannot run); their `dispatcher` (a no-op here) is where expert parallelism plugs in from outside
-(mindvl.train.expert_parallel). Not here: multi-token prediction.
+Experts run as grouped GEMMs (`F.grouped_mm`, or an exact `unbind(0)` fallback where it cannot run); their
+`dispatcher` (a no-op here) is where expert parallelism plugs in from outside (mindvl.train.expert_parallel). Not
+here: multi-token prediction.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend
 from .config import TextConfig
-from .layers import GatedMLP, RMSNorm, activation, inverse_frequencies, rotate_half
-from .mla_cache import LayerMLA, MLACache
-
-# transformers' DeepseekV3RMSNorm default, used for q_a_layernorm / kv_a_layernorm regardless of rms_norm_eps.
-_LATENT_NORM_EPS = 1e-6
-
-
-# ------------------------------------------------------------------------------------------------------- rotary
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inverse_frequencies(cfg: TextConfig, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
-    """transformers' `_compute_yarn_parameters` over the rotary width: (inv_freq float32 [rope/2], cos/sin factor)."""
-    rs, dim, base = cfg.rope_scaling, cfg.qk_rope_head_dim, cfg.rope_theta
-    factor = rs.get("factor") or cfg.max_position_embeddings / rs["original_max_position_embeddings"]
-    attention_factor = rs.get("attention_factor")
-    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
-    orig = rs["original_max_position_embeddings"]
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rs.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float) / dim)
-    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
-
-
-def mla_rope_cos_sin(position_ids: torch.Tensor, cfg: TextConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """position_ids [T] or [3, T] -> cos, sin float32 [T, qk_rope_head_dim] (cat(freqs, freqs), times yarn's factor).
-
-    With `mrope_section`, frequency slot j takes the temporal/height/width position of its section (Qwen2.5-VL's
-    M-RoPE, as in layers.rope_cos_sin); without it, [3, T] positions use the temporal row.
-    """
-    dim = cfg.qk_rope_head_dim
-    if cfg.rope_scaling is None:
-        inv_freq, factor = inverse_frequencies(dim, cfg.rope_theta, position_ids.device), 1.0
-    else:
-        inv_freq, factor = yarn_inverse_frequencies(cfg, position_ids.device)
-    if position_ids.dim() == 2 and cfg.mrope_section is not None:
-        per_axis = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, rope/2]
-        chunks = per_axis.split(list(cfg.mrope_section), dim=-1)
-        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
-    else:
-        pos = position_ids[0] if position_ids.dim() == 2 else position_ids
-        freqs = pos.float()[:, None] * inv_freq[None, :]  # [T, rope/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * factor, emb.sin() * factor
-
-
-def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] with rotary pairs stored interleaved (x0,x1),(x2,x3)...; cos/sin [T, d] = cat(f, f).
-
-    Output is in the de-interleaved [evens | odds] order, exactly as transformers' apply_rotary_pos_emb_interleave
-    (both q and k are permuted the same way, so q.k is unchanged).
-    """
-    half = cos.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def apply_rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d] already in x's dtype (transformers rotates text in the activation dtype)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
-
-
-# ------------------------------------------------------------------------------------------------------- MLA
-
-
-class MLAttention(nn.Module):
-    """Multi-head Latent Attention on a packed row: x [T, H] -> [T, H]."""
-
-    def __init__(self, cfg: TextConfig) -> None:
-        super().__init__()
-        h, nh, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
-        self.num_heads = nh
-        self.nope, self.rope, self.v_dim, self.kv_rank = (
-            cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
-        qk = self.nope + self.rope
-        if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * qk, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_rank, nh * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=bias)
-        self.interleaved = bool(cfg.rope_interleave)
-        self.scale = qk**-0.5
-        rs = cfg.rope_scaling
-        if rs is not None and rs.get("mscale_all_dim"):  # yarn's softmax temperature (~1.874 for V3)
-            self.scale *= _yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
-        self.backend = "auto"
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                max_seqlen: int, kv: LayerMLA | None = None) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_pass, q_rot = q.view(n, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(kv_latent)  # [T, r]: what an MLA cache stores
-        rotate = apply_rotary_interleaved if self.interleaved else apply_rotary_half
-        q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None, :], cos, sin)  # k_rot: one head, shared
-        if kv is not None:
-            out = kv.attend_latent(self.kv_b_proj.weight, q_pass, q_rot, latent, k_rot[:, 0], self.v_dim,
-                                   self.scale, cu_seqlens, max_seqlen, self.backend)
-            return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
-        kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope + self.v_dim)
-        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat([q_pass, q_rot], dim=-1)  # [T, nh, nope + rope]
-        k = torch.cat([k_pass, k_rot.expand(n, self.num_heads, self.rope)], dim=-1)
-        out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=self.scale, backend=self.backend)
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))  # out [T, nh, v_dim]
-
+from .layers import GatedMLP, activation
 
 # ------------------------------------------------------------------------------------------------------- MoE
 
@@ -360,67 +217,6 @@ class MoE(nn.Module):
         out = self.experts(x, ids, weights)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
-
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if layer_idx < cfg.first_k_dense_replace:
-            self.mlp: nn.Module = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
-        else:
-            self.mlp = MoE(cfg)
-
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerMLA | None = None):  # x [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class MoETextModel(nn.Module):
-    """Embedding, MLA/MoE decoder layers, final norm and output projection; TextModel's interface."""
-
-    def __init__(self, cfg: TextConfig) -> None:
-        super().__init__()
-        if not cfg.is_moe:
-            raise ValueError(f"MoETextModel needs family 'deepseek_v3', not {cfg.family!r}")
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """[V, H]: the lm_head weight, or the embedding matrix when the two are tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
-        max_seqlen: int, cache: MLACache | None = None,
-    ) -> torch.Tensor:
-        """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
-
-        With `cache` (an MLACache): an empty cache takes a prefill (T packed prompt tokens, cu_seqlens [B+1]); a
-        filled one takes a decode step (T = B, one token per sequence, cu_seqlens unused), as TextModel.
-        """
-        cos, sin = mla_rope_cos_sin(position_ids, self.cfg)
-        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates in x.dtype
-        x = inputs_embeds
-        if cache is None:
-            for layer in self.layers:
-                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
-            return self.norm(x)
-        if not isinstance(cache, MLACache) or len(cache.keys) != len(self.layers):
-            raise ValueError(f"MoETextModel needs an MLACache of {len(self.layers)} layers (model.new_kv_cache)")
-        cache.begin(x.shape[0], cu_seqlens, x.device)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerMLA(cache, i))
-        cache.commit()
-        return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.output_weight.T
 
 
 # ------------------------------------------------------------------------------------------ balancing, tracing

@@ -5,7 +5,7 @@
 
 Two kinds of model are traced:
 
-- a mindvl model with a DeepSeek-V3-style language model (`MindVL`, or a bare `MoETextModel`): its routers record
+- a mindvl model with a DeepSeek-V3-style language model (`MindVL`, or its bare `TextModel`): its routers record
   their choices when asked (`mindvl.models.moe.record_routing`), no hooks. Several sequences are packed into one
   row per forward (`max_tokens_per_forward`) with `cu_seqlens`, so nothing attends across sequences and the result
   equals one forward per sequence.
@@ -103,7 +103,7 @@ def _trace_mindvl(model: nn.Module, seqs: list[torch.Tensor], max_tokens: int, d
                 ids_out[i].append(ids.cpu())
                 w_out[i].append(w.cpu())
     layers = [names[id(r)] for r in rs]
-    config = getattr(model, "config", None) or getattr(model, "cfg", None)  # MindVL / MoETextModel
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)  # MindVL / TextModel
     meta = {"source": "mindvl", "family": getattr(getattr(config, "text", config), "family", None)}
     return ids_out, w_out, layers, rs[0].num_experts, meta
 
@@ -240,9 +240,9 @@ def load_moe_model(model_dir: str | os.PathLike, dtype: torch.dtype | None = Non
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("model_type") == "mindvl":
-        from mindvl.checkpoint.hf import load_pretrained
+        from mindvl.checkpoint import load_model
 
-        return load_pretrained(model_dir, dtype=dtype, device=device)
+        return load_model(model_dir, dtype=dtype, device=device)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:

@@ -212,7 +212,7 @@ def test_held_out_fraction_splits_records_without_overlap(tmp_path):
 
 
 def test_validation_loss_and_benchmark_during_training(tmp_path):
-    from mindvl.checkpoint.hf import load_pretrained
+    from mindvl.checkpoint.hf import load_model
     from mindvl.data import DataConfig, build_loader, load_tokenizer
     from mindvl.eval.benchmarks import BENCHMARKS
     from mindvl.eval.synth_bench import write_synthetic_benchmarks
@@ -232,7 +232,7 @@ def test_validation_loss_and_benchmark_during_training(tmp_path):
         assert {f"eval/chartqa/{headline}", "eval/chartqa/exact_match"} <= set(r)
     assert len(read_lines(out / "eval" / "step_00000004" / "chartqa.jsonl")) == 2
     # Reference: the final weights on the same held-out packs, computed by hand.
-    model = load_pretrained(out / "final").eval()
+    model = load_model(out / "final").eval()
     cfg = DataConfig.from_dict({"seed": 0, **raw["data"]}).eval_config()
     total = count = 0.0
     with torch.no_grad():

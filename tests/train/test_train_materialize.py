@@ -1,5 +1,5 @@
 """Building the training model on the meta device and filling it tensor by tensor (sharded under FSDP2) gives
-exactly the weights of the plain paths: `MindVL.init_weights(seed)` and `MindVL.from_pretrained(folder)`."""
+exactly the weights of the plain paths: `MindVL.init_weights(seed)` and `load_model(folder)`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from train_helpers import raw_recipe, run
 
-from mindvl.checkpoint import save_pretrained
+from mindvl.checkpoint import load_model, save_pretrained
 from mindvl.config import load_recipe
 from mindvl.data import load_tokenizer
 from mindvl.models import MindVL
@@ -47,7 +47,7 @@ def test_init_from_folder_equals_from_pretrained(tiny):
     recipe, tok, reference, folder = tiny
     again = load_recipe(raw=recipe.to_dict() | {"model": {"init_from": str(folder)}})
     built = build_model(again, tok, ENV)
-    plain = MindVL.from_pretrained(folder)
+    plain = load_model(folder)
     assert all(torch.equal(built.state_dict()[n], t) for n, t in plain.state_dict().items())
     assert built.training
 
