@@ -32,6 +32,7 @@ from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 from mindvl.models.projector import Projector
 
 from .conv import conv3d_to_matmul
+from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
 from .side_files import Pixels, added_token_ids, write_side_files
 
@@ -42,31 +43,6 @@ SPECIAL_TOKENS = {
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
 }
-
-# HF name -> mindvl name, first match wins. Vision rules come before the generic `model.` rule.
-_NAME_RULES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"^(?:model\.)?visual\.patch_embed\.proj\.weight$"), "visual.patch_embed.weight"),
-    (re.compile(r"^(?:model\.)?visual\.merger\.ln_q\.(.+)$"), r"projector.norm.\1"),
-    (re.compile(r"^(?:model\.)?visual\.merger\.mlp\.0\.(.+)$"), r"projector.fc1.\1"),
-    (re.compile(r"^(?:model\.)?visual\.merger\.mlp\.2\.(.+)$"), r"projector.fc2.\1"),
-    (re.compile(r"^(?:model\.)?visual\.(.+)$"), r"visual.\1"),
-    (re.compile(r"^model\.language_model\.(.+)$"), r"language_model.\1"),
-    (re.compile(r"^model\.(.+)$"), r"language_model.\1"),
-    (re.compile(r"^lm_head\.weight$"), "language_model.lm_head.weight"),
-]
-# Non-parameters some exports carry; mindvl recomputes them.
-_SKIPPED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-def mindvl_name(hf_name: str) -> str | None:
-    """Map one HF tensor name to mindvl's, or None when the tensor is not a parameter mindvl keeps."""
-    if _SKIPPED.search(hf_name):
-        return None
-    for pattern, repl in _NAME_RULES:
-        if pattern.match(hf_name):
-            return pattern.sub(repl, hf_name)
-    return hf_name  # unknown names pass through and are reported as unexpected by the loader
-
 
 def _is_conv_patch_embed(name: str, ndim: int) -> bool:
     return name == "visual.patch_embed.weight" and ndim == 5
@@ -81,7 +57,6 @@ def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], int(torch.Size(shape[1:]).numel())) if _is_conv_patch_embed(name, len(shape)) else tuple(shape)
 
 
-_EXPERT_PIECE = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED_GATE_UP = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.gate_up_proj$")
 _LAYER_INDEX = re.compile(r"^language_model\.layers\.(\d+)\.")
 
@@ -89,14 +64,14 @@ _LAYER_INDEX = re.compile(r"^language_model\.layers\.(\d+)\.")
 class TensorPlan:
     """How the tensors of a HF folder become mindvl tensors, known from the headers before anything is loaded.
 
-    `names` maps HF names to mindvl names (`mindvl_name`, already filtered). Most tensors are renamed (and the
-    patch embedding reshaped); for a deepseek_v3 LLM, per-expert tensors are stacked into `experts.{proj}_proj
-    [E, ...]`, a fused `experts.gate_up_proj [E, 2I, H]` (gate rows first) is split in two, and multi-token
-    prediction layers past `num_hidden_layers` are dropped. `tensors()` streams the results; a stack is held only
-    until its last expert has been read.
+    `names` maps HF names to mindvl names (the family's `hf_keys` table, already filtered). Most tensors are renamed
+    (and the patch embedding reshaped); for a deepseek_v3 LLM, per-expert tensors are stacked into
+    `experts.{proj}_proj [E, ...]` (the table names the stack), a fused `experts.gate_up_proj [E, 2I, H]` (gate
+    rows first) is split in two, and multi-token prediction layers past `num_hidden_layers` are dropped. `tensors()`
+    streams the results; a stack is held only until its last expert has been read.
     """
 
-    def __init__(self, folder: TensorFolder, names: dict[str, str], text: TextConfig) -> None:
+    def __init__(self, folder: TensorFolder, names: dict[str, ImportName], text: TextConfig) -> None:
         fp8 = [h for h in names if h.endswith("weight_scale_inv")]
         if fp8:
             raise ValueError(f"{folder.folder}: an FP8 checkpoint ({fp8[0]} ...); dequantize it to bf16 first")
@@ -104,14 +79,14 @@ class TensorPlan:
         self.direct: dict[str, str] = {}
         self.stacks: dict[str, dict[int, str]] = {}  # mindvl name -> {expert: HF name}
         self.splits: dict[str, tuple[str, str]] = {}  # HF fused gate_up -> (mindvl gate, mindvl up)
-        for hf, name in names.items():
+        for hf, target in names.items():
+            name = target.name
             layer = _LAYER_INDEX.match(name)
             if text.is_moe and layer and int(layer.group(1)) >= text.num_hidden_layers:
                 continue  # DeepSeek-V3's MTP module (model.layers.61 on the hub); transformers ignores it too
-            piece = _EXPERT_PIECE.match(name) if text.is_moe else None
             fused = _FUSED_GATE_UP.match(name) if text.is_moe else None
-            if piece:
-                self.stacks.setdefault(f"{piece.group(1)}.{piece.group(3)}_proj", {})[int(piece.group(2))] = hf
+            if target.expert is not None:
+                self.stacks.setdefault(name, {})[target.expert] = hf
             elif fused:
                 self.splits[hf] = (f"{fused.group(1)}.gate_proj", f"{fused.group(1)}.up_proj")
             else:
@@ -396,17 +371,25 @@ def _write_config(folder: Path, config: MindVLConfig) -> None:
 # -------------------------------------------------------------------------------------------------- convert
 
 
+def _import_names(tensors: TensorFolder, family: str, tied: bool) -> dict[str, ImportName]:
+    """{HF name: what it becomes} for the tensors of a `family` folder that mindvl keeps."""
+    keys = key_map(family)
+    names = {h: keys.to_ours(h) for h in tensors.names()}
+    names = {h: n for h, n in names.items() if n is not None}
+    if tied:  # some exports store the tied copy anyway
+        names = {h: n for h, n in names.items() if n.name != "language_model.lm_head.weight"}
+    return names
+
+
 def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Import a local Qwen2.5-VL / Qwen3 / Qwen2 checkpoint, streaming tensor by tensor (memory ~ one shard)."""
     src = Path(src)
-    cfg = mindvl_config_from_hf(read_config(src), src)
+    raw = read_config(src)
+    cfg = mindvl_config_from_hf(raw, src)
     tensors = TensorFolder(src)
-    renamed = {h: mindvl_name(h) for h in tensors.names()}
-    renamed = {h: n for h, n in renamed.items() if n is not None}
-    if cfg.text.tie_word_embeddings:  # some exports store the tied copy anyway
-        renamed = {h: n for h, n in renamed.items() if n != "language_model.lm_head.weight"}
-    plan = TensorPlan(tensors, renamed, cfg.text)
+    family = detect_family(raw, str(src / CONFIG_NAME))
+    plan = TensorPlan(tensors, _import_names(tensors, family, cfg.text.tie_word_embeddings), cfg.text)
     check_tensors(plan.shapes(), expected_shapes(cfg), str(src))
     with atomic_output_folder(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
@@ -457,14 +440,10 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     expected = expected_shapes(cfg)
     vis = TensorFolder(vision_from)
     lang = TensorFolder(language_from)
-    vis_names = {h: mindvl_name(h) for h in vis.names()}
-    vis_names = {h: n for h, n in vis_names.items() if n is not None and n.startswith("visual.")}
-    lang_names = {h: mindvl_name(h) for h in lang.names()}
-    lang_names = {h: n for h, n in lang_names.items() if n is not None}
-    if text.tie_word_embeddings:
-        lang_names = {h: n for h, n in lang_names.items() if n != "language_model.lm_head.weight"}
+    vis_names = {h: n.name for h, n in _import_names(vis, "qwen2_5_vl", False).items()
+                 if n.name.startswith("visual.")}
     vis_shapes = vis.shapes()
-    lang_plan = TensorPlan(lang, lang_names, text)
+    lang_plan = TensorPlan(lang, _import_names(lang, lang_family, text.tie_word_embeddings), text)
     found = {n: _converted_shape(n, vis_shapes[h]) for h, n in vis_names.items()}
     found.update(lang_plan.shapes())
     projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)

@@ -15,45 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from mindvl.models import MindVLConfig
 
 from .conv import matmul_to_conv3d
 from .hf import CONFIG_NAME, read_config
+from .hf_keys import key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
 from .side_files import token_ids_for_config, write_side_files
-
-_HF_RULES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"^visual\.patch_embed\.weight$"), "visual.patch_embed.proj.weight"),
-    (re.compile(r"^projector\.norm\.(.+)$"), r"visual.merger.ln_q.\1"),
-    (re.compile(r"^projector\.fc1\.(.+)$"), r"visual.merger.mlp.0.\1"),
-    (re.compile(r"^projector\.fc2\.(.+)$"), r"visual.merger.mlp.2.\1"),
-    (re.compile(r"^visual\.(.+)$"), r"visual.\1"),
-    (re.compile(r"^language_model\.lm_head\.weight$"), "lm_head.weight"),
-    (re.compile(r"^language_model\.(.+)$"), r"model.\1"),
-]
-
-
-def hf_name(name: str) -> str:
-    for pattern, repl in _HF_RULES:
-        if pattern.match(name):
-            return pattern.sub(repl, name)
-    raise ValueError(f"no transformers name for tensor {name!r}")
-
-
-_STACKED_EXPERTS = re.compile(r"^language_model\.(layers\.\d+\.mlp\.experts)\.(gate|up|down)_proj$")
-
-
-def hf_tensors(name: str, tensor):
-    """(HF name, tensor) pairs for one mindvl tensor: stacked experts [E, ...] become E per-expert weights."""
-    stacked = _STACKED_EXPERTS.match(name)
-    if stacked:
-        for e, piece in enumerate(tensor.unbind(0)):
-            yield f"model.{stacked.group(1)}.{e}.{stacked.group(2)}_proj.weight", piece
-    else:
-        yield hf_name(name), tensor
 
 
 def _deepseek_config(t) -> dict:
@@ -109,6 +79,7 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     src = Path(src)
     cfg = MindVLConfig.from_dict(read_config(src))
     config = hf_config(cfg)  # refuses unrepresentable models before anything is written
+    keys = key_map(config["model_type"])  # qwen2_5_vl, qwen3, qwen2 or deepseek_v3: the import table, read backwards
     tensors = TensorFolder(src)
     with atomic_output_folder(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
@@ -119,7 +90,7 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
             if name == "visual.patch_embed.weight":
                 v = cfg.vision
                 tensor = matmul_to_conv3d(tensor, v.in_channels, v.temporal_patch_size, v.patch_size)
-            for hf, piece in hf_tensors(name, tensor):
+            for hf, piece in keys.hf_tensors(name, tensor):
                 writer.add(hf, piece)
         writer.close()
         write_side_files(tmp, cfg, [src])

@@ -47,9 +47,9 @@ from .hf import (
     detect_family,
     expected_shapes,
     mindvl_config_from_hf,
-    mindvl_name,
     read_config,
 )
+from .hf_keys import mindvl_name
 from .safetensors_io import DEFAULT_SHARD_BYTES, StreamingShardWriter, TensorFolder, atomic_output_folder
 from .side_files import write_side_files
 
@@ -250,7 +250,7 @@ def _open_language_model(base: Path) -> tuple[MindVLConfig, TensorFolder, dict[s
     folder = TensorFolder(base)
     names: dict[str, str] = {}
     for stored in folder.names():
-        name = mindvl_name(stored)
+        name = mindvl_name(stored, family)
         if name is None or not name.startswith(LM_PREFIX):
             continue  # buffers mindvl recomputes, and a VLM base's vision tower, are not part of the LLM
         if name in names:
