@@ -18,6 +18,8 @@ from test_generation import (
 
 from mindvl.checkpoint import compose, convert_from_hf, load_model
 from mindvl.infer.generate import pack_prompts
+from mindvl.models import MindVL, MindVLConfig, TextConfig
+from mindvl.models.kv_cache import KVCache
 from mindvl.models.mla_cache import MLACache
 
 
@@ -106,3 +108,49 @@ def test_deepseek_v3_model_folder_chats_evaluates_and_searches(tmp_path, capsys)
                      "4:16", "--out", str(out), "--no-system", "--limit", "2", "--max-new-tokens", "3",
                      "--device", "cpu"]) == 0
     assert set(json.loads((out / "results.json").read_text())["scores"]["ds"]["ocrbench"]) == {"min4_max16"}
+
+
+def _dense_mla_model() -> MindVL:
+    """A DeepSeek-V3-shaped decoder whose layers are all dense (first_k_dense_replace = num_hidden_layers)."""
+    kw = {k: v for k, v in H.DEEPSEEK_KW.items() if k != "num_key_value_heads"}
+    model = MindVL(MindVLConfig(text=TextConfig(family="deepseek_v3", **{**kw, "first_k_dense_replace": 3}),
+                                vision=None))
+    model.init_weights(seed=2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["ds", "dsvl", "dense_mla"])
+def test_prefill_last_only_keeps_the_last_rows(models, name):
+    """`last_only` (the prefill's form) returns each prompt's last hidden state with the cache of a full prefill. A
+    MoE last layer runs whole, so its rows are the same bits as the full forward's (grouped GEMMs round differently
+    on fewer rows); a dense MLA last layer runs o_proj and its MLP for those rows alone (equal to float rounding)."""
+    model = _dense_mla_model() if name == "dense_mla" else models[name][1]
+    prompts = (text_prompts if name != "dsvl" else vl_prompts)()
+    lm = model.language_model
+    packed = pack_prompts(prompts, torch.device("cpu"))
+    embeds = model.embed(packed["input_ids"], packed["pixel_values"], packed["image_grid_thw"])
+    positions = model.default_position_ids(packed["input_ids"], packed["cu_seqlens"], packed["image_grid_thw"])
+    cu, width = packed["cu_seqlens"], int((packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).max())
+    mlp_rows = []
+    hook = lm.layers[-1].mlp.register_forward_hook(lambda m, args, out: mlp_rows.append(args[0].shape[0]))
+    with torch.inference_mode():
+        full_cache, last_cache = model.new_kv_cache(len(prompts), 64), model.new_kv_cache(len(prompts), 64)
+        full = lm(embeds, positions, cu, width, cache=full_cache)
+        last = lm(embeds, positions, cu, width, cache=last_cache, last_only=True)
+    hook.remove()
+    for a, b in zip(full_cache.keys + full_cache.values, last_cache.keys + last_cache.values, strict=True):
+        assert torch.equal(a, b)
+    rows = full[cu[1:].long() - 1]
+    if name == "dense_mla":
+        assert mlp_rows == [int(cu[-1]), len(prompts)]
+        torch.testing.assert_close(last, rows, rtol=1e-5, atol=1e-5)
+    else:
+        assert mlp_rows == [int(cu[-1]), int(cu[-1])]
+        assert torch.equal(last, rows)
+
+
+def test_a_cache_of_the_wrong_kind_is_refused(models):
+    model = models["ds"][1]
+    gqa_cache = KVCache(len(model.language_model.layers), 1, 8)
+    with pytest.raises(ValueError, match="needs a MLACache of 3 layers .* got a KVCache"):
+        model.prefill(torch.tensor([5, 6, 7]), torch.tensor([0, 3], dtype=torch.int32), gqa_cache)
