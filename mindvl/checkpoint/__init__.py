@@ -1,7 +1,8 @@
-"""Checkpoints: HF import (key maps, Conv->Matmul), mindvl model folders (sharded safetensors + config.json)."""
+"""Checkpoints: HF import/export (one key table per family, Conv->Matmul), mindvl model folders (sharded safetensors +
+config.json: `load_model`, `save_pretrained`)."""
 
 from .conv import conv3d_to_matmul, matmul_to_conv3d
-from .hf import compose, convert_from_hf, load_model, save_pretrained
+from .hf import compose, convert_from_hf, load_model, load_pretrained, save_pretrained
 from .safetensors_io import ShardedWriter, TensorFolder, atomic_output_folder
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "conv3d_to_matmul",
     "convert_from_hf",
     "load_model",
+    "load_pretrained",
     "matmul_to_conv3d",
     "save_pretrained",
 ]

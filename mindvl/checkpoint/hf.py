@@ -315,8 +315,10 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> MindVL:
-    """Build the model on the meta device and fill it tensor by tensor from the folder (no full-size init)."""
+               device: torch.device | str = "cpu") -> MindVL:
+    """A mindvl model folder (sharded safetensors + config.json, as `mindvl convert`/`export` write) -> MindVL in
+    eval mode. Built on the meta device and filled tensor by tensor from the folder (no full-size init). This is
+    where loading lives: models know nothing of files."""
     folder = Path(folder)
     config = read_config(folder)
     if config.get("model_type") != "mindvl":
@@ -337,6 +339,9 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
             if buf is not None and buf.is_meta:
                 module._buffers[key] = torch.zeros_like(buf, device=device)
     return model.eval()
+
+
+load_pretrained = load_model  # the name before issue 23 (branches in flight still call it); new code: load_model
 
 
 def _keep_fp32(name: str) -> bool:
