@@ -4,7 +4,8 @@ Families: Qwen3 (GQA with q/k RMSNorm, no bias, explicit head_dim) and Qwen2 (GQ
 dense MLPs; DeepSeek-V3 (Multi-head Latent Attention, mla.py; DeepSeek-MoE MLPs after the first
 `first_k_dense_replace` dense layers, moe.py). Every layer is `input_layernorm -> self_attn -> residual ->
 post_attention_layernorm -> mlp -> residual` under the same module names in every family, so state_dict keys
-(`layers.{i}.self_attn.*`, `layers.{i}.mlp.*`) are the HF checkpoints' and FSDP/EP code sees one layer type. A new
+(`layers.{i}.self_attn.*`, `layers.{i}.mlp.*`) follow the HF checkpoints' module names (checkpoint/hf_keys.py maps
+them) and FSDP/EP code sees one layer type. A new
 family adds an attention class (the interface: `rotary`, `cache_class`, `forward(x, cos, sin, cu_seqlens,
 max_seqlen, kv, rows)`) or an MLP to `attention_class` / `mlp_for`; prefill, caches and the loop are written once.
 
