@@ -106,8 +106,7 @@ def best_settings(scores: dict[str, dict[str, dict[str, float]]]) -> dict[str, A
             per_ckpt.setdefault(label, {})[bench] = {**entry, "no_best": why} if why else entry
     for bench in dict.fromkeys(b for per in scores.values() for b in per):
         cells = {(label, name): v for label, per in scores.items() for name, v in per.get(bench, {}).items()}
-        n_ckpt = len({label for label, _ in cells})
-        key, score, why = _top(cells, f"{len(cells)} scores ({n_ckpt} checkpoints x their settings)")
+        key, score, why = _top(cells, f"{len(cells)} (checkpoint, setting) pairs")
         if key is None:
             overall[bench] = {"checkpoint": None, "setting": None, **_pixels(None), "score": score, "no_best": why}
         else:  # the checkpoint's own best entry (setting None when its own settings all tie)
@@ -126,8 +125,9 @@ def _top(by_key: dict[Any, float], what: str) -> tuple[Any, float, str | None]:
     if not numbers:
         return None, score, f"none of the {what} has a score: no setting is better"
     if len(numbers) == len(by_key):
-        return None, score, f"all {what} score {score:.4g}: no setting is better"
-    return None, score, f"{len(by_key) - len(numbers)} of {what} have no score, the rest {score:.4g}: none is better"
+        return None, score, f"every one of the {what} scores {score:.4g}: no setting is better"
+    return None, score, (f"{len(by_key) - len(numbers)} of the {what} have no score, the others all score "
+                         f"{score:.4g}: no setting is better")
 
 
 def best_lines(best: dict[str, Any]) -> list[str]:
