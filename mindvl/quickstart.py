@@ -228,7 +228,7 @@ def plot_losses(out: Path, phases: list[str]) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     offset = 0
     for name in phases:
         records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
@@ -238,8 +238,10 @@ def plot_losses(out: Path, phases: list[str]) -> Path | None:
             offset = steps[-1]
     ax.set_xlabel("optimizer step (cumulative)")
     ax.set_ylabel("loss per labelled token")
+    ax.set_title("Training loss per phase (each SFT variant continues from the multitask model)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(title="phase", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)  # beside the curves, never over them
     fig.tight_layout()
     path = out / "loss_curves.png"
     fig.savefig(path, dpi=100)
