@@ -261,6 +261,11 @@ def plot_scores(out: Path, summary: dict[str, Any]) -> Path | None:
     return path
 
 
+def _percent(v: float) -> str:
+    """0% only for a true 0: a small nonzero score keeps a decimal (0.3%)."""
+    return f"{v:.0%}" if v == 0 or v >= 0.01 else f"{v:.1%}"
+
+
 def scores_figure(summary: dict[str, Any]):
     """The grouped bars as a Figure: each bar labelled with its value (a 0% bar has no height, its label shows it),
     the legend beside the axes, never over a bar."""
@@ -272,7 +277,7 @@ def scores_figure(summary: dict[str, Any]):
     for i, label in enumerate(labels):
         values = [summary["evaluation"][label][b]["exact_match"] for b in benches]
         bars = ax.bar([j + i * width for j in range(len(benches))], values, width, label=label)
-        ax.bar_label(bars, labels=[f"{v:.0%}" for v in values], padding=2, fontsize=7, rotation=90)
+        ax.bar_label(bars, labels=[_percent(v) for v in values], padding=2, fontsize=7, rotation=90)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(benches))], benches)
     ax.set_xlabel("benchmark (synthetic, held out)")
     ax.set_ylabel("exact match")

@@ -27,13 +27,13 @@ def summary(values: dict[str, float]) -> dict:
 
 
 def test_bars_are_labelled_even_at_zero():
-    fig = scores_figure(summary({"merged": 0.25}))
+    fig = scores_figure(summary({"merged": 0.25, "sft-512": 0.003}))
     ax = fig.axes[0]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     labels = [t.get_text() for t in ax.texts]
     # One label per bar, in bar order (checkpoint by checkpoint), a 0% bar's included.
-    assert labels == ["0%"] * 4 + ["25%"] * 2
+    assert labels == ["0%"] * 2 + ["0.3%"] * 2 + ["25%"] * 2
     assert ax.get_xlabel() and ax.get_ylabel() == "exact match" and ax.get_ylim()[1] > 1.0
     legend = ax.get_legend()
     assert [t.get_text() for t in legend.get_texts()] == LABELS
