@@ -26,7 +26,7 @@ from typing import Any
 from mindvl.data.template import DEFAULT_SYSTEM
 
 from .benchmarks import BENCHMARKS, BenchItem
-from .scorers import check_toolkit
+from .scorers import check_toolkit, prepare_prediction
 
 # VLMEvalKit leaves the answer length to the model class; this is the budget used when neither side sets one.
 FALLBACK_MAX_NEW_TOKENS = 128
@@ -173,8 +173,10 @@ def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings:
     if not rows:  # every row skipped: a score over 0 items (nan) would read as a result
         raise NoItemsScored(no_items_message(bench, reader))
     summary = bench.summarise(rows, settings.toolkit)
+    empty = prepare_prediction("", settings.toolkit)  # how the toolkit stores an empty generation
     summary.update(n=len(rows), exact_match=sum(r["exact_match"] for r in rows) / max(1, len(rows)),
-                   headline=bench.headline(settings.toolkit), skipped=reader.skipped, min_pixels=lo, max_pixels=hi)
+                   headline=bench.headline(settings.toolkit), skipped=reader.skipped, min_pixels=lo, max_pixels=hi,
+                   empty_answers=sum(not r["prediction"].strip() or r["prediction"] == empty for r in rows))
     return summary
 
 
@@ -208,8 +210,9 @@ def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | 
         summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
                                      pixel_limits(model_dir))
         summaries[name] = summary
+        empty = f" ({summary['empty_answers']} of them answered with nothing)" if summary["empty_answers"] else ""
         log(f"{name}: {summary['headline']} = {summary[summary['headline']]:.4g}, exact match "
-            f"{summary['exact_match']:.1%} over {summary['n']} items")
+            f"{summary['exact_match']:.1%} over {summary['n']} items{empty}")
     write_json(out / "summary.json", {"model": str(model_dir), "settings": asdict(settings), "results": summaries})
     (out / "summary.md").write_text(summary_table({str(model_dir): summaries}))
     return summaries

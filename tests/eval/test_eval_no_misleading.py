@@ -199,3 +199,17 @@ def test_eval_uses_and_prints_the_training_system(setup, tmp_path, capsys):
     assert summary["settings"]["system"] is None
     qwen = json.loads((tmp_path / "qwen" / "chartqa" / "predictions.jsonl.settings.json").read_text())
     assert qwen["system"] == DEFAULT_SYSTEM
+
+
+def test_eval_counts_empty_answers(setup, tmp_path, monkeypatch, capsys):
+    _, folder, benches = setup
+    _, tok = load_for_chat(folder, device="cpu")
+    answers = iter([[tok.special.im_end], [*tok.encode("7"), tok.special.im_end], [*tok.encode("  "),
+                                                                                   tok.special.im_end]])
+    monkeypatch.setattr(generate_module, "generate", lambda model, prompts, *a, **kw: [next(answers)
+                                                                                     for _ in prompts])
+    assert cli_main(["eval", str(folder), "--bench", f"ocrbench={benches['ocrbench']}", "--out", str(tmp_path / "e"),
+                     "--limit", "3", "--no-system", "--device", "cpu"]) == 0
+    assert "exact match 0.0% over 3 items (2 of them answered with nothing)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    assert summary["results"]["ocrbench"]["empty_answers"] == 2
