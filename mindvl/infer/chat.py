@@ -218,9 +218,10 @@ def training_system(model_dir: str | os.PathLike) -> tuple[str | None, str]:
     """(the system turn the folder's model was trained with, where that was read).
 
     A run's `final/` sits beside the run's `recipe.json`: its `data.default_system` (None: trained without a system
-    turn) is what training rendered. Other folders (`mindvl export`, `merge`, `convert`) record no recipe; their chat
-    template (which export and merge copy) is the training template, and its default system turn the answer (Qwen2-VL's
-    template: "You are a helpful assistant."). Without either: Qwen's default."""
+    turn) is what training rendered. A `mindvl merge` of such folders (config.json `source.merged_from`): theirs,
+    when they agree. Other folders (`mindvl export` of a checkpoint, `convert`) record no recipe: the default system
+    turn of their chat template is then the best record there is (what transformers' `apply_chat_template` renders;
+    Qwen2-VL's: "You are a helpful assistant."), which callers print so that a user can override it."""
     folder = Path(model_dir)
     recipe = _run_recipe(folder)
     if recipe is not None:
