@@ -229,6 +229,7 @@ def histograms_figure(summary: dict, hist_specs: dict):
         ax.bar(edges[:-1], grouped, width=np.diff(edges), align="edge", color="#47a", edgecolor="white",
                linewidth=0.5)
         ax.set_xlim(edges[0], edges[-1])
+        ax.text(0.98, 0.95, f"n = {int(sum(counts))}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
         score = name.rsplit("/", 1)[-1]
         clipped = f"\n(the last bar also counts values > {hi:g})" if counts and counts[-1] else ""
         ax.set_xlabel(score + clipped, fontsize=8)

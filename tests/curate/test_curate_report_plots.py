@@ -64,6 +64,7 @@ def test_histograms_figure_labels_and_limits():
     text = by_title["0:scored/chars"]
     assert text.get_xlabel() == "chars\n(the last bar also counts values > 2000)"
     assert sum(p.get_height() for p in text.patches) == len(chars)
+    assert [t.get_text() for t in text.texts] == ["n = 6"]  # outliers a bar cannot show still count
     plt.close(fig)
 
 
