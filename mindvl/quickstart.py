@@ -200,7 +200,11 @@ def write_report(out: Path, summary: dict[str, Any]) -> Path:
               "", "## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | "
               "max_pixels | score |", "| --- | --- | --- | --- | --- |"]
     for bench, b in summary["best"]["overall"].items():
-        lines.append(f"| {bench} | {b['checkpoint']} | {b['min_pixels']} | {b['max_pixels']} | {b['score']:.4g} |")
+        if b["setting"] is None:  # every setting scores the same: naming one would mislead
+            lines.append(f"| {bench} | {b['checkpoint'] or 'none'} | - | - | {b['score']:.4g} ({b['no_best']}) |")
+        else:
+            lines.append(f"| {bench} | {b['checkpoint']} | {b['min_pixels']} | {b['max_pixels']} | "
+                         f"{b['score']:.4g} |")
     lines += ["", "Full grid: `search/results.md`; per-item predictions: `search/<checkpoint>/<benchmark>/`.", ""]
     lines += [f"![{p.stem}]({p.relative_to(out)})" for p in [*plots, *sorted((out / "search").glob("boxplot_*.png"))]]
     path = out / "report.md"
@@ -224,7 +228,7 @@ def plot_losses(out: Path, phases: list[str]) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     offset = 0
     for name in phases:
         records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
@@ -234,8 +238,10 @@ def plot_losses(out: Path, phases: list[str]) -> Path | None:
             offset = steps[-1]
     ax.set_xlabel("optimizer step (cumulative)")
     ax.set_ylabel("loss per labelled token")
+    ax.set_title("Training loss per phase (each SFT variant continues from the multitask model)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(title="phase", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)  # beside the curves, never over them
     fig.tight_layout()
     path = out / "loss_curves.png"
     fig.savefig(path, dpi=100)
@@ -244,24 +250,43 @@ def plot_losses(out: Path, phases: list[str]) -> Path | None:
 
 
 def plot_scores(out: Path, summary: dict[str, Any]) -> Path | None:
-    """Exact match per benchmark and checkpoint at the training resolution (grouped bars)."""
+    """Exact match per benchmark and checkpoint at the training resolution (grouped bars), saved as scores.png."""
     plt = pyplot()
     if plt is None:
         return None
-    labels = list(summary["evaluation"])
-    benches = list(summary["evaluation"][labels[0]])
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    width = 0.8 / len(labels)
-    for i, label in enumerate(labels):
-        values = [summary["evaluation"][label][b]["exact_match"] for b in benches]
-        ax.bar([j + i * width for j in range(len(benches))], values, width, label=label)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(benches))], benches)
-    ax.set_ylabel("exact match")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
+    fig = scores_figure(summary)
     path = out / "scores.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _percent(v: float) -> str:
+    """0% only for a true 0: a small nonzero score keeps a decimal (0.3%)."""
+    return f"{v:.0%}" if v == 0 or v >= 0.01 else f"{v:.1%}"
+
+
+def scores_figure(summary: dict[str, Any]):
+    """The grouped bars as a Figure: each bar labelled with its value (a 0% bar has no height, its label shows it),
+    the legend beside the axes, never over a bar."""
+    plt = pyplot()
+    labels = list(summary["evaluation"])
+    benches = list(summary["evaluation"][labels[0]])
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.5 + 0.45 * len(labels) * len(benches)), 4.0))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [summary["evaluation"][label][b]["exact_match"] for b in benches]
+        bars = ax.bar([j + i * width for j in range(len(benches))], values, width, label=label)
+        ax.bar_label(bars, labels=[_percent(v) for v in values], padding=2, fontsize=7, rotation=90)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(benches))], benches)
+    ax.set_xlabel("benchmark (synthetic, held out)")
+    ax.set_ylabel("exact match")
+    ax.set_ylim(0, 1.18)  # room above a 100% bar for its label
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0], ["0%", "25%", "50%", "75%", "100%"])
+    ax.set_title(f"Exact match at the training resolution ({DEFAULT_SETTING.replace('_', ', ')} x 28 x 28 pixels)",
+                 fontsize=10)
+    ax.legend(title="checkpoint", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig

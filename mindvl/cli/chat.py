@@ -58,9 +58,9 @@ def run(args) -> int:
         seed=args.seed, videos=args.video, video_settings=video_settings(args.model, args.video_fps),
     )
     if args.prompt is not None:
-        print(session.ask(args.prompt))
+        _answer(session, args.prompt)
     elif not sys.stdin.isatty():
-        print(session.ask(sys.stdin.read().strip()))
+        _answer(session, sys.stdin.read().strip())
     else:
         while True:
             try:
@@ -69,5 +69,14 @@ def run(args) -> int:
                 break
             if not text:
                 break
-            print(session.ask(text))
+            _answer(session, text)
     return 0
+
+
+def _answer(session, text: str) -> None:
+    """Print the answer; an empty one also gets a line on stderr saying why (end token at once, max tokens ...)."""
+    answer = session.ask(text)
+    print(answer)
+    why = session.why_empty(answer)
+    if why:
+        print(f"({why})", file=sys.stderr)

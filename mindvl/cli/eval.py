@@ -14,7 +14,8 @@ def add_eval_options(p) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
     p.add_argument("--limit", type=int, help="only the first N items of each benchmark")
     p.add_argument("--max-new-tokens", type=int, help="default: the benchmark's own")
-    p.add_argument("--system", help="system prompt (default: Qwen's 'You are a helpful assistant.')")
+    p.add_argument("--system", help="system prompt (default: the one the model was trained with: its run's "
+                   "data.default_system, else its chat template's; printed)")
     p.add_argument("--no-system", action="store_true", help="no system turn (recipes with default_system: null)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model folder's)")
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
@@ -27,6 +28,11 @@ def settings_from(args, **pixels):
     system = None if args.no_system else (DEFAULT_SYSTEM if args.system is None else args.system)
     return EvalSettings(toolkit=args.toolkit, system=system, batch_size=args.batch_size, limit=args.limit,
                         max_new_tokens=args.max_new_tokens, **pixels)
+
+
+def system_from_model(args) -> bool:
+    """Neither --system nor --no-system: the system turn the model was trained with."""
+    return args.system is None and not args.no_system
 
 
 def register(subparsers) -> None:
@@ -43,6 +49,7 @@ def run(args) -> int:
     from mindvl.eval.runner import evaluate
 
     settings = settings_from(args, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-    evaluate(args.model, parse_bench_args(args.bench), args.out, settings, args.tokenizer, args.device)
+    evaluate(args.model, parse_bench_args(args.bench), args.out, settings, args.tokenizer, args.device,
+             system_from_model=system_from_model(args))
     print(f"wrote {args.out}/summary.json and summary.md")
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .eval import add_eval_options, settings_from
+from .eval import add_eval_options, settings_from, system_from_model
 
 
 def register(subparsers) -> None:
@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from mindvl.eval.benchmarks import parse_bench_args
-    from mindvl.eval.resolution_search import parse_grid, search_resolution
+    from mindvl.eval.resolution_search import best_lines, parse_grid, search_resolution
 
     models = {}
     for spec in args.models:
@@ -27,9 +27,9 @@ def run(args) -> int:
             raise ValueError(f"two checkpoints are labelled {label!r}; name them LABEL=DIR")
         models[label] = folder
     result = search_resolution(models, parse_bench_args(args.bench), parse_grid(args.grid), args.out,
-                               settings_from(args), args.tokenizer, args.device)
-    for bench, best in result["best"]["overall"].items():
-        print(f"best for {bench}: {best['checkpoint']} at min_pixels={best['min_pixels']} "
-              f"max_pixels={best['max_pixels']} ({best['score']:.4g})")
+                               settings_from(args), args.tokenizer, args.device,
+                               system_from_model=system_from_model(args))
+    for line in best_lines(result["best"]):
+        print(line)
     print(f"wrote {args.out}/results.md, best.json and boxplot_*.png")
     return 0

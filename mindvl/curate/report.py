@@ -38,6 +38,7 @@ def summarize(result) -> dict[str, Any]:
             for label, hs in d.get("histograms", {}).items():
                 for name, counts in hs.items():
                     cur = hist.setdefault(label, {}).setdefault(name, [0] * len(counts))
+                    cur, counts = _same_bins(cur, counts)
                     hist[label][name] = [a + b for a, b in zip(cur, counts, strict=True)]
             for label, ex in d.get("extra", {}).items():
                 cur = extra.setdefault(label, {})
@@ -62,6 +63,20 @@ def summarize(result) -> dict[str, Any]:
     return {"stages": stages, "histograms": hist, "extra": extra, "written": written}
 
 
+def _same_bins(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
+    """Two histograms of one score on the same bins: a shard counted by an older version (fewer, coarser bins over
+    the same range) has the finer one summed down to its bins."""
+    if len(a) == len(b):
+        return a, b
+    fine, coarse = (a, b) if len(a) > len(b) else (b, a)
+    if len(fine) % len(coarse):
+        raise ValueError(f"histograms with {len(a)} and {len(b)} bins cannot be added; rerun the curation into a "
+                         "fresh output folder")
+    k = len(fine) // len(coarse)
+    fine = [sum(fine[i:i + k]) for i in range(0, len(fine), k)]
+    return (fine, coarse) if len(a) > len(b) else (coarse, fine)
+
+
 def _sorted_labels(labels) -> list[str]:
     def key(label: str):
         head = label.split(":", 1)[0]
@@ -79,7 +94,7 @@ def write_report(cfg, stages: list[Stage], result) -> dict[str, Any]:
     hist_specs = {}
     for i, st in enumerate(stages):
         for name, h in st.histograms.items():
-            hist_specs[f"{i}:{st.name}/{name}"] = (h.lo, h.hi, h.bins)
+            hist_specs[f"{i}:{st.name}/{name}"] = (h.lo, h.hi, h.bins)  # bins: bars to draw (counts are finer)
     write_json_atomic(os.path.join(result.out, "report.json"), report)
     pngs = _plots(result.out, summary, result.plans, hist_specs)
     with open(os.path.join(result.out, "report.md.tmp"), "w") as f:
@@ -141,55 +156,113 @@ def _plots(out: str, summary: dict, plans: dict, hist_specs: dict) -> dict[str, 
     import matplotlib.pyplot as plt
 
     pngs: dict[str, str] = {}
-    labels = _sorted_labels(summary["stages"])
-    if labels:
-        fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.2))
-        ins = [summary["stages"][lab]["in"] for lab in labels]
-        outs = [summary["stages"][lab]["out"] for lab in labels]
-        y = np.arange(len(labels))
-        ax.barh(y, ins, color="#ccc", label="in")
-        ax.barh(y, outs, color="#4a7", label="out")
-        ax.set_yticks(y, labels)
-        ax.invert_yaxis()
-        ax.legend()
-        ax.set_xlabel("records")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "report_funnel.png"), dpi=80)
+
+    def save(fig, name: str, key: str) -> None:
+        fig.savefig(os.path.join(out, name), dpi=80)
         plt.close(fig)
-        pngs["funnel"] = "report_funnel.png"
-    hists = [(f"{label}/{name}", counts) for label, hs in summary["histograms"].items() for name, counts in hs.items()]
-    if hists:
-        fig, axes = plt.subplots(1, len(hists), figsize=(3.2 * len(hists), 2.6), squeeze=False)
-        for ax, (name, counts) in zip(axes[0], hists, strict=True):
-            lo, hi, bins = hist_specs.get(name, (0, len(counts), len(counts)))
-            edges = np.linspace(lo, hi, bins + 1)
-            ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#47a")
-            ax.set_title(name, fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "report_histograms.png"), dpi=80)
-        plt.close(fig)
-        pngs["hist"] = "report_histograms.png"
+        pngs[key] = name
+
+    if summary["stages"]:
+        save(funnel_figure(summary), "report_funnel.png", "funnel")
+    if any(summary["histograms"].values()):
+        save(histograms_figure(summary, hist_specs), "report_histograms.png", "hist")
     for plan in plans.values():
         clusters = plan.get("clusters")
         if not clusters:
             continue
-        fig, ax1 = plt.subplots(figsize=(max(6, 0.35 * len(clusters)), 3))
-        x = np.arange(len(clusters))
-        ax1.bar(x - 0.2, [c["size"] for c in clusters], 0.4, label="size", color="#bbb")
-        ax1.bar(x + 0.2, [c["quota"] for c in clusters], 0.4, label="quota", color="#4a7")
-        ax2 = ax1.twinx()
-        ax2.plot(x, [c["variance"] for c in clusters], "o-", color="#c43", label="variance")
-        ax1.set_xticks(x, [c["cluster"] for c in clusters], rotation=90, fontsize=7)
-        ax1.legend(loc="upper left")
-        ax2.legend(loc="upper right")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "report_clusters.png"), dpi=80)
-        plt.close(fig)
-        pngs["clusters"] = "report_clusters.png"
+        save(clusters_figure(clusters), "report_clusters.png", "clusters")
         grid = _example_grid(out, clusters)
         if grid:
             pngs["examples"] = grid
     return pngs
+
+
+def funnel_figure(summary: dict):
+    """Records in (grey) and out (green) per stage, each bar labelled `out / in`."""
+    import matplotlib.pyplot as plt
+
+    labels = _sorted_labels(summary["stages"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.4))
+    ins = [summary["stages"][lab]["in"] for lab in labels]
+    outs = [summary["stages"][lab]["out"] for lab in labels]
+    y = np.arange(len(labels))
+    bars = ax.barh(y, ins, color="#ccc", label="in")
+    ax.barh(y, outs, color="#4a7", label="out")
+    ax.bar_label(bars, labels=[f"{o} / {i}" for o, i in zip(outs, ins, strict=True)], padding=3, fontsize=8)
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(max(ins, default=0), 1) * 1.2)  # room for the labels right of the longest bar
+    ax.set_xlabel("records")
+    ax.set_title("Records per stage (out / in)", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def histogram_bars(counts: list[int], lo: float, hi: float, bars: int) -> tuple[np.ndarray, np.ndarray]:
+    """(edges, counts) of at most `bars` equal bars over the bins the data occupies (whole fine bins grouped), so
+    the plot spans the data's range rather than the score's whole range."""
+    counts_a = np.asarray(counts)
+    edges = np.linspace(lo, hi, len(counts_a) + 1)
+    occupied = np.flatnonzero(counts_a)
+    if occupied.size == 0:
+        return edges[:2], np.zeros(1, dtype=np.int64)
+    first, last = int(occupied[0]), int(occupied[-1])
+    group = -(-(last - first + 1) // max(1, bars))  # fine bins per bar
+    n_bars = -(-(last - first + 1) // group)
+    stop = min(first + n_bars * group, len(counts_a))
+    grouped = np.add.reduceat(counts_a[first:stop], np.arange(0, stop - first, group))
+    bar_edges = np.append(edges[first:stop:group], edges[stop])
+    return bar_edges, grouped
+
+
+def histograms_figure(summary: dict, hist_specs: dict):
+    """One panel per score: bars over the range its records span, axes labelled (score, records); a last bin that
+    also counts values beyond the score's range says so in the label."""
+    import matplotlib.pyplot as plt
+
+    hists = [(f"{label}/{name}", counts) for label, hs in summary["histograms"].items() for name, counts in hs.items()]
+    fig, axes = plt.subplots(1, len(hists), figsize=(3.4 * len(hists), 2.9), squeeze=False)
+    for ax, (name, counts) in zip(axes[0], hists, strict=True):
+        lo, hi, bins = hist_specs.get(name, (0, len(counts), len(counts)))
+        edges, grouped = histogram_bars(counts, lo, hi, bins)
+        ax.bar(edges[:-1], grouped, width=np.diff(edges), align="edge", color="#47a", edgecolor="white",
+               linewidth=0.5)
+        ax.set_xlim(edges[0], edges[-1])
+        ax.text(0.98, 0.95, f"n = {int(sum(counts))}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
+        score = name.rsplit("/", 1)[-1]
+        clipped = f"\n(the last bar also counts values > {hi:g})" if counts and counts[-1] else ""
+        ax.set_xlabel(score + clipped, fontsize=8)
+        ax.set_ylabel("records", fontsize=8)
+        ax.set_title(name, fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def clusters_figure(clusters: list[dict]):
+    """Per cluster its size and quota (bars, labelled when there are few; legend above the axes, off the data) and,
+    in a panel below on the same clusters, its embedding variance."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(max(6, 0.35 * len(clusters)), 4.4),
+                                   gridspec_kw={"height_ratios": [2, 1]})
+    x = np.arange(len(clusters))
+    sizes = ax1.bar(x - 0.2, [c["size"] for c in clusters], 0.4, label="size", color="#bbb")
+    quotas = ax1.bar(x + 0.2, [c["quota"] for c in clusters], 0.4, label="quota (kept)", color="#4a7")
+    if len(clusters) <= 30:
+        for bars in (sizes, quotas):
+            ax1.bar_label(bars, padding=1, fontsize=6)
+    ax1.margins(y=0.12)
+    ax1.set_ylabel("records")
+    ax2.plot(x, [c["variance"] for c in clusters], "o-", color="#c43")
+    ax2.set_ylabel("variance")
+    ax2.margins(y=0.15)
+    ax2.set_xticks(x, [c["cluster"] for c in clusters], rotation=90, fontsize=7)
+    ax2.set_xlabel("cluster")
+    fig.legend([sizes, quotas], ["size", "quota (kept)"], loc="upper center", ncol=2, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
 
 
 def _example_grid(out: str, clusters: list[dict], max_clusters: int = 12, thumb: int = 64) -> str | None:

@@ -171,10 +171,12 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
         raise ValueError(f"{path}: the recipe has no `data:` section")
     cfg = DataConfig.from_dict(raw["data"], "data")
     phase = _phase(raw)
-    recipe_budget = (raw.get("budget") or {}).get("max_tokens")
-    budget = int(recipe_budget or PAPER_BUDGETS.get(phase, 0))
-    if budget <= 0:
-        raise ValueError(f"{path}: budget.max_tokens is not set and phase {phase!r} has no paper budget")
+    budget, budget_source = recipe_budget(raw, cfg.seq_len)
+    if budget is None:
+        budget = PAPER_BUDGETS.get(phase, 0)
+        if budget <= 0:
+            raise ValueError(f"{path}: neither budget.max_tokens nor budget.max_steps is set and phase {phase!r} "
+                             "has no paper budget")
     total_ratio = sum(s.ratio for s in cfg.sources)
     plans = [SourcePlan(s.name, s.category, s.ratio, 100 * s.ratio / total_ratio) for s in cfg.sources]
     tok = None
@@ -217,8 +219,11 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
                 comparison.append({"table": t, "dataset": p.name, "paper": r.percent,
                                    "plan": round(p.plan_percent, r.decimals + 2)})
     names = {p.name for p in plans}
-    missing = [f"{r.table}: {r.dataset}" for r in rows if r.dataset not in names]
-    extra = [p.name for p in plans if p.name not in by_name]
+    # A recipe none of whose sources is a dataset of the phase's tables (the tiny recipes' synthetic data) is not a
+    # version of the paper's mixture: listing all of the paper's rows as "missing" would say nothing about it.
+    paper_recipe = bool(names & set(by_name))
+    missing = [f"{r.table}: {r.dataset}" for r in rows if r.dataset not in names] if paper_recipe else []
+    extra = [p.name for p in plans if p.name not in by_name] if paper_recipe else []
 
     categories: dict[str, dict[str, float]] = {}
     for p in plans:
@@ -226,7 +231,7 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
         c["share"] += p.share
         c["tokens"] += p.tokens
     subtotal_diffs = []
-    for t in PHASE_TABLES.get(phase, ()):
+    for t in PHASE_TABLES.get(phase, ()) if paper_recipe else ():
         for cat, pct in paper_subtotals(t).items():
             got = categories.get(cat, {}).get("share", 0.0)
             if round(got, 2) != round(pct, 2):
@@ -238,7 +243,8 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
         tok_sum = sum(p.tokens for p in vision_known)
         vision_share = 100 * sum(p.tokens * p.vision_per_sample / p.tokens_per_sample for p in vision_known) / tok_sum
     return {
-        "recipe": str(path), "phase": phase, "budget_tokens": budget, "budget_from_recipe": bool(recipe_budget),
+        "recipe": str(path), "phase": phase, "budget_tokens": budget, "budget_from_recipe": budget_source is not None,
+        "budget_source": budget_source, "paper_recipe": paper_recipe,
         "paper_budget_tokens": PAPER_BUDGETS.get(phase),
         "tokens_assumed_equal_per_sample": assumed,
         "vision_token_share": vision_share,
@@ -247,6 +253,20 @@ def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: 
         "differences": {"percent": comparison, "subtotals": subtotal_diffs, "missing_from_recipe": missing,
                         "not_in_paper": extra},
     }
+
+
+def recipe_budget(raw: dict, seq_len: int) -> tuple[int | None, str | None]:
+    """(tokens, how they were counted) of the recipe's own budget: `budget.max_tokens`, or `budget.max_steps` x
+    `batch.global_batch_size` x `data.seq_len` (packed slots: an upper bound on the tokens the steps see; the
+    trainer's own conversion the other way); (None, None) when it sets neither."""
+    budget = raw.get("budget") or {}
+    if budget.get("max_tokens"):
+        return int(budget["max_tokens"]), "budget.max_tokens"
+    if budget.get("max_steps"):
+        steps, batch = int(budget["max_steps"]), int((raw.get("batch") or {}).get("global_batch_size", 1))
+        return steps * batch * seq_len, (f"budget.max_steps {steps} x batch.global_batch_size {batch} x "
+                                         f"data.seq_len {seq_len}, packed slots")
+    return None, None
 
 
 def _tokens(n: float) -> str:
@@ -260,9 +280,13 @@ def format_plan(plan: dict) -> str:
     out = io.StringIO()
     w = out.write
     w(f"recipe {plan['recipe']}  phase {plan['phase'] or '?'}  budget {_tokens(plan['budget_tokens'])} tokens")
+    paper_recipe = plan.get("paper_recipe", True)
     if not plan["budget_from_recipe"]:
-        w(" (budget.max_tokens is unset: the paper's budget for this phase)")
-    elif plan["paper_budget_tokens"] and plan["paper_budget_tokens"] != plan["budget_tokens"]:
+        w(" (the recipe sets no budget: the paper's budget for this phase)")
+    elif plan.get("budget_source") and plan["budget_source"] != "budget.max_tokens":
+        w(f" ({plan['budget_source']})")
+    if plan["budget_from_recipe"] and paper_recipe and plan["paper_budget_tokens"] and \
+            plan["paper_budget_tokens"] != plan["budget_tokens"]:
         w(f" (paper: {_tokens(plan['paper_budget_tokens'])})")
     w("\n")
     if plan["tokens_assumed_equal_per_sample"]:
@@ -285,6 +309,11 @@ def format_plan(plan: dict) -> str:
         w(f"  {name:<24} {c['share']:>8.2f}%  {_tokens(c['tokens']):>9} tokens\n")
     d = plan["differences"]
     w("\ndifferences from the paper's tables\n")
+    if not paper_recipe:
+        w(f"  not compared: none of the recipe's sources is a dataset of the paper's {plan['phase'] or '?'} "
+          "tables (not a paper recipe)\n" if PHASE_TABLES.get(plan["phase"]) else
+          f"  not compared: the paper has no data table for phase {plan['phase'] or '?'}\n")
+        return out.getvalue()
     if not any(d.values()):
         w("  none: every dataset percentage and category subtotal equals the published one\n")
     for c in d["percent"]:

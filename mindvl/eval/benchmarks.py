@@ -168,6 +168,8 @@ class Benchmark:
     lmms_max_new_tokens: int = 0
     lmms_stop: tuple[str, ...] = ()
     headlines: Mapping[str, str] = {}
+    # The columns `_parse` needs, per layout: named in the error when no row of a file could be read.
+    columns: Mapping[str, str] = {}
 
     # -- reading ---------------------------------------------------------------------------------------------------
 
@@ -190,6 +192,10 @@ class Benchmark:
         if not found:
             raise FileNotFoundError(f"{self.name}: no .parquet or .tsv files under {p}")
         return found
+
+    def expected_layout(self) -> str:
+        """The columns this benchmark reads, per file layout (for messages about files that do not fit)."""
+        return "; ".join(f"{layout}: {cols}" for layout, cols in self.columns.items())
 
     def make_item(self, row: Row, toolkit: str, ordinal: int) -> BenchItem:
         """A BenchItem from one raw row, or BadSample (reason, where) for a row that cannot be one."""
@@ -245,6 +251,8 @@ class OCRBench(Benchmark):
     name, title, split = "ocrbench", "OCRBench", "test"
     lmms_max_new_tokens = 128  # §2.3
     headlines = {LMMS_EVAL: "ocrbench_accuracy", VLMEVALKIT: "Final Score"}
+    columns = {PARQUET: "question, question_type (one of OCRBench's 10 categories), answer (a list), image",
+               TSV: "index, image, question, answer, category"}
 
     def _parse(self, row: Row, toolkit: str) -> tuple[str, list[str], dict[str, Any]]:
         question = _text(row, "question")
@@ -295,6 +303,7 @@ class DocVQA(Benchmark):
     split = "validation"
     lmms_max_new_tokens = 32  # §3.2
     headlines = {LMMS_EVAL: "anls", VLMEVALKIT: "Overall"}
+    columns = {PARQUET: "questionId, question, answers (a list), image", TSV: "index, image, question, answer"}
 
     def __init__(self, name: str, title: str):
         self.name, self.title = name, title
@@ -326,6 +335,7 @@ class ChartQA(Benchmark):
     name, title, split = "chartqa", "ChartQA", "test"
     lmms_max_new_tokens = 16  # §4.2
     headlines = {LMMS_EVAL: "relaxed_overall", VLMEVALKIT: "Overall"}
+    columns = {PARQUET: "type, question, answer, image", TSV: "index, image, question, answer"}
 
     def _parse(self, row: Row, toolkit: str) -> tuple[str, list[str], dict[str, Any]]:
         question = _text(row, "question")
@@ -371,6 +381,8 @@ class MME(Benchmark):
     name, title, split = "mme", "MME", "test"
     lmms_max_new_tokens = 16  # §5.4
     headlines = {LMMS_EVAL: "mme_perception_score", VLMEVALKIT: "perception"}
+    columns = {PARQUET: "question_id, image, question, answer, category (one of MME's 14)",
+               TSV: "index, image, question, answer, category, image_path"}
 
     def _parse(self, row: Row, toolkit: str) -> tuple[str, list[str], dict[str, Any]]:
         question, answer, category = _text(row, "question"), _text(row, "answer"), _text(row, "category")
@@ -418,6 +430,8 @@ class MMBench(Benchmark):
     lmms_max_new_tokens = 1024  # §6.4
     lmms_stop = ("ASSISTANT:",)
     headlines = {LMMS_EVAL: "gpt_eval_score", VLMEVALKIT: "Overall"}
+    columns = {PARQUET: "index, question, A..E (options), answer, image (hint, category optional)",
+               TSV: "index, image, question, A, B, ... (options), answer (hint, category optional)"}
 
     def _parse(self, row: Row, toolkit: str) -> tuple[str, list[str], dict[str, Any]]:
         question = _text(row, "question")

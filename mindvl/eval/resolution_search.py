@@ -13,13 +13,14 @@ Pairs with min > max are skipped. Ties keep the earlier setting in grid order (s
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .runner import EvalSettings, evaluate_benchmark, write_json
+from .runner import EvalSettings, evaluate_benchmark, with_system, write_json
 
 TOKEN_PIXELS = 28 * 28
 
@@ -57,8 +58,9 @@ def setting_label(min_pixels: int, max_pixels: int) -> str:
 def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[str, Path],
                       grid: Sequence[tuple[int, int]], out: str | os.PathLike, settings: EvalSettings,
                       tokenizer: str | os.PathLike | None = None, device: str | None = None,
-                      log=print) -> dict[str, Any]:
-    """Scores {checkpoint: {benchmark: {setting: headline}}} plus the best settings; writes the files above."""
+                      log=print, system_from_model: bool = False) -> dict[str, Any]:
+    """Scores {checkpoint: {benchmark: {setting: headline}}} plus the best settings; writes the files above.
+    `system_from_model`: each checkpoint with the system turn it was trained with (`runner.with_system`)."""
     from mindvl.infer.chat import load_for_chat
 
     out = Path(out)
@@ -67,10 +69,11 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
     headlines: dict[str, str] = {}
     for label, folder in checkpoints.items():
         model, tok = load_for_chat(folder, tokenizer, device)
+        own = with_system(settings, folder, system_from_model, log)
         for bench, path in benches.items():
             for lo, hi in grid:
                 name = setting_label(lo, hi)
-                run = replace(settings, min_pixels=lo, max_pixels=hi)
+                run = replace(own, min_pixels=lo, max_pixels=hi)
                 summary = evaluate_benchmark(model, tok, bench, path, run, out / label / bench / f"{name}.jsonl")
                 headlines[bench] = summary["headline"]
                 scores.setdefault(label, {}).setdefault(bench, {})[name] = summary[summary["headline"]]
@@ -90,20 +93,60 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
 
 
 def best_settings(scores: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
-    """Per checkpoint and benchmark the best setting, and per benchmark the best (checkpoint, setting) overall."""
+    """Per checkpoint and benchmark the best setting, and per benchmark the best (checkpoint, setting) overall.
+
+    Where no setting is better than another (every score equal, e.g. all 0, or none a number) the entry names none:
+    `setting` (and `checkpoint`, overall) is None and `no_best` says why, so a tie is never reported as a best."""
     per_ckpt: dict[str, dict[str, Any]] = {}
     overall: dict[str, dict[str, Any]] = {}
     for label, per_bench in scores.items():
         for bench, by_setting in per_bench.items():
-            name = max(by_setting, key=lambda s: by_setting[s])  # max() keeps the first of equal scores
-            entry = {"setting": name, **_pixels(name), "score": by_setting[name]}
-            per_ckpt.setdefault(label, {})[bench] = entry
-            if bench not in overall or entry["score"] > overall[bench]["score"]:
-                overall[bench] = {"checkpoint": label, **entry}
+            name, score, why = _top(by_setting, f"{len(by_setting)} settings")
+            entry = {"setting": name, **_pixels(name), "score": score}
+            per_ckpt.setdefault(label, {})[bench] = {**entry, "no_best": why} if why else entry
+    for bench in dict.fromkeys(b for per in scores.values() for b in per):
+        cells = {(label, name): v for label, per in scores.items() for name, v in per.get(bench, {}).items()}
+        key, score, why = _top(cells, f"{len(cells)} (checkpoint, setting) pairs")
+        if key is None:
+            overall[bench] = {"checkpoint": None, "setting": None, **_pixels(None), "score": score, "no_best": why}
+        else:  # the checkpoint's own best entry (setting None when its own settings all tie)
+            overall[bench] = {"checkpoint": key[0], **per_ckpt[key[0]][bench]}
     return {"per_checkpoint": per_ckpt, "overall": overall}
 
 
-def _pixels(name: str) -> dict[str, int]:
+def _top(by_key: dict[Any, float], what: str) -> tuple[Any, float, str | None]:
+    """(key of the highest score: the first of equal ones, in grid order; that score; None), or (None, the common
+    score, why) when every score is equal or none is a number: then no setting is better than another."""
+    numbers = {k: v for k, v in by_key.items() if not math.isnan(v)}
+    if len(set(numbers.values())) > 1:
+        key = max(numbers, key=lambda k: numbers[k])  # max() keeps the first of equal scores
+        return key, numbers[key], None
+    score = next(iter(numbers.values()), math.nan)
+    if not numbers:
+        return None, score, f"none of the {what} has a score: no setting is better"
+    if len(numbers) == len(by_key):
+        return None, score, f"every one of the {what} scores {score:.4g}: no setting is better"
+    return None, score, (f"{len(by_key) - len(numbers)} of the {what} have no score, the others all score "
+                         f"{score:.4g}: no setting is better")
+
+
+def best_lines(best: dict[str, Any]) -> list[str]:
+    """The search's printed summary: per benchmark the best checkpoint and setting, or why there is none."""
+    lines = []
+    for bench, b in best["overall"].items():
+        if b["checkpoint"] is None:
+            lines.append(f"no best setting for {bench}: {b['no_best']}")
+        elif b["setting"] is None:
+            lines.append(f"best for {bench}: {b['checkpoint']} ({b['score']:.4g}) at any setting: {b['no_best']}")
+        else:
+            lines.append(f"best for {bench}: {b['checkpoint']} at min_pixels={b['min_pixels']} "
+                         f"max_pixels={b['max_pixels']} ({b['score']:.4g})")
+    return lines
+
+
+def _pixels(name: str | None) -> dict[str, int | None]:
+    if name is None:
+        return {"min_pixels": None, "max_pixels": None}
     lo, hi = name.removeprefix("min").split("_max")
     return {"min_pixels": int(lo) * TOKEN_PIXELS, "max_pixels": int(hi) * TOKEN_PIXELS}
 
@@ -118,7 +161,7 @@ def results_table(scores: dict[str, dict[str, dict[str, float]]], headlines: dic
         parts.append("|" + " --- |" * (1 + len(settings)))
         for label, per in scores.items():
             row = per.get(bench, {})
-            top = max(row.values(), default=None)
+            top = max(row.values(), default=None) if len(set(row.values())) > 1 else None  # all equal: none bold
             cells = [(f"**{row[s]:.4g}**" if row[s] == top else f"{row[s]:.4g}") if s in row else "" for s in settings]
             parts.append(f"| {label} | " + " | ".join(cells) + " |")
         parts.append("")
@@ -126,7 +169,7 @@ def results_table(scores: dict[str, dict[str, dict[str, float]]], headlines: dic
 
 
 def box_plot(scores: dict[str, dict[str, dict[str, float]]], bench: str, metric: str, path: Path) -> Path | None:
-    """The paper's Figure 4: one box per checkpoint of its scores across the resolution settings."""
+    """The paper's Figure 4: one box per checkpoint of its scores across the resolution settings, saved as PNG."""
     try:
         import matplotlib
 
@@ -134,18 +177,43 @@ def box_plot(scores: dict[str, dict[str, dict[str, float]]], bench: str, metric:
         import matplotlib.pyplot as plt
     except ImportError:  # matplotlib is optional (extra `plots`)
         return None
-    labels = [label for label in scores if bench in scores[label]]
-    data = [list(scores[label][bench].values()) for label in labels]
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(labels), 3.6))
-    ax.boxplot(data, showmeans=True)
-    ax.set_xticks(range(1, len(labels) + 1), labels, rotation=20)
-    for i, values in enumerate(data, start=1):  # the settings themselves, so a 2-setting box is still readable
-        ax.scatter([i] * len(values), values, s=10, alpha=0.6)
-    ax.set_ylabel(metric)
-    ax.set_title(f"{bench}: scores across (min, max) pixel settings")
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
+    fig = box_plot_figure(scores, bench, metric)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+MEDIAN_COLOR, MEAN_COLOR, POINT_COLOR = "#d62728", "#2ca02c", "#555555"
+
+
+def box_plot_figure(scores: dict[str, dict[str, dict[str, float]]], bench: str, metric: str):
+    """The box plot as a matplotlib Figure: boxes, each setting's score as a dot, a legend for the median, mean and
+    dots beside the axes, and a note instead of a spread when every score is the same."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    labels = [label for label in scores if bench in scores[label]]
+    data = [[v for v in scores[label][bench].values() if not math.isnan(v)] for label in labels]
+    fig, ax = plt.subplots(figsize=(3.2 + 1.1 * len(labels), 3.8))
+    ax.boxplot(data, showmeans=True, medianprops={"color": MEDIAN_COLOR},
+               meanprops={"marker": "^", "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR})
+    ax.set_xticks(range(1, len(labels) + 1), labels, rotation=20)
+    for i, values in enumerate(data, start=1):  # the settings themselves, so a 2-setting box is still readable
+        ax.scatter([i] * len(values), values, s=12, alpha=0.6, color=POINT_COLOR, zorder=3)
+    values = [v for vs in data for v in vs]
+    if values and min(values) == max(values):  # a flat line on the axis would read as "no data"
+        pad = max(abs(values[0]) * 0.1, 0.05)
+        ax.set_ylim(values[0] - pad, values[0] + pad)
+        ax.text(0.5, 0.75, f"every setting of every checkpoint scores {values[0]:.4g}:\nno setting is better",
+                transform=ax.transAxes, ha="center", va="center", fontsize=9)
+    ax.set_xlabel("checkpoint")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{bench}: {metric} across the\n(min, max) pixel settings of the grid", fontsize=10)
+    handles = [Line2D([], [], color=MEDIAN_COLOR, label="median"),
+               Line2D([], [], marker="^", linestyle="", color=MEAN_COLOR, label="mean"),
+               Line2D([], [], marker="o", linestyle="", color=POINT_COLOR, alpha=0.6, label="one setting")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 from mindvl.data.template import DEFAULT_SYSTEM
 
 from .benchmarks import BENCHMARKS, BenchItem
-from .scorers import check_toolkit
+from .scorers import check_toolkit, prepare_prediction
 
 # VLMEvalKit leaves the answer length to the model class; this is the budget used when neither side sets one.
 FALLBACK_MAX_NEW_TOKENS = 128
@@ -63,6 +63,20 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
     """Cut the text at the first stop string, as the toolkits' `until` does."""
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
     return text[:cut]
+
+
+class NoItemsScored(ValueError):
+    """No row of a benchmark's files became an item (wrong files for the benchmark, hidden-answer split, ...)."""
+
+
+def no_items_message(bench, reader) -> str:
+    """One line: the benchmark, the files, why every row was skipped and which columns the benchmark reads."""
+    files = ", ".join(str(f) for f in reader.files[:3]) + (f" (+{len(reader.files) - 3} more)"
+                                                             if len(reader.files) > 3 else "")
+    reasons = ", ".join(f"{k}: {v}" for k, v in reader.skipped.items())
+    why = f"all {reader.n_rows} rows skipped ({reasons})" if reader.n_rows else "the files hold no rows"
+    return (f"{bench.name}: no item scored from {files}: {why}; {bench.title} expects the columns "
+            f"{bench.expected_layout()}. Are these {bench.title} files (--bench {bench.name}=PATH)?")
 
 
 # ---------------------------------------------------------------------------------------------- predictions file
@@ -156,19 +170,39 @@ def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings:
             f.flush()
             if progress is not None:
                 progress(len(rows), total)
+    if not rows:  # every row skipped: a score over 0 items (nan) would read as a result
+        raise NoItemsScored(no_items_message(bench, reader))
     summary = bench.summarise(rows, settings.toolkit)
+    empty = prepare_prediction("", settings.toolkit)  # how the toolkit stores an empty generation
     summary.update(n=len(rows), exact_match=sum(r["exact_match"] for r in rows) / max(1, len(rows)),
-                   headline=bench.headline(settings.toolkit), skipped=reader.skipped, min_pixels=lo, max_pixels=hi)
+                   headline=bench.headline(settings.toolkit), skipped=reader.skipped, min_pixels=lo, max_pixels=hi,
+                   empty_answers=sum(not r["prediction"].strip() or r["prediction"] == empty for r in rows))
     return summary
+
+
+def with_system(settings: EvalSettings, model_dir: str | os.PathLike, from_model: bool, log=print) -> EvalSettings:
+    """`settings` with the system turn the model was trained with when `from_model` (see
+    `mindvl.infer.chat.training_system`), else as given; logs which system prompt is used and why."""
+    from mindvl.infer.chat import describe_system, training_system
+
+    if from_model:
+        system, source = training_system(model_dir)
+        settings = replace(settings, system=system)
+    else:
+        source = "as given (--system / --no-system)"
+    log(f"{model_dir}: system prompt {describe_system(settings.system)}: {source}")
+    return settings
 
 
 def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | os.PathLike,
              settings: EvalSettings, tokenizer: str | os.PathLike | None = None, device: str | None = None,
-             log=print) -> dict[str, dict[str, Any]]:
+             log=print, system_from_model: bool = False) -> dict[str, dict[str, Any]]:
     """`mindvl eval`: every benchmark of `benches` for one model folder; writes OUT/<bench>/predictions.jsonl,
-    OUT/summary.json and OUT/summary.md; returns {bench: summary}."""
+    OUT/summary.json and OUT/summary.md; returns {bench: summary}. `system_from_model`: use the system turn the
+    model was trained with (its run's recipe or its chat template) instead of `settings.system`."""
     from mindvl.infer.chat import load_for_chat, pixel_limits
 
+    settings = with_system(settings, model_dir, system_from_model, log)
     model, tok = load_for_chat(model_dir, tokenizer, device)
     out = Path(out)
     summaries = {}
@@ -176,8 +210,9 @@ def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | 
         summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
                                      pixel_limits(model_dir))
         summaries[name] = summary
+        empty = f" ({summary['empty_answers']} of them answered with nothing)" if summary["empty_answers"] else ""
         log(f"{name}: {summary['headline']} = {summary[summary['headline']]:.4g}, exact match "
-            f"{summary['exact_match']:.1%} over {summary['n']} items")
+            f"{summary['exact_match']:.1%} over {summary['n']} items{empty}")
     write_json(out / "summary.json", {"model": str(model_dir), "settings": asdict(settings), "results": summaries})
     (out / "summary.md").write_text(summary_table({str(model_dir): summaries}))
     return summaries

@@ -126,6 +126,8 @@ class ChatSession:
         self.pixel_values, self.grids = process_images(images, min_pixels, max_pixels)
         self.video_rows, self.video_grids, self.video_seconds = process_videos(videos, video_settings)
         self.messages: list[Message] = []
+        self.last_ids: list[int] = []  # the last answer's generated ids (without its end token) and that end token
+        self.last_stop: int | None = None
         self.gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
     def ask(self, text: str) -> str:
@@ -134,11 +136,28 @@ class ChatSession:
         prompt = conversation_prompt(self.tok, [*self.messages, message], self.pixel_values, self.grids, self.system,
                                      self.video_rows, self.video_grids, self.video_seconds)
         ids = generate(self.model, [prompt], stop_token_ids=stop_ids(self.tok), **self.gen)[0]
-        if ids and ids[-1] in stop_ids(self.tok):
+        stopped = ids[-1] if ids and ids[-1] in stop_ids(self.tok) else None
+        if stopped is not None:
             ids = ids[:-1]
         answer = self.tok.decode(ids, skip_special_tokens=True)
+        self.last_ids, self.last_stop = ids, stopped
         self.messages += [message, Message("assistant", answer)]
         return answer
+
+    def why_empty(self, answer: str) -> str | None:
+        """Why the last answer shows nothing (None when it does): the model ended its turn at once, or its tokens
+        were only special tokens / whitespace, and whether it stopped on an end token or ran out of tokens."""
+        if answer.strip():
+            return None
+        ids, stop = self.last_ids, self.last_stop
+        budget = self.gen["max_new_tokens"]
+        end = f"ended its turn with {self.tok.decode([stop])}" if stop is not None else \
+            f"hit --max-new-tokens {budget} without an end token"
+        if not ids:
+            return f"empty answer: the model {end} as its first token (0 tokens generated)"
+        shown = self.tok.decode(ids[:8])
+        return (f"empty answer: the model generated {len(ids)} tokens that decode to nothing visible "
+                f"({shown!r}{' ...' if len(ids) > 8 else ''}) and {end}")
 
 
 def chat(model: MindVL, tokenizer: TextTokenizer, text: str, images: Sequence[ImageInput] = (), **kwargs) -> str:
@@ -194,6 +213,83 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
     file) when it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
     path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
     return settings_from_processor_config(json.loads(path.read_text()) if path.is_file() else {}, fps)
+
+
+def training_system(model_dir: str | os.PathLike) -> tuple[str | None, str]:
+    """(the system turn the folder's model was trained with, where that was read).
+
+    A run's `final/` sits beside the run's `recipe.json`: its `data.default_system` (None: trained without a system
+    turn) is what training rendered. A `mindvl merge` of such folders (config.json `source.merged_from`): theirs,
+    when they agree. Other folders (`mindvl export` of a checkpoint, `convert`) record no recipe: the default system
+    turn of their chat template is then the best record there is (what transformers' `apply_chat_template` renders;
+    Qwen2-VL's: "You are a helpful assistant."), which callers print so that a user can override it."""
+    folder = Path(model_dir)
+    recipe = _run_recipe(folder)
+    if recipe is not None:
+        data = json.loads(recipe.read_text()).get("data") or {}
+        return data.get("default_system", DEFAULT_SYSTEM), f"data.default_system of the training run, {recipe}"
+    merged = _merged_from(folder)  # a merge of runs' final/ folders: their recipes, when they agree
+    recipes = [_run_recipe(Path(p)) for p in merged]
+    if merged and all(recipes):
+        systems = {json.dumps((json.loads(r.read_text()).get("data") or {}).get("default_system", DEFAULT_SYSTEM))
+                   for r in recipes}
+        if len(systems) == 1:
+            return json.loads(systems.pop()), (f"data.default_system of the {len(recipes)} merged models' training "
+                                               f"runs, {', '.join(str(r) for r in recipes)}")
+    template, where = _chat_template(folder)
+    if template is not None:
+        return template_default_system(template), f"the default of the folder's chat template, {where}"
+    return DEFAULT_SYSTEM, f"Qwen's default: {folder} has no chat template or training recipe"
+
+
+def _run_recipe(folder: Path) -> Path | None:
+    """The recipe.json of the training run a model folder is the `final/` of (the trainer writes both)."""
+    for path in (folder / "recipe.json", folder.parent / "recipe.json" if folder.name == "final" else None):
+        if path is not None and path.is_file():
+            return path
+    return None
+
+
+def _merged_from(folder: Path) -> list[str]:
+    """The input folders `mindvl merge` recorded in config.json (`source.merged_from`), or []."""
+    try:
+        source = json.loads((folder / "config.json").read_text()).get("source") or {}
+    except (OSError, ValueError):
+        return []
+    return [str(p) for p in source.get("merged_from") or []] if isinstance(source, dict) else []
+
+
+def _chat_template(folder: Path) -> tuple[str | None, Path | None]:
+    """The folder's chat template where transformers looks for it first (chat_template.jinja / .json, then
+    tokenizer_config.json), and the file it came from."""
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        path = folder / name
+        if path.is_file():
+            text = path.read_text() if name.endswith(".jinja") else json.loads(path.read_text()).get("chat_template")
+            if isinstance(text, str):
+                return text, path
+    return None, None
+
+
+def template_default_system(template: str) -> str | None:
+    """The system turn a chat template adds to a conversation without one (None: it adds none): rendered with jinja2
+    when it is installed (transformers' renderer), else read from the template's literal system block."""
+    import re
+
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        rendered = ImmutableSandboxedEnvironment().from_string(template).render(
+            messages=[{"role": "user", "content": "?"}], add_generation_prompt=False)
+    except Exception:  # no jinja2, or a template needing transformers' extensions: its literal text then
+        found = re.search(r"<\|im_start\|>system\n([^{}]*?)<\|im_end\|>", template)
+        return found.group(1) if found else None
+    found = re.match(r"\s*<\|im_start\|>system\n(.*?)<\|im_end\|>", rendered, re.S)
+    return found.group(1) if found else None
+
+
+def describe_system(system: str | None) -> str:
+    return "none (no system turn)" if system is None else repr(system)
 
 
 def default_device() -> torch.device:

@@ -123,3 +123,30 @@ def test_plan_text_output(capsys):
     assert "subtotal Caption: plan 56.13% vs paper 55.81% (the paper's own rows add up to 56.13%)" in out
     assert "in the recipe, not in the paper's tables: Unattributed" in out
     assert main(["data", "plan", "nowhere.yaml"]) == 2
+
+
+def test_a_step_recipe_reports_its_own_budget_and_no_paper_comparison(capsys):
+    tiny = RECIPES.parent / "tiny" / "warmup.yaml"
+    raw = yaml.safe_load(tiny.read_text())
+    steps, batch, seq = raw["budget"]["max_steps"], raw["batch"]["global_batch_size"], raw["data"]["seq_len"]
+    assert main(["data", "plan", str(tiny), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["budget_tokens"] == steps * batch * seq == 60 * 1 * 1024  # not the paper's 256B
+    assert plan["budget_from_recipe"] and not plan["paper_recipe"]
+    assert plan["differences"] == {"percent": [], "subtotals": [], "missing_from_recipe": [], "not_in_paper": []}
+    assert sum(s["tokens"] for s in plan["sources"]) == pytest.approx(61440)
+    assert main(["data", "plan", str(tiny)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (f"recipe {tiny}  phase warmup  budget 61.44K tokens (budget.max_steps 60 x "
+                                   "batch.global_batch_size 1 x data.seq_len 1024, packed slots)")
+    assert "256.00B" not in out and "subtotal Caption" not in out and "in the paper, not in the recipe" not in out
+    assert "not compared: none of the recipe's sources is a dataset of the paper's warmup tables" in out
+
+    # A paper recipe is still compared, and a token budget other than the paper's says so.
+    raw = _recipe("warmup")
+    raw["budget"] = {"max_tokens": 1_000_000}
+    plan = plan_recipe(raw, "w.yaml")
+    assert plan["paper_recipe"] and plan["budget_tokens"] == 1_000_000 and plan["differences"]["subtotals"]
+    from mindvl.data.plan import format_plan
+
+    assert format_plan(plan).splitlines()[0] == "recipe w.yaml  phase warmup  budget 1.00M tokens (paper: 256.00B)"

@@ -72,9 +72,18 @@ class Options:
 
 @dataclass(frozen=True)
 class Histogram:
+    """A score's histogram over [lo, hi] (values outside go to the end bins). Counts are kept at FINE x `bins` so
+    the report can draw about `bins` bars over the range the data occupies, not the range any data could span."""
+
     lo: float
     hi: float
     bins: int
+
+    FINE = 16
+
+    @property
+    def stored_bins(self) -> int:
+        return self.bins * self.FINE
 
 
 class Stage:
@@ -94,9 +103,10 @@ class Stage:
 
     def observe(self, name: str, value: float) -> None:
         h = self.histograms[name]
-        counts = self._hist.setdefault(name, np.zeros(h.bins, dtype=np.int64))
-        i = int((value - h.lo) / (h.hi - h.lo) * h.bins)
-        counts[min(max(i, 0), h.bins - 1)] += 1
+        n = h.stored_bins
+        counts = self._hist.setdefault(name, np.zeros(n, dtype=np.int64))
+        i = int((value - h.lo) / (h.hi - h.lo) * n)
+        counts[min(max(i, 0), n - 1)] += 1
 
     def take_histograms(self) -> dict[str, list[int]]:
         out = {k: v.tolist() for k, v in self._hist.items()}
