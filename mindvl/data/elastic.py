@@ -1,22 +1,29 @@
 """Elastic resume of the data: continue a stream saved with one slot layout (data shards x loader workers) on
-another, with no record lost or read twice within an epoch. The exact order is not kept (it cannot be: the deal of
-units to slots depends on the number of slots).
+another, with no record lost or read twice within an epoch, and the unread rest of the epoch dealt evenly. The
+exact order is not kept (it cannot be: the deal of records to slots depends on the number of slots).
 
     new_states = reshard_loader_states(old_loader_states, cfg, files, new_world_size)   # one per new data shard
 
 For every source, each old slot's unread work up to the furthest epoch any old slot reached (`E`) is collected as
-pieces: the rest of its current unit from its byte offset, its remaining units of that epoch, and its whole share
-of every later epoch up to `E` (slots read at their own pace, so some are behind). The pieces are dealt
-round-robin to the new slots and read first (`ReaderState.carry`); then every new slot starts epoch `E + 1` with the
-new layout. Records that were read into a packing buffer but not packed yet are dealt to the new slots' buffers
-(re-read by reference, as a same-size resume does). Counters (consumed, skipped, truncated, packs) are summed into
-the first new slot so that the data report keeps its totals.
+byte ranges of files: the rest of its current unit from its byte offset, its remaining units of that epoch, its
+whole share of every later epoch up to `E` (slots read at their own pace, so some are behind), and what is left of
+pieces an earlier elastic resume handed it. Those ranges, laid end to end, are cut into as many stretches of equal
+size as there are new slots (a JSONL range is cut at any byte: a line belongs to the range holding its first byte;
+a tar range at any byte too: a key belongs to the range holding its first member's header, the reader walking the
+headers from the last known one), and new slot i reads stretch i first (`ReaderState.carry`); then every new slot
+starts epoch `E + 1` with the new layout. So after a resume from 1 slot to 2 both read half of the epoch's rest,
+instead of one reading the whole leftover file while the other starts the next epoch. Records that were read into a
+packing buffer but not packed yet are dealt to the new slots' buffers (re-read by reference, as a same-size resume
+does). Counters (consumed, skipped, truncated, packs) are summed into the first new slot so that the data report
+keeps its totals.
 """
 
 from __future__ import annotations
 
+import os
+
 from .config import DataConfig
-from .sources import ReaderState, slot_units
+from .sources import ReaderState, next_line_start, slot_units
 from .stream import STATE_VERSION as STREAM_STATE_VERSION
 
 
@@ -34,6 +41,63 @@ def _old_slots(loader_states: list[dict]) -> tuple[int, list[dict | None]]:
     return world * n_streams, streams
 
 
+class _Files:
+    """One source's files: sizes, kinds, and JSONL line starts near cuts."""
+
+    def __init__(self, files: list):
+        self.path = [path for path, _ in files]
+        self.size = [os.path.getsize(path) for path, _ in files]
+        self.tar = [kind == "tar" for _, kind in files]
+
+    def line_start(self, file: int, pos: int) -> tuple[int, int]:
+        """(first JSONL line start at or after pos, its line number or 0 when unknown)."""
+        if pos >= self.size[file]:
+            return self.size[file], 0
+        return next_line_start(self.path[file], pos)
+
+    def range_piece(self, piece: list) -> list:
+        """A carry piece in its byte-range form [epoch, file, part, parts, offset, line, lo, hi] with lo moved up to
+        where its unread records start; a JSONL range is moved to line starts (the same lines: a line belongs to
+        the range holding its first byte), so its bytes are exactly its records'."""
+        epoch, file, part, parts, offset, line, *span = piece
+        size = self.size[file]
+        if span:
+            lo, hi = int(span[0]), int(span[1])
+        elif self.tar[file]:
+            lo, hi = 0, size  # a tar unit is every parts-th key of the whole shard
+        else:
+            lo, hi = size * part // parts, size * (part + 1) // parts
+        hi = min(hi, size)
+        if offset is not None:
+            lo = max(lo, offset)  # JSONL: offset is the next line's start; tar: the next key's header
+        elif not self.tar[file]:
+            offset, line = self.line_start(file, lo)
+            lo = offset
+        if not self.tar[file]:
+            hi = self.line_start(file, hi)[0]
+        return [epoch, file, part, parts, offset, line, lo, hi]
+
+    def weight(self, piece: list) -> float:
+        """Bytes of the piece's own records (a tar piece reads one key in `parts`)."""
+        _, file, _, parts, _, _, lo, hi = piece
+        return max(0, hi - lo) / (parts if self.tar[file] else 1)
+
+    def split(self, piece: list, weight: float) -> tuple[list, list]:
+        """The piece cut after about `weight` of its records' bytes: (first, rest). A JSONL piece is cut at the
+        next line start; a tar piece at that byte (the rest walks the headers from the piece's last known key)."""
+        epoch, file, part, parts, offset, line, lo, hi = piece
+        cut = min(hi, max(lo, lo + round(weight * (parts if self.tar[file] else 1))))
+        if self.tar[file]:
+            return [epoch, file, part, parts, offset, line, lo, cut], [epoch, file, part, parts, offset, line, cut, hi]
+        if cut > lo:
+            cut, cut_line = self.line_start(file, cut)
+            cut = min(cut, hi)
+        else:
+            cut_line = line
+        first = [epoch, file, part, parts, offset, line, lo, cut]
+        return first, [epoch, file, part, parts, cut, cut_line if cut < hi else 0, cut, hi]
+
+
 def _pieces(reader: ReaderState, n_files: int, n_slots: int, slot: int, seed: int, source: int, last_epoch: int,
             max_epochs: int | None) -> list[list]:
     """The unread work of one old slot for one source, through `last_epoch`, as carry pieces."""
@@ -47,6 +111,28 @@ def _pieces(reader: ReaderState, n_files: int, n_slots: int, slot: int, seed: in
             pieces.append([epoch, unit.file, unit.part, unit.parts, reader.offset if at_position else None,
                            reader.line if at_position else 0])
     return pieces
+
+
+def deal_evenly(pieces: list[list], files: _Files, n_new: int) -> list[list[list]]:
+    """Lay the pieces' unread bytes end to end and cut them into `n_new` stretches of equal size: stretch i (a list
+    of byte-range pieces, in order) is new slot i's. The cuts are at fixed fractions of the total (JSONL: moved to
+    the next line start), so with records of equal size the slots' record counts differ by at most one."""
+    ranged = [p for p in (files.range_piece(p) for p in pieces) if p[7] > p[6]]
+    total = sum(files.weight(p) for p in ranged)
+    bounds = [total * j / n_new for j in range(1, n_new)]
+    out: list[list[list]] = [[] for _ in range(n_new)]
+    slot, done = 0, 0.0  # bytes laid before `piece`
+    for piece in ranged:
+        while slot < n_new - 1 and done + files.weight(piece) > bounds[slot]:
+            first, piece = files.split(piece, bounds[slot] - done)
+            if first[7] > first[6]:
+                out[slot].append(first)
+                done += files.weight(first)
+            slot += 1
+        if piece[7] > piece[6]:
+            out[slot].append(piece)
+            done += files.weight(piece)
+    return out
 
 
 def reshard_loader_states(old: list[dict], cfg: DataConfig, files: list, new_world: int,
@@ -65,8 +151,8 @@ def reshard_loader_states(old: list[dict], cfg: DataConfig, files: list, new_wor
         pieces = []
         for slot, r in enumerate(readers):
             pieces += _pieces(r[src], len(files[src]), n_old, slot, cfg.seed, src, last_epoch[src], max_epochs)
-        for i, piece in enumerate(pieces):
-            new_carry[i % n_new][src].append(piece)
+        for slot, stretch in enumerate(deal_evenly(pieces, _Files(files[src]), n_new)):
+            new_carry[slot][src] = stretch
 
     buffered = [entry[0] for s in old_streams if s for entry in s["packer"]["buffer"]]
     live = [s for s in old_streams if s]

@@ -160,6 +160,12 @@ def _jsonl_start(f: io.BufferedReader, lo: int) -> tuple[int, int]:
     return lo - 1 + _skip_line(f), 0  # the line straddling lo belongs to the range before
 
 
+def next_line_start(path: str, pos: int) -> tuple[int, int]:
+    """(byte offset of the first line starting at or after `pos`, its line number or 0 when not known)."""
+    with open(path, "rb") as f:
+        return _jsonl_start(f, pos)
+
+
 def _jsonl_part_start(f: io.BufferedReader, size: int, part: int, parts: int) -> tuple[int, int]:
     """(byte offset, line number) of the first line whose first byte is in this part's byte range."""
     return _jsonl_start(f, size * part // parts)
