@@ -20,10 +20,12 @@ keeps its totals.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 from .config import DataConfig
-from .sources import ReaderState, next_line_start, slot_units
+from .sources import ReaderState, Unit, next_line_start, slot_units, tar_keys
 from .stream import STATE_VERSION as STREAM_STATE_VERSION
 
 
@@ -41,8 +43,34 @@ def _old_slots(loader_states: list[dict]) -> tuple[int, list[dict | None]]:
     return world * n_streams, streams
 
 
+@dataclass
+class _Range:
+    """Unread records of one file: those whose first byte (a JSONL line's; a tar key's first header) is in
+    [lo, hi), read from `offset` (line number / key ordinal `line`); a tar range also lists its own keys."""
+
+    epoch: int
+    file: int
+    part: int
+    parts: int
+    offset: int | None
+    line: int
+    lo: int
+    hi: int
+    keys: list[tuple[int, int, int]] | None = None  # tar: (header offset, ordinal, bytes) of each of its keys
+
+    @property
+    def weight(self) -> int:
+        """Bytes of its records."""
+        if self.keys is not None:
+            return sum(k[2] for k in self.keys)
+        return max(0, self.hi - self.lo)
+
+    def as_piece(self) -> list:
+        return [self.epoch, self.file, self.part, self.parts, self.offset, self.line, self.lo, self.hi]
+
+
 class _Files:
-    """One source's files: sizes, kinds, and JSONL line starts near cuts."""
+    """One source's files: sizes, kinds; finds JSONL line starts and tar key headers near cuts."""
 
     def __init__(self, files: list):
         self.path = [path for path, _ in files]
@@ -55,47 +83,42 @@ class _Files:
             return self.size[file], 0
         return next_line_start(self.path[file], pos)
 
-    def range_piece(self, piece: list) -> list:
-        """A carry piece in its byte-range form [epoch, file, part, parts, offset, line, lo, hi] with lo moved up to
-        where its unread records start; a JSONL range is moved to line starts (the same lines: a line belongs to
-        the range holding its first byte), so its bytes are exactly its records'."""
+    def as_range(self, piece: list) -> _Range:
+        """A carry piece (or an unread unit) as the range of exactly its unread records: JSONL bounds moved to line
+        starts (the same lines: a line belongs to the range holding its first byte), tar keys listed."""
         epoch, file, part, parts, offset, line, *span = piece
         size = self.size[file]
         if span:
-            lo, hi = int(span[0]), int(span[1])
+            lo, hi = int(span[0]), min(int(span[1]), size)
         elif self.tar[file]:
             lo, hi = 0, size  # a tar unit is every parts-th key of the whole shard
         else:
             lo, hi = size * part // parts, size * (part + 1) // parts
-        hi = min(hi, size)
-        if offset is not None:
-            lo = max(lo, offset)  # JSONL: offset is the next line's start; tar: the next key's header
-        elif not self.tar[file]:
-            offset, line = self.line_start(file, lo)
-            lo = offset
-        if not self.tar[file]:
-            hi = self.line_start(file, hi)[0]
-        return [epoch, file, part, parts, offset, line, lo, hi]
-
-    def weight(self, piece: list) -> float:
-        """Bytes of the piece's own records (a tar piece reads one key in `parts`)."""
-        _, file, _, parts, _, _, lo, hi = piece
-        return max(0, hi - lo) / (parts if self.tar[file] else 1)
-
-    def split(self, piece: list, weight: float) -> tuple[list, list]:
-        """The piece cut after about `weight` of its records' bytes: (first, rest). A JSONL piece is cut at the
-        next line start; a tar piece at that byte (the rest walks the headers from the piece's last known key)."""
-        epoch, file, part, parts, offset, line, lo, hi = piece
-        cut = min(hi, max(lo, lo + round(weight * (parts if self.tar[file] else 1))))
         if self.tar[file]:
-            return [epoch, file, part, parts, offset, line, lo, cut], [epoch, file, part, parts, offset, line, cut, hi]
-        if cut > lo:
-            cut, cut_line = self.line_start(file, cut)
-            cut = min(cut, hi)
-        else:
-            cut_line = line
-        first = [epoch, file, part, parts, offset, line, lo, cut]
-        return first, [epoch, file, part, parts, cut, cut_line if cut < hi else 0, cut, hi]
+            keys = tar_keys(self.path[file], Unit(file, part, parts), offset, line, (lo, hi))
+            return _Range(epoch, file, part, parts, offset, line, lo, hi, keys)
+        if offset is None:
+            offset, line = self.line_start(file, lo)
+        return _Range(epoch, file, part, parts, offset, line, max(lo, offset), self.line_start(file, hi)[0])
+
+    def split(self, r: _Range, weight: float) -> tuple[_Range, _Range]:
+        """`r` cut after about `weight` bytes of its records, at the next record start: (first, rest)."""
+        if r.keys is not None:
+            done, i = 0, 0
+            while i < len(r.keys) and done < weight:
+                done, i = done + r.keys[i][2], i + 1
+            if i == len(r.keys):
+                return r, dataclasses.replace(r, lo=r.hi, keys=[])
+            cut, ordinal, _ = r.keys[i]  # the rest starts reading right at its first key's header
+            return (dataclasses.replace(r, hi=cut, keys=r.keys[:i]),
+                    dataclasses.replace(r, offset=cut, line=ordinal, lo=cut, keys=r.keys[i:]))
+        cut = r.lo + round(weight)
+        if cut <= r.lo:
+            return dataclasses.replace(r, hi=r.lo), r
+        cut, line = self.line_start(r.file, cut)
+        if cut >= r.hi:
+            return r, dataclasses.replace(r, lo=r.hi)
+        return dataclasses.replace(r, hi=cut), dataclasses.replace(r, offset=cut, line=line, lo=cut)
 
 
 def _pieces(reader: ReaderState, n_files: int, n_slots: int, slot: int, seed: int, source: int, last_epoch: int,
@@ -114,24 +137,24 @@ def _pieces(reader: ReaderState, n_files: int, n_slots: int, slot: int, seed: in
 
 
 def deal_evenly(pieces: list[list], files: _Files, n_new: int) -> list[list[list]]:
-    """Lay the pieces' unread bytes end to end and cut them into `n_new` stretches of equal size: stretch i (a list
-    of byte-range pieces, in order) is new slot i's. The cuts are at fixed fractions of the total (JSONL: moved to
-    the next line start), so with records of equal size the slots' record counts differ by at most one."""
-    ranged = [p for p in (files.range_piece(p) for p in pieces) if p[7] > p[6]]
-    total = sum(files.weight(p) for p in ranged)
+    """Lay the pieces' unread records end to end and cut them into `n_new` stretches of equal bytes: stretch i (a
+    list of byte-range pieces, in order) is new slot i's. The cuts are at fixed fractions of the total, moved to the
+    next record start, so with records of equal size the slots' record counts differ by at most one."""
+    ranges = [r for r in map(files.as_range, pieces) if r.weight > 0]
+    total = sum(r.weight for r in ranges)
     bounds = [total * j / n_new for j in range(1, n_new)]
     out: list[list[list]] = [[] for _ in range(n_new)]
-    slot, done = 0, 0.0  # bytes laid before `piece`
-    for piece in ranged:
-        while slot < n_new - 1 and done + files.weight(piece) > bounds[slot]:
-            first, piece = files.split(piece, bounds[slot] - done)
-            if first[7] > first[6]:
-                out[slot].append(first)
-                done += files.weight(first)
+    slot, done = 0, 0  # bytes laid before `r`
+    for r in ranges:
+        while slot < n_new - 1 and done + r.weight > bounds[slot]:
+            first, r = files.split(r, bounds[slot] - done)
+            if first.weight > 0:
+                out[slot].append(first.as_piece())
+                done += first.weight
             slot += 1
-        if piece[7] > piece[6]:
-            out[slot].append(piece)
-            done += files.weight(piece)
+        if r.weight > 0:
+            out[slot].append(r.as_piece())
+            done += r.weight
     return out
 
 

@@ -297,6 +297,42 @@ def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | 
             group.append(member)
 
 
+def tar_keys(path: str, unit: Unit, offset: int | None, ordinal: int, span: tuple[int, int]) -> list[
+    tuple[int, int, int]
+]:
+    """(header offset, key ordinal, bytes up to the next key) of every key of `unit` whose first header lies in
+    span = [lo, hi), walking the headers from `offset` (a key's first header, key ordinal `ordinal`); only headers are
+    read. Where the shard becomes unreadable the list ends (the reader reports the damage when it gets there)."""
+    lo, hi = span
+    out: list[tuple[int, int, int]] = []
+    with open(path, "rb") as f:
+        f.seek(offset or 0)
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")
+        except tarfile.ReadError:
+            return out
+        start, key = None, None
+        while True:
+            try:
+                member = tf.next()
+                end = member.offset if member is not None else tf.offset
+            except (tarfile.ReadError, EOFError, OSError):
+                member, end = None, os.path.getsize(path)
+            if member is not None and not member.isfile():
+                continue
+            member_key = _split_key(member.name)[0] if member is not None else None
+            if start is not None and member_key != key:
+                if ordinal % unit.parts == unit.part and start >= lo:
+                    out.append((start, ordinal, end - start))
+                ordinal, start = ordinal + 1, None
+            if member is None:
+                return out
+            if start is None:
+                if member.offset >= hi:
+                    return out
+                start, key = member.offset, member_key
+
+
 def _is_media(suffix: str) -> bool:
     ext = suffix.rsplit(".", 1)[-1].lower()
     return ext in IMAGE_EXTENSIONS or ext in VIDEO_MEMBER_EXTENSIONS
