@@ -166,11 +166,6 @@ def next_line_start(path: str, pos: int) -> tuple[int, int]:
         return _jsonl_start(f, pos)
 
 
-def _jsonl_part_start(f: io.BufferedReader, size: int, part: int, parts: int) -> tuple[int, int]:
-    """(byte offset, line number) of the first line whose first byte is in this part's byte range."""
-    return _jsonl_start(f, size * part // parts)
-
-
 def jsonl_where(path: str, offset: int, line: int) -> str:
     """How messages name a JSONL record: file:line, or file@byte when the line number is not known."""
     return f"{path}:{line}" if line > 0 else f"{path}@byte{offset}"
