@@ -6,16 +6,17 @@ exact order is not kept (it cannot be: the deal of records to slots depends on t
 
 For every source, each old slot's unread work up to the furthest epoch any old slot reached (`E`) is collected as
 byte ranges of files: the rest of its current unit from its byte offset, its remaining units of that epoch, its
-whole share of every later epoch up to `E` (slots read at their own pace, so some are behind), and what is left of
-pieces an earlier elastic resume handed it. Those ranges, laid end to end, are cut into as many stretches of equal
-size as there are new slots (a JSONL range is cut at any byte: a line belongs to the range holding its first byte;
-a tar range at any byte too: a key belongs to the range holding its first member's header, the reader walking the
-headers from the last known one), and new slot i reads stretch i first (`ReaderState.carry`); then every new slot
-starts epoch `E + 1` with the new layout. So after a resume from 1 slot to 2 both read half of the epoch's rest,
-instead of one reading the whole leftover file while the other starts the next epoch. Records that were read into a
-packing buffer but not packed yet are dealt to the new slots' buffers (re-read by reference, as a same-size resume
-does). Counters (consumed, skipped, truncated, packs) are summed into the first new slot so that the data report
-keeps its totals.
+whole share of every later epoch up to `E` (slots read at their own pace, so some are behind; a slot still reading
+pieces of an earlier resume is already counted in the epoch after them), and what is left of those pieces. Epoch by
+epoch, oldest first, the ranges are laid end to end and cut into as many stretches of equal bytes as there are new
+slots, each cut moved to the next record start (JSONL: a line belongs to the range holding its first byte; tar: a
+key to the range holding its first member's header, listed by walking the headers); new slot i reads its stretch of
+each epoch in turn (`ReaderState.carry`), then starts epoch `E + 1` with the new layout. So after a resume from 1
+slot to 2 both read half of the epoch's rest, instead of one reading the whole leftover file while the other starts
+the next epoch, and at equal steps the new slots have trained as many distinct records as an uninterrupted run.
+Records that were read into a packing buffer but not packed yet join the oldest epoch's rest as one-record
+ranges (re-read by reference, as a same-size resume re-reads its buffer), so they are dealt evenly too. Counters
+(consumed, skipped, truncated, packs) are summed into the first new slot so that the data report keeps its totals.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 from .config import DataConfig
+from .schema import SampleRef
 from .sources import ReaderState, Unit, next_line_start, slot_units, tar_keys
 from .stream import STATE_VERSION as STREAM_STATE_VERSION
 
@@ -169,15 +171,23 @@ def reshard_loader_states(old: list[dict], cfg: DataConfig, files: list, new_wor
                for s in old_streams]
     last_epoch = [max(r[i].epoch for r in readers) for i in range(n_src)]
 
+    buffered = [SampleRef.from_list(entry[0]) for s in old_streams if s for entry in s["packer"]["buffer"]]
     new_carry: list[list[list[list]]] = [[[] for _ in range(n_src)] for _ in range(n_new)]
     for src in range(n_src):
         pieces = []
         for slot, r in enumerate(readers):
             pieces += _pieces(r[src], len(files[src]), n_old, slot, cfg.seed, src, last_epoch[src], max_epochs)
-        for slot, stretch in enumerate(deal_evenly(pieces, _Files(files[src]), n_new)):
-            new_carry[slot][src] = stretch
+        # Records read into a packing buffer but not packed: one-record pieces, dealt with the oldest epoch's rest
+        # (so they count in the even deal; they were read before every reader's position).
+        oldest = min((p[0] for p in pieces), default=0)
+        pieces[:0] = [[oldest, ref.file, 0, 1, ref.offset, ref.line, ref.offset, ref.offset + 1]
+                      for ref in buffered if ref.source == src]
+        source_files = _Files(files[src])
+        for epoch in sorted({p[0] for p in pieces}):  # every slot reads its share of an epoch before the next one's
+            stretches = deal_evenly([p for p in pieces if p[0] == epoch], source_files, n_new)
+            for slot, stretch in enumerate(stretches):
+                new_carry[slot][src] += stretch
 
-    buffered = [entry[0] for s in old_streams if s for entry in s["packer"]["buffer"]]
     live = [s for s in old_streams if s]
     totals = _summed_counters(live, [s.name for s in cfg.sources])
     new_states = []
@@ -188,8 +198,7 @@ def reshard_loader_states(old: list[dict], cfg: DataConfig, files: list, new_wor
             "readers": [ReaderState(last_epoch[src] + 1, 0, None, 0, new_carry[slot][src]).to_dict()
                         for src in range(n_src)],
             "mixture": {"draws": 0},
-            "packer": {"packs_made": 0, "order": len(buffered[slot::n_new]),
-                       "buffer": [[ref, 0, k] for k, ref in enumerate(buffered[slot::n_new])]},
+            "packer": {"packs_made": 0, "order": 0, "buffer": []},
             "skipped": totals["skipped"] if slot == 0 else {},
             "consumed": totals["consumed"] if slot == 0 else {},
             "truncated": totals["truncated"] if slot == 0 else 0,

@@ -221,8 +221,9 @@ def test_elastic_resume_reads_every_record_once_per_epoch(tmp_path, tok, old_wor
     assert sum(row["samples"] for ld in new for row in ld.report()["consumed"].values()) == len(ids)
 
 
-def _even_corpus(tmp_path, tok, n=275, kind="jsonl"):
-    """One file of `n` records of equal size, one record per pack (pack_buffer 1: packs come in reading order)."""
+def _even_corpus(tmp_path, tok, n=275, kind="jsonl", pack_buffer=1):
+    """One file of `n` records of equal size, one record per pack (pack_buffer 1: packs come in reading order;
+    larger: in the same order too, ties go to the first arrival)."""
     from data_helpers import qa, write_jsonl, write_tar
 
     recs = [qa(f"question {i:03d}", f"id r{i:03d} end") for i in range(n)]
@@ -231,7 +232,8 @@ def _even_corpus(tmp_path, tok, n=275, kind="jsonl"):
                                               for i, r in enumerate(recs)])
     else:
         path = write_jsonl(tmp_path / "c.jsonl", recs)
-    cfg = DataConfig.from_dict({"sources": [str(path)], "seq_len": 40, "pack_buffer": 1, "default_system": None})
+    cfg = DataConfig.from_dict({"sources": [str(path)], "seq_len": 40, "pack_buffer": pack_buffer,
+                                "default_system": None})
     return cfg, {f"r{i:03d}" for i in range(n)}
 
 
@@ -305,3 +307,16 @@ def test_elastic_one_epoch_budget_each_record_once_dealt_evenly(tmp_path, tok, l
     counts = collections.Counter(seen)
     assert set(counts) == ids and set(counts.values()) == {1}
     assert max(shares) - min(shares) <= 1, shares
+
+
+@pytest.mark.parametrize("kind,pack_buffer", [("jsonl", 1), ("jsonl", 8), ("tar", 8)])
+def test_two_elastic_resumes_in_one_epoch_train_every_record_once(tmp_path, tok, kind, pack_buffer):
+    """1 -> 2 -> 3 ranks inside one epoch, 275 records in 60 + 40 + 45 steps (275 packs): every record once. After
+    the first resume the slots already count the next epoch, so the second one carries the rest of this epoch and the
+    whole next one: every new slot must read its share of the old epoch first (and buffered records are dealt too)."""
+    import collections
+
+    cfg, ids = _even_corpus(tmp_path, tok, kind=kind, pack_buffer=pack_buffer)
+    seen, _ = _elastic(cfg, tok, [(1, 60), (2, 40), (3, 45)])
+    counts = collections.Counter(seen)
+    assert len(seen) == len(ids) and set(counts) == ids and set(counts.values()) == {1}
