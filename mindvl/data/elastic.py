@@ -48,7 +48,8 @@ def _old_slots(loader_states: list[dict]) -> tuple[int, list[dict | None]]:
 @dataclass
 class _Range:
     """Unread records of one file: those whose first byte (a JSONL line's; a tar key's first header) is in
-    [lo, hi), read from `offset` (line number / key ordinal `line`); a tar range also lists its own keys."""
+    [lo, hi) (and, tar, whose key ordinal is `part` modulo `parts`), read from `offset` (line number / key ordinal
+    `line`)."""
 
     epoch: int
     file: int
@@ -58,36 +59,61 @@ class _Range:
     line: int
     lo: int
     hi: int
-    keys: list[tuple[int, int, int]] | None = None  # tar: (header offset, ordinal, bytes) of each of its keys
+    tar: bool
 
     @property
-    def weight(self) -> int:
-        """Bytes of its records."""
-        if self.keys is not None:
-            return sum(k[2] for k in self.keys)
-        return max(0, self.hi - self.lo)
+    def weight(self) -> float:
+        """Bytes of its records (a tar range's own keys are one in `parts` of its bytes)."""
+        return max(0, self.hi - self.lo) / (self.parts if self.tar else 1)
 
     def as_piece(self) -> list:
         return [self.epoch, self.file, self.part, self.parts, self.offset, self.line, self.lo, self.hi]
 
 
+def _tar_data_end(path: str, size: int) -> int:
+    """Where a tar shard's members end: the zero blocks after them (end-of-archive marker, padding to tar's 10 KiB
+    records) are not data. Reads the last 64 KiB."""
+    tail = min(size, 1 << 16)
+    with open(path, "rb") as f:
+        f.seek(size - tail)
+        data = f.read(tail)
+    end = size - tail + len(data.rstrip(b"\0"))
+    return min(size, -(-end // 512) * 512)
+
+
 class _Files:
-    """One source's files: sizes, kinds; finds JSONL line starts and tar key headers near cuts."""
+    """One source's files: sizes and kinds; finds JSONL line starts and tar key headers at cuts. A resume reads
+    two short stretches per JSONL range (its bounds moved to line starts) and one per tar shard (where its data
+    ends); a tar range's headers are walked only where it is cut."""
 
     def __init__(self, files: list):
         self.path = [path for path, _ in files]
         self.size = [os.path.getsize(path) for path, _ in files]
         self.tar = [kind == "tar" for _, kind in files]
+        self._data_end: dict[int, int] = {}
 
     def line_start(self, file: int, pos: int) -> tuple[int, int]:
         """(first JSONL line start at or after pos, its line number or 0 when unknown)."""
         if pos >= self.size[file]:
             return self.size[file], 0
+        if pos == 0:
+            return 0, 1
         return next_line_start(self.path[file], pos)
 
+    def one_record(self, epoch: int, ref: SampleRef) -> list:
+        """The piece of exactly one record (a JSONL line; a tar key, its size from its headers)."""
+        if self.tar[ref.file]:
+            keys = tar_keys(self.path[ref.file], Unit(ref.file, 0, 1), ref.offset, ref.line,
+                            (ref.offset, ref.offset + 1))
+            end = ref.offset + (keys[0][2] if keys else 1)
+        else:
+            end = self.line_start(ref.file, ref.offset + 1)[0]
+        return [epoch, ref.file, 0, 1, ref.offset, ref.line, ref.offset, end]
+
     def as_range(self, piece: list) -> _Range:
-        """A carry piece (or an unread unit) as the range of exactly its unread records: JSONL bounds moved to line
-        starts (the same lines: a line belongs to the range holding its first byte), tar keys listed."""
+        """A carry piece (or an unread unit) as a range that starts where its unread records start: JSONL bounds
+        moved to line starts (the same lines: a line belongs to the range holding its first byte), a tar range's end
+        to where the shard's data ends."""
         epoch, file, part, parts, offset, line, *span = piece
         size = self.size[file]
         if span:
@@ -97,23 +123,26 @@ class _Files:
         else:
             lo, hi = size * part // parts, size * (part + 1) // parts
         if self.tar[file]:
-            keys = tar_keys(self.path[file], Unit(file, part, parts), offset, line, (lo, hi))
-            return _Range(epoch, file, part, parts, offset, line, lo, hi, keys)
+            if file not in self._data_end:
+                self._data_end[file] = _tar_data_end(self.path[file], size)
+            return _Range(epoch, file, part, parts, offset, line, max(lo, offset or 0),
+                          min(hi, self._data_end[file]), True)
         if offset is None:
             offset, line = self.line_start(file, lo)
-        return _Range(epoch, file, part, parts, offset, line, max(lo, offset), self.line_start(file, hi)[0])
+        return _Range(epoch, file, part, parts, offset, line, max(lo, offset), self.line_start(file, hi)[0], False)
 
     def split(self, r: _Range, weight: float) -> tuple[_Range, _Range]:
-        """`r` cut after about `weight` bytes of its records, at the next record start: (first, rest)."""
-        if r.keys is not None:
+        """`r` cut after about `weight` bytes of its records, at the next record start: (first, rest). The rest
+        starts reading right at its first record (JSONL: a line start; tar: its first key's header)."""
+        if r.tar:
+            keys = tar_keys(self.path[r.file], Unit(r.file, r.part, r.parts), r.offset, r.line, (r.lo, r.hi))
             done, i = 0, 0
-            while i < len(r.keys) and done < weight:
-                done, i = done + r.keys[i][2], i + 1
-            if i == len(r.keys):
-                return r, dataclasses.replace(r, lo=r.hi, keys=[])
-            cut, ordinal, _ = r.keys[i]  # the rest starts reading right at its first key's header
-            return (dataclasses.replace(r, hi=cut, keys=r.keys[:i]),
-                    dataclasses.replace(r, offset=cut, line=ordinal, lo=cut, keys=r.keys[i:]))
+            while i < len(keys) and done < weight:  # the first key that starts past `weight` begins the rest
+                done, i = done + keys[i][2], i + 1
+            if i == len(keys):
+                return r, dataclasses.replace(r, lo=r.hi)
+            cut, ordinal, _ = keys[i]
+            return dataclasses.replace(r, hi=cut), dataclasses.replace(r, offset=cut, line=ordinal, lo=cut)
         cut = r.lo + round(weight)
         if cut <= r.lo:
             return dataclasses.replace(r, hi=r.lo), r
@@ -179,10 +208,9 @@ def reshard_loader_states(old: list[dict], cfg: DataConfig, files: list, new_wor
             pieces += _pieces(r[src], len(files[src]), n_old, slot, cfg.seed, src, last_epoch[src], max_epochs)
         # Records read into a packing buffer but not packed: one-record pieces, dealt with the oldest epoch's rest
         # (so they count in the even deal; they were read before every reader's position).
-        oldest = min((p[0] for p in pieces), default=0)
-        pieces[:0] = [[oldest, ref.file, 0, 1, ref.offset, ref.line, ref.offset, ref.offset + 1]
-                      for ref in buffered if ref.source == src]
         source_files = _Files(files[src])
+        oldest = min((p[0] for p in pieces), default=0)
+        pieces[:0] = [source_files.one_record(oldest, ref) for ref in buffered if ref.source == src]
         for epoch in sorted({p[0] for p in pieces}):  # every slot reads its share of an epoch before the next one's
             stretches = deal_evenly([p for p in pieces if p[0] == epoch], source_files, n_new)
             for slot, stretch in enumerate(stretches):
