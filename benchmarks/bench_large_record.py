@@ -10,8 +10,8 @@ Arms, each in its own subprocess (peak RSS: the child's own ru_maxrss; wall time
   huge    the same corpus with one 50 MB line as line 3
   raised  (loader mode only) the huge corpus with max_record_bytes raised above the line: the line is parsed whole
           (50 MB of JSON), but still tokenized only as far as seq_len needs
-Modes: `loader` iterates the data loader alone (60 packs at seq_len 1024, most of one epoch); `train` runs `mindvl train` on the tiny
-text recipe for 3 steps (model, optimizer, one rank).
+Modes: `loader` iterates the data loader alone (60 packs at seq_len 1024, most of one epoch); `train` runs
+`mindvl train` on the tiny text recipe for 3 steps (model, optimizer, one rank).
 
     python benchmarks/bench_large_record.py                      # both modes, 50 MB
     python benchmarks/bench_large_record.py --mode loader --mb 50 --repeats 3
