@@ -320,3 +320,28 @@ def test_two_elastic_resumes_in_one_epoch_train_every_record_once(tmp_path, tok,
     seen, _ = _elastic(cfg, tok, [(1, 60), (2, 40), (3, 45)])
     counts = collections.Counter(seen)
     assert len(seen) == len(ids) and set(counts) == ids and set(counts.values()) == {1}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_elastic_resume_onto_more_loader_workers_reads_every_record_once(tmp_path, tok):
+    """1 rank, no workers -> 1 rank, 2 worker processes (the carried byte ranges travel to the workers in the state):
+    with a one-epoch budget every record is read once, and the two streams' shares differ by at most one record
+    (each stream's consumed count; stream 0's also holds the 75 carried over from the old stream)."""
+    import collections
+    import dataclasses
+
+    from mindvl.data.elastic import reshard_loader_states
+
+    cfg, ids = _even_corpus(tmp_path, tok)
+    old = PackLoader(cfg, tok, 0, 1, max_epochs=1)
+    seen = [i for pack in itertools.islice(old, 75) for i in _record_ids(tok, pack)]
+    cfg2 = dataclasses.replace(cfg, num_workers=2)
+    (state,) = reshard_loader_states([old.state_dict()], cfg2, old.files, 1, max_epochs=1)
+    new = PackLoader(cfg2, tok, 0, 1, max_epochs=1)
+    new.load_state_dict(state)
+    seen += [i for pack in new for i in _record_ids(tok, pack)]
+    counts = collections.Counter(seen)
+    assert set(counts) == ids and set(counts.values()) == {1}
+    (name,) = [s.name for s in cfg.sources]
+    s0, s1 = (stream["consumed"][name]["samples"] for stream in new.state_dict()["streams"])
+    assert s0 - 75 + s1 == len(ids) - 75 and abs((s0 - 75) - s1) <= 1, (s0, s1)
