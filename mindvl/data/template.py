@@ -21,10 +21,12 @@ no template at all: text with image blocks, every text token trained, closed by 
 Bounded encoding (`max_tokens`; the training pipeline passes seq_len): tokenizing never sees much more text than a
 pack can hold. Once more than `max_tokens + CUT_MARGIN` ids are built nothing more is added, and a long text chunk is
 tokenized by growing prefixes (doubling, from 4 characters per missing token) cut just before a space or punctuation
-that follows a letter or digit, a pre-tokenizer boundary, so the prefix's tokens are the full text's. The first
-`max_tokens` ids and labels equal those of the unbounded encoding, and the result is longer than `max_tokens` exactly
-when the unbounded one is, so truncation (`process.safe_cut`) cuts the same sample. A vision block is added whole or
-not at all.
+that follows a letter or digit, a pre-tokenizer boundary (Qwen2's split pattern never joins across it), so the
+prefix's tokens are the full text's; where no such boundary is in reach (256 characters), the CUT_MARGIN tokens
+built past `max_tokens` absorb the pre-token cut in two. So the first `max_tokens` ids and labels equal those of the
+unbounded encoding, and the result is longer than `max_tokens` exactly when the unbounded one is: truncation
+(`process.safe_cut`) cuts the same sample (tests/data/test_data_bounded_records.py compares them on English, CJK,
+digit, punctuation and boundary-free text). A vision block is added whole or not at all.
 """
 
 from __future__ import annotations
