@@ -13,6 +13,9 @@ from typing import Any
 from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, RESIZE_METHODS
 from .template import DEFAULT_SYSTEM
 
+RECORD_BYTES_PER_TOKEN = 256  # default record byte limit per token of seq_len (DataConfig.record_byte_limit)
+RECORD_BYTES_FLOOR = 1 << 20
+
 SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
 # digits: short digit strings, the quickstart's learnable OCR task; reverse: text only, the ablation's text probe
 SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse")
@@ -185,6 +188,9 @@ class DataConfig:
     # transformers' PIL processor.
     image_resize: str = "torch"
     truncation: str = "truncate"  # truncate (at a safe point) | drop, for samples longer than seq_len
+    # Bytes of one record (a JSONL line; a tar key's non-media members) above which it is skipped unparsed
+    # (`record_too_large`); None: record_byte_limit()'s default, derived from seq_len.
+    max_record_bytes: int | None = None
     pack_buffer: int = 256  # samples held for packing (bounded look-ahead)
     pad_to_seq_len: bool = False  # pad each pack to seq_len with a final -100 segment (static shapes)
     seed: int = 0
@@ -228,6 +234,7 @@ class DataConfig:
                                        f"{where}.max_image_pixels"),
             image_resize=_typed(d.get("image_resize", "torch"), (str,), f"{where}.image_resize"),
             truncation=d.get("truncation", "truncate"),
+            max_record_bytes=_positive(d.get("max_record_bytes"), f"{where}.max_record_bytes", allow_none=True),
             pack_buffer=_positive(d.get("pack_buffer", 256), f"{where}.pack_buffer"),
             pad_to_seq_len=_typed(d.get("pad_to_seq_len", False), (bool,), f"{where}.pad_to_seq_len"),
             seed=_typed(d.get("seed", 0), (int,), f"{where}.seed"),
@@ -260,6 +267,11 @@ class DataConfig:
         if self.image_resize not in RESIZE_METHODS:
             raise ValueError(f"{where}.image_resize: must be one of {', '.join(RESIZE_METHODS)}, got "
                              f"{self.image_resize!r}")
+        if self.max_record_bytes is not None and self.max_record_bytes < self.seq_len:
+            # Every token covers at least one byte of text, so a record under seq_len bytes always fits a pack: a
+            # lower limit would skip records that could be trained whole.
+            raise ValueError(f"{where}.max_record_bytes: {self.max_record_bytes} is below seq_len {self.seq_len}; "
+                             "it would skip records that fit a pack (leave it unset for the default)")
         if self.num_workers < 0:
             raise ValueError(f"{where}.num_workers: must be >= 0, got {self.num_workers}")
         if not 0 <= self.eval_fraction < 1:
@@ -277,6 +289,20 @@ class DataConfig:
         if self.max_patches_per_pack is not None and self.max_patches_per_pack < 4:
             raise ValueError(f"{where}.max_patches_per_pack: must be >= 4 (one merged token), got "
                              f"{self.max_patches_per_pack}")
+
+    def record_byte_limit(self) -> int:
+        """The byte size above which a record is skipped before parsing (`max_record_bytes`, or its default).
+
+        The default, 256 bytes per token of seq_len and at least 1 MiB, is safe for real data: text takes 3-5
+        bytes per token (every token at least one byte) and JSON's escapes at most 6 bytes per character
+        (`\\u00XX`), so a record whose usable part is seq_len tokens is rarely more than ~30 bytes per token;
+        256 leaves room for long tokens (runs of spaces or dashes) and for the record's other fields. Records
+        between seq_len tokens and this limit are parsed, and their text is cut before tokenizing to what one
+        pack can hold (mindvl.data.template), so the cost of a record is bounded either way. Images do not count
+        (a JSONL record names them; a tar key's image members are measured by `max_image_pixels`)."""
+        if self.max_record_bytes is not None:
+            return self.max_record_bytes
+        return max(RECORD_BYTES_FLOOR, RECORD_BYTES_PER_TOKEN * self.seq_len)
 
     def eval_config(self) -> DataConfig | None:
         """The pipeline of the held-out data (None when there is none): the eval sources, or the same sources

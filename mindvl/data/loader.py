@@ -13,6 +13,10 @@ Every pack arrives with its stream's state *after* that pack; the loader keeps t
 exact no matter how far the workers have prefetched. On resume, DataLoader worker w runs logical stream
 (w + next_stream) mod W, so the first pack delivered is the one the interrupted run would have consumed next.
 
+With `MINDVL_DATA_TRACE=DIR` in the environment, every consumed pack's records are appended to
+`DIR/<split>_shard_<rank>.txt` (split: train or eval) as "source file byte-offset" lines: which records a run
+trained (the elastic-resume tests compare them with an uninterrupted run's).
+
 This is the only module of mindvl.data that imports torch at import time (for the DataLoader workers); video.py
 imports it lazily to resize video frames exactly as transformers' video processor does.
 """
@@ -36,6 +40,7 @@ from .tokenizer import TextTokenizer, load_tokenizer
 from .video import require_decoder_for
 
 LOADER_STATE_VERSION = 1
+TRACE_ENV = "MINDVL_DATA_TRACE"
 
 
 def default_synth_cache() -> Path:
@@ -133,12 +138,16 @@ class PackLoader:
         self.packs_consumed = 0
 
     def __iter__(self) -> Iterator[Pack]:
+        trace = _Trace(os.environ[TRACE_ENV], f"{self.cfg.split}_shard_{self.rank:05d}.txt") \
+            if os.environ.get(TRACE_ENV) else None
         if self.cfg.num_workers == 0:
             stream = make_stream(self.cfg, self.tok, self.files, self.rank, self.world_size, 1, 0, self._states[0],
                                  self.max_epochs)
             for pack in stream:
                 self._states[0] = stream.state_dict()
                 self.packs_consumed += 1
+                if trace:
+                    trace.write(pack)
                 yield pack
             return
         inner = _WorkerStreams(self.cfg, self.tok, self.files, self.rank, self.world_size, self.n_streams,
@@ -149,6 +158,8 @@ class PackLoader:
             self._states[stream_index] = state
             self._next = (stream_index + 1) % self.n_streams
             self.packs_consumed += 1
+            if trace:
+                trace.write(pack)
             yield pack
 
     # ------------------------------------------------------------------------------------------------------ state
@@ -190,6 +201,18 @@ class PackLoader:
             "skipped": dict(sorted(skipped.items())),
             "truncated": sum(s["truncated"] for s in live),
         }
+
+
+class _Trace:
+    """Appends each consumed pack's records to one file of the trace folder (see the module docstring)."""
+
+    def __init__(self, folder: str, name: str):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, name)
+
+    def write(self, pack: Pack) -> None:
+        with open(self.path, "a") as f:
+            f.writelines(f"{r[0]} {r[1]} {r[2]}\n" for r in pack.sample_refs if r is not None)
 
 
 def _identity(x):

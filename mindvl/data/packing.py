@@ -144,5 +144,6 @@ def build_pack(samples: list[Sample], pad_to: int | None = None, pad_id: int = 0
         pixel_values=pixel_values,
         image_grid_thw=np.concatenate(grids) if grids else np.zeros((0, 3), np.int64),
         sample_sources=[s.source for s in samples],
+        sample_refs=[s.ref.to_list() if s.ref is not None else None for s in samples],
         num_pad=num_pad,
     )

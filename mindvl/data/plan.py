@@ -117,7 +117,8 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
     from .video import VideoError, video_grid, video_settings
 
     src = cfg.sources[source]
-    reader = SourceReader(src, source, resolve_files(files, src.format, src.name), 0, 1, cfg.seed, max_epochs=1)
+    reader = SourceReader(src, source, resolve_files(files, src.format, src.name), 0, 1, cfg.seed, max_epochs=1,
+                          max_record_bytes=cfg.record_byte_limit())
     lo, hi = cfg.pixels_for(source)
     tokens = vision = n = 0
     skipped: dict[str, int] = {}
@@ -146,9 +147,10 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
             except VideoError as exc:
                 raise BadSample(exc.reason, conv.where, str(exc)) from exc
             if conv.kind == "document":
-                enc = encode_document(tok, conv.text, grids)
+                enc = encode_document(tok, conv.text, grids, max_tokens=cfg.seq_len)
             else:
-                enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids)
+                enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids,
+                                          max_tokens=cfg.seq_len)
         except BadSample as bad:
             skipped[bad.reason] = skipped.get(bad.reason, 0) + 1
             continue

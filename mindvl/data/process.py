@@ -5,9 +5,11 @@ resume by reading its records again instead of storing their pixels in the check
 
 Record kinds: a chat goes through the chat template; a document (interleaved images and text, or plain text) is
 tokenized as it stands with every text token trained; a caption becomes one or the other (mindvl.data.captions).
-Truncation (`truncation: truncate`) of anything longer than seq_len cuts at the last token before seq_len that is
-not inside an image's or video's `<|vision_start|> ... <|vision_end|>` block and drops the vision items after the
-cut: a long document keeps its first seq_len tokens up to an image boundary, never half an image.
+Text is tokenized only as far as seq_len needs (mindvl.data.template's bounded encoding): a long record costs
+what one pack can hold, not its length. Truncation (`truncation: truncate`) of anything longer than seq_len cuts at
+the last token before seq_len that is not inside an image's or video's `<|vision_start|> ... <|vision_end|>` block
+and drops the vision items after the cut: a long document keeps its first seq_len tokens up to an image boundary,
+never half an image.
 Boxes and points of a record that declares `coords` are rewritten into `box_format` once its image's size on disk and
 after smart_resize are known (mindvl.data.grounding).
 """
@@ -94,10 +96,13 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     pixels, grids, conv = _images(conv, cfg)
     vpixels, vgrids, intervals = _videos(conv, cfg)
 
+    # Bounded: the tokenizer sees about as much text as seq_len tokens need, however long the record (the ids
+    # up to seq_len, and whether there are more, are those of the whole text).
     if conv.kind == "document":
-        enc = encode_document(tok, conv.text, grids)
+        enc = encode_document(tok, conv.text, grids, max_tokens=cfg.seq_len)
     else:
-        enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids)
+        enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids,
+                                  max_tokens=cfg.seq_len)
     ids, labels, spans = enc.input_ids, enc.labels, enc.image_spans
     is_video = list(enc.is_video or [False] * len(spans))
     # Every vision item in order of appearance: (is_video, rows, grid, time interval or None).
@@ -111,16 +116,17 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
             rows, grid = next(img_iter)
             items.append((False, rows, grid, None))
     truncated = False
+    n_tokens = f"{'over ' if enc.partial else ''}{len(ids)}"
     if len(ids) > cfg.seq_len:
         if cfg.truncation == "drop":
-            raise BadSample("too_long", conv.where, f"{len(ids)} tokens > seq_len {cfg.seq_len} (truncation: drop)")
+            raise BadSample("too_long", conv.where, f"{n_tokens} tokens > seq_len {cfg.seq_len} (truncation: drop)")
         cut = safe_cut(len(ids), cfg.seq_len, spans)
         keep = sum(1 for _, end in spans if end < cut)  # items whose whole block is before the cut
         ids, labels = ids[:cut], labels[:cut]
         spans, items = spans[:keep], items[:keep]
         truncated = True
         if not (labels != IGNORE_INDEX).any():
-            raise BadSample("too_long", conv.where, f"{len(enc.input_ids)} tokens > seq_len {cfg.seq_len} and "
+            raise BadSample("too_long", conv.where, f"{n_tokens} tokens > seq_len {cfg.seq_len} and "
                             "nothing trainable before a safe cut")
     n_patches = sum(rows.shape[0] for _, rows, _, _ in items)
     if cfg.max_patches is not None and n_patches > cfg.max_patches:

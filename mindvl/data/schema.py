@@ -151,6 +151,7 @@ class Pack:
     pixel_values: Any
     image_grid_thw: Any
     sample_sources: list[int] = field(default_factory=list)  # source index per real sample
+    sample_refs: list[list[int] | None] = field(default_factory=list)  # SampleRef.to_list() per real sample
     num_pad: int = 0
 
     @property

@@ -11,6 +11,11 @@ a rank only ever opens its own units and all ranks agree on the split without ta
 A `SourceReader` walks one slot's units and yields `RawItem`s; its position (epoch, unit, byte offset, line) is its
 whole state. `read_ref(ref)` reads one record again from its byte offset, which is how the packing buffer is
 restored on resume without storing samples in the checkpoint.
+
+Records are measured before they are parsed: a JSONL line (or a tar key's text members together) longer than
+`max_record_bytes` is never held whole, never JSON-parsed; it comes out as a `BadSample` with reason
+`record_too_large` (file:line or shard:key), and the reader skips over it in 1 MiB chunks. Image and video members
+of a tar key do not count (their decoded size has its own limit, `max_image_pixels`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from .records import parse_record
 from .schema import BadSample, Conversation, ImageRef, SampleRef
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_MEMBER_EXTENSIONS = ("mp4", "avi", "mkv", "mov", "webm", "m4v")  # as mindvl.data.video.VIDEO_EXTENSIONS
+READ_CHUNK = 1 << 20  # how much of an over-long line is held at once while it is skipped
 
 
 def resolve_files(paths: list[str], fmt: str, where: str) -> list[tuple[str, str]]:
@@ -110,18 +117,58 @@ class RawItem:
 # ----------------------------------------------------------------------------------------------------------- JSONL
 
 
-def _jsonl_part_start(f: io.BufferedReader, size: int, part: int, parts: int) -> tuple[int, int]:
-    """(byte offset, line number) of the first line whose first byte is in this part's byte range.
+def _skip_line(f: io.BufferedReader) -> int:
+    """Read past the rest of the current line (newline included) in bounded chunks (8 KiB, growing to READ_CHUNK:
+    a typical line costs one small read, a huge one is scanned at memchr speed); the bytes skipped."""
+    n, size = 0, 8192
+    while True:
+        chunk = f.read(size)
+        if not chunk:
+            return n
+        i = chunk.find(b"\n")
+        if i >= 0:
+            f.seek(i + 1 - len(chunk), io.SEEK_CUR)
+            return n + i + 1
+        n, size = n + len(chunk), min(2 * size, READ_CHUNK)
 
-    Only the first part knows its line numbers (1-based); the others read forward from their start offset to the
-    next line start instead of counting lines from byte 0 (which made every part start a scan of the file, in every
-    slot, every epoch). They report line 0 ("unknown"), and their records are named by byte offset instead."""
-    lo = size * part // parts
+
+def _text_bytes(f: io.BufferedReader, offset: int, n: int) -> int:
+    """Length of the line of `n` bytes at `offset` without its line ending (one byte is read back)."""
+    f.seek(offset + n - 1)
+    return n - 1 if f.read(1) == b"\n" else n
+
+
+def read_bounded_line(f: io.BufferedReader, limit: int | None) -> tuple[bytes | None, int]:
+    """(the next line, its length in bytes with the newline). A line whose text (newline excluded) is longer than
+    `limit` bytes comes back as None: it is skipped in chunks, so at most `limit` + 1 MiB of it is ever held."""
+    if limit is None:
+        raw = f.readline()
+        return raw, len(raw)
+    raw = f.readline(limit + 1)
+    if len(raw) <= limit or raw.endswith(b"\n"):
+        return raw, len(raw)
+    n = len(raw)
+    del raw  # the part read so far is dropped before the rest is skipped
+    return None, n + _skip_line(f)
+
+
+def _jsonl_start(f: io.BufferedReader, lo: int) -> tuple[int, int]:
+    """(byte offset, line number) of the first line whose first byte is at or after `lo`.
+
+    Only a range starting at byte 0 knows its line numbers (1-based); the others read forward from their start
+    offset to the next line start instead of counting lines from byte 0 (which made every part start a scan of the
+    file, in every slot, every epoch). They report line 0 ("unknown"), and their records are named by byte offset
+    instead."""
     if lo == 0:
         return 0, 1
     f.seek(lo - 1)
-    rest = f.readline()  # the line straddling lo belongs to the previous part
-    return lo - 1 + len(rest), 0
+    return lo - 1 + _skip_line(f), 0  # the line straddling lo belongs to the range before
+
+
+def next_line_start(path: str, pos: int) -> tuple[int, int]:
+    """(byte offset of the first line starting at or after `pos`, its line number or 0 when not known)."""
+    with open(path, "rb") as f:
+        return _jsonl_start(f, pos)
 
 
 def jsonl_where(path: str, offset: int, line: int) -> str:
@@ -129,36 +176,55 @@ def jsonl_where(path: str, offset: int, line: int) -> str:
     return f"{path}:{line}" if line > 0 else f"{path}@byte{offset}"
 
 
-def iter_jsonl(path: str, file_index: int, source: int, unit: Unit, offset: int | None, line: int) -> Iterator[
-    tuple[RawItem, int, int]
+def too_large(where: str, size: int, limit: int, what: str = "record") -> BadSample:
+    return BadSample("record_too_large", where,
+                     f"{what} is {size} bytes, over data.max_record_bytes = {limit}; it is skipped without being "
+                     "parsed (shorten or split it, or raise data.max_record_bytes)")
+
+
+def iter_jsonl(path: str, file_index: int, source: int, unit: Unit, offset: int | None, line: int,
+               max_bytes: int | None = None, span: tuple[int, int] | None = None) -> Iterator[
+    tuple[RawItem | BadSample, int, int]
 ]:
-    """Yield (item, next_offset, next_line) for the lines of `unit`, starting at `offset` (None: the part's start)."""
+    """Yield (item, next_offset, next_line) for the lines of `unit` (or, given `span` = (lo, hi), of the lines whose
+    first byte is in [lo, hi)), starting at `offset` (None: the range's start). A line over `max_bytes` is yielded
+    as a `record_too_large` BadSample without being held or parsed."""
     size = os.path.getsize(path)
-    hi = size * (unit.part + 1) // unit.parts
+    lo, hi = span if span is not None else (size * unit.part // unit.parts, size * (unit.part + 1) // unit.parts)
+    hi = min(hi, size)
     with open(path, "rb") as f:
         if offset is None:
-            offset, line = _jsonl_part_start(f, size, unit.part, unit.parts)
+            offset, line = _jsonl_start(f, lo)
         f.seek(offset)
         base_dir = os.path.dirname(path)
         while offset < hi:
-            raw = f.readline()
-            if not raw:
+            raw, n = read_bounded_line(f, max_bytes)
+            if not n:
                 break
             this_offset, this_line = offset, line
-            offset += len(raw)
+            offset += n
             line += 1 if line > 0 else 0  # 0: unknown (a part that starts mid-file)
+            where = jsonl_where(path, this_offset, this_line)
+            if raw is None:
+                bad = too_large(where, _text_bytes(f, this_offset, n), max_bytes)  # type: ignore[arg-type]
+                f.seek(offset)
+                yield bad, offset, line
+                continue
             if not raw.strip():
                 continue  # blank lines are not records
             ref = SampleRef(source, file_index, this_offset, this_line)
-            item = RawItem(ref, jsonl_where(path, this_offset, this_line), "jsonl", line=raw, base_dir=base_dir)
+            item = RawItem(ref, where, "jsonl", line=raw, base_dir=base_dir)
             yield item, offset, line
 
 
-def read_jsonl_line(path: str, ref: SampleRef) -> RawItem:
+def read_jsonl_line(path: str, ref: SampleRef, max_bytes: int | None = None) -> RawItem | BadSample:
+    where = jsonl_where(path, ref.offset, ref.line)
     with open(path, "rb") as f:
         f.seek(ref.offset)
-        raw = f.readline()
-    return RawItem(ref, jsonl_where(path, ref.offset, ref.line), "jsonl", line=raw, base_dir=os.path.dirname(path))
+        raw, n = read_bounded_line(f, max_bytes)
+        if raw is None:
+            return too_large(where, _text_bytes(f, ref.offset, n), max_bytes)  # type: ignore[arg-type]
+    return RawItem(ref, where, "jsonl", line=raw, base_dir=os.path.dirname(path))
 
 
 # ------------------------------------------------------------------------------------------------------------- tar
@@ -176,14 +242,20 @@ class ShardError(Exception):
     """A tar shard that cannot be read further (truncated or corrupt headers)."""
 
 
-def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | None, ordinal: int) -> Iterator[
+def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | None, ordinal: int,
+             max_bytes: int | None = None, span: tuple[int, int] | None = None) -> Iterator[
     tuple[RawItem | BadSample, int, int]
 ]:
-    """Yield (item or BadSample, next_offset, next_ordinal) for the keys of `unit` (every parts-th key).
+    """Yield (item or BadSample, next_offset, next_ordinal) for the keys of `unit` (every parts-th key), and given
+    `span` = (lo, hi) only those whose first member's header offset is in [lo, hi) (the reader still starts at
+    `offset`, a header offset, and walks the headers up to lo; member data is only read for yielded keys).
 
     `offset` is the header offset of the next key's first member and `ordinal` its 0-based key index in the shard.
+    A key whose text members (everything but images and videos) add up to more than `max_bytes` is yielded as a
+    `record_too_large` BadSample, its members unread.
     """
     offset = 0 if offset is None else offset
+    lo, hi = span if span is not None else (0, None)
     with open(path, "rb") as f:
         f.seek(offset)
         try:
@@ -198,7 +270,7 @@ def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | 
             try:
                 member = tf.next()
             except (tarfile.ReadError, EOFError, OSError) as exc:
-                if group and ordinal % unit.parts == unit.part:
+                if group and ordinal % unit.parts == unit.part and group[0].offset >= lo:
                     # The pending key's last member is cut off: report it by shard:key, then give up on the shard.
                     bad = BadSample("tar_member_unreadable", f"{path}:{key}",
                                     f"shard is truncated or corrupt in this key ({exc}); the rest of the shard is "
@@ -211,21 +283,69 @@ def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | 
             member_key = _split_key(member.name)[0] if member is not None else None
             if group and member_key != key:
                 next_offset = member.offset if member is not None else os.path.getsize(path)
-                if ordinal % unit.parts == unit.part:
-                    yield _read_group(tf, path, file_index, source, key, group, ordinal), next_offset, ordinal + 1
+                if ordinal % unit.parts == unit.part and group[0].offset >= lo:
+                    yield (_read_group(tf, path, file_index, source, key, group, ordinal, max_bytes), next_offset,
+                           ordinal + 1)
                 ordinal += 1
                 offset = next_offset
                 group = []
             if member is None:
                 return
+            if not group and hi is not None and member.offset >= hi:
+                return  # the next key starts past this range
             key = member_key
             group.append(member)
 
 
+def tar_keys(path: str, unit: Unit, offset: int | None, ordinal: int, span: tuple[int, int]) -> list[
+    tuple[int, int, int]
+]:
+    """(header offset, key ordinal, bytes up to the next key) of every key of `unit` whose first header lies in
+    span = [lo, hi), walking the headers from `offset` (a key's first header, key ordinal `ordinal`); only headers are
+    read. Where the shard becomes unreadable the list ends (the reader reports the damage when it gets there)."""
+    lo, hi = span
+    out: list[tuple[int, int, int]] = []
+    with open(path, "rb") as f:
+        f.seek(offset or 0)
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")
+        except tarfile.ReadError:
+            return out
+        start, key = None, None
+        while True:
+            try:
+                member = tf.next()
+                end = member.offset if member is not None else tf.offset
+            except (tarfile.ReadError, EOFError, OSError):
+                member, end = None, os.path.getsize(path)
+            if member is not None and not member.isfile():
+                continue
+            member_key = _split_key(member.name)[0] if member is not None else None
+            if start is not None and member_key != key:
+                if ordinal % unit.parts == unit.part and start >= lo:
+                    out.append((start, ordinal, end - start))
+                ordinal, start = ordinal + 1, None
+            if member is None:
+                return out
+            if start is None:
+                if member.offset >= hi:
+                    return out
+                start, key = member.offset, member_key
+
+
+def _is_media(suffix: str) -> bool:
+    ext = suffix.rsplit(".", 1)[-1].lower()
+    return ext in IMAGE_EXTENSIONS or ext in VIDEO_MEMBER_EXTENSIONS
+
+
 def _read_group(tf: tarfile.TarFile, path: str, file_index: int, source: int, key: str,
-                members: list[tarfile.TarInfo], ordinal: int) -> RawItem | BadSample:
+                members: list[tarfile.TarInfo], ordinal: int, max_bytes: int | None = None) -> RawItem | BadSample:
     ref = SampleRef(source, file_index, members[0].offset, ordinal)
     where = f"{path}:{key}"
+    if max_bytes is not None:  # measured from the headers, before any member is read
+        text = sum(m.size for m in members if not _is_media(_split_key(m.name)[1]))
+        if text > max_bytes:
+            return too_large(where, text, max_bytes, "the key's text (its non-image members)")
     data: dict[str, bytes] = {}
     for m in members:
         suffix = _split_key(m.name)[1]
@@ -242,10 +362,10 @@ def _read_group(tf: tarfile.TarFile, path: str, file_index: int, source: int, ke
     return RawItem(ref, where, "tar", members=data, key=key)
 
 
-def read_tar_key(path: str, ref: SampleRef) -> RawItem | BadSample:
+def read_tar_key(path: str, ref: SampleRef, max_bytes: int | None = None) -> RawItem | BadSample:
     """Read the key whose first member's header is at ref.offset."""
     unit = Unit(0, 0, 1)
-    for item, _, _ in iter_tar(path, ref.file, ref.source, unit, ref.offset, ref.line):
+    for item, _, _ in iter_tar(path, ref.file, ref.source, unit, ref.offset, ref.line, max_bytes):
         return item
     raise ShardError(f"{path}: no key at offset {ref.offset}; the shard changed since the checkpoint")
 
@@ -308,8 +428,9 @@ class ReaderState:
     unit's start) with line number / key ordinal `line`.
 
     `carry` holds pieces handed over by an elastic resume (mindvl.data.elastic), read before the regular epochs:
-    each is [epoch, file, part, parts, offset or None, line], a unit of an earlier slot layout and where in it to
-    continue."""
+    each is [epoch, file, part, parts, offset or None, line, lo, hi]: the records of unit (file, part of parts) of
+    an earlier slot layout whose first byte (a tar key's first header) lies in [lo, hi), read from `offset` on
+    (pieces of six entries, written before byte ranges existed, are the whole unit)."""
 
     epoch: int = 0
     unit: int = 0
@@ -337,9 +458,11 @@ class SourceReader:
     """
 
     def __init__(self, cfg: SourceConfig, source: int, files: list[tuple[str, str]], slot: int, n_slots: int,
-                 seed: int, max_epochs: int | None = None, state: ReaderState | None = None):
+                 seed: int, max_epochs: int | None = None, state: ReaderState | None = None,
+                 max_record_bytes: int | None = None):
         self.cfg, self.source, self.files = cfg, source, files
         self.slot, self.n_slots, self.seed, self.max_epochs = slot, n_slots, seed, max_epochs
+        self.max_record_bytes = max_record_bytes
         self.state = state or ReaderState()
         self._it: Iterator | None = None
         self._units: list[Unit] | None = None
@@ -376,7 +499,8 @@ class SourceReader:
                 unit = units[self.state.unit]
                 path, kind = self.files[unit.file]
                 opener = iter_tar if kind == "tar" else iter_jsonl
-                self._it = opener(path, unit.file, self.source, unit, self.state.offset, self.state.line)
+                self._it = opener(path, unit.file, self.source, unit, self.state.offset, self.state.line,
+                                  self.max_record_bytes)
             try:
                 item, offset, line = next(self._it)
             except StopIteration:
@@ -395,11 +519,12 @@ class SourceReader:
 
     def _next_carried(self) -> RawItem | BadSample | None:
         """The next record of the first carried piece (None when that piece is used up: it is dropped)."""
-        epoch, file, part, parts, offset, line = self.state.carry[0]
+        epoch, file, part, parts, offset, line, *span = self.state.carry[0]
         path, kind = self.files[file]
         if self._it is None:
             opener = iter_tar if kind == "tar" else iter_jsonl
-            self._it = opener(path, file, self.source, Unit(file, part, parts), offset, line)
+            self._it = opener(path, file, self.source, Unit(file, part, parts), offset, line, self.max_record_bytes,
+                              (int(span[0]), int(span[1])) if span else None)
         try:
             item, offset, line = next(self._it)
         except StopIteration:
@@ -410,7 +535,8 @@ class SourceReader:
             self.state = replace(self.state, carry=self.state.carry[1:])
             self._it = None
             return BadSample("tar_unreadable", path, f"{exc}; the rest of the shard is skipped")
-        self.state = replace(self.state, carry=[[epoch, file, part, parts, offset, line], *self.state.carry[1:]])
+        self.state = replace(self.state, carry=[[epoch, file, part, parts, offset, line, *span],
+                                                *self.state.carry[1:]])
         return item
 
     def _advance_unit(self) -> None:
@@ -419,4 +545,6 @@ class SourceReader:
 
     def read_ref(self, ref: SampleRef) -> RawItem | BadSample:
         path, kind = self.files[ref.file]
-        return read_tar_key(path, ref) if kind == "tar" else read_jsonl_line(path, ref)
+        if kind == "tar":
+            return read_tar_key(path, ref, self.max_record_bytes)
+        return read_jsonl_line(path, ref, self.max_record_bytes)

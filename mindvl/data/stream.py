@@ -35,7 +35,8 @@ class PackStream:
         self.cfg, self.tok, self.files = cfg, tok, files
         self.slot, self.n_slots, self.context = slot, n_slots, context
         self.readers = [
-            SourceReader(s, i, files[i], slot, n_slots, cfg.seed, max_epochs) for i, s in enumerate(cfg.sources)
+            SourceReader(s, i, files[i], slot, n_slots, cfg.seed, max_epochs,
+                         max_record_bytes=cfg.record_byte_limit()) for i, s in enumerate(cfg.sources)
         ]
         self.mixture = Mixture([s.ratio for s in cfg.sources], cfg.seed, slot)
         self.packer = Packer(cfg.seq_len, cfg.max_patches_per_pack, cfg.pack_buffer, cfg.pad_to_seq_len,

@@ -17,11 +17,22 @@ and ms-swift train Qwen), not the `<|im_start|>assistant\n` header nor the newli
 
 Videos render as `<|vision_start|><|video_pad|>*n<|vision_end|>` (n = t*h*w/4). Documents (`encode_document`) have
 no template at all: text with image blocks, every text token trained, closed by a trained `<|endoftext|>`.
+
+Bounded encoding (`max_tokens`; the training pipeline passes seq_len): tokenizing never sees much more text than a
+pack can hold. Once more than `max_tokens + CUT_MARGIN` ids are built nothing more is added, and a long text chunk is
+tokenized by growing prefixes (doubling, from 4 characters per missing token) cut just before a space or punctuation
+that follows a letter or digit, a pre-tokenizer boundary (Qwen2's split pattern never joins across it), so the
+prefix's tokens are the full text's; where no such boundary is in reach (256 characters), the CUT_MARGIN tokens
+built past `max_tokens` absorb the pre-token cut in two. So the first `max_tokens` ids and labels equal those of the
+unbounded encoding, and the result is longer than `max_tokens` exactly when the unbounded one is: truncation
+(`process.safe_cut`) cuts the same sample (tests/data/test_data_bounded_records.py compares them on English, CJK,
+digit, punctuation and boundary-free text). A vision block is added whole or not at all.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +43,10 @@ from .tokenizer import TextTokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 MERGE_UNIT = 4  # 2x2 patches -> one LLM token
+# Extra tokens a bounded encoding builds past max_tokens: the tokens at a prefix's end are the least certain to
+# match the full text's (a pre-token cut in two), so they are kept beyond what the cut uses.
+CUT_MARGIN = 64
+_BOUNDARY_SEARCH = 256  # characters searched back from a prefix's end for a pre-tokenizer boundary
 
 
 @dataclass
@@ -44,13 +59,42 @@ class Encoded:
     labels: np.ndarray
     image_spans: list[tuple[int, int]]
     is_video: list[bool] | None = None
+    partial: bool = False  # a bounded encoding stopped early: the full text has more tokens than these
+
+
+def _boundary(text: str, n: int) -> int:
+    """A cut <= n just before a space or punctuation that follows a letter or digit (no pre-token spans it, and
+    NFC never composes across it), searched in the last _BOUNDARY_SEARCH characters; n when there is none."""
+    for i in range(n, max(n - _BOUNDARY_SEARCH, 1), -1):
+        c = text[i]
+        if (c.isspace() or unicodedata.category(c)[0] == "P") and text[i - 1].isalnum():
+            return i
+    return n
+
+
+def encode_prefix(tok: TextTokenizer, text: str, need: int | None):
+    """`tok.encode_text` of `text`, or of a prefix of it that has at least `need` tokens (None: the whole text).
+
+    Prefixes grow by doubling from 4 characters per needed token (running text is ~4), so the text tokenized is
+    at most about twice what gives `need` tokens, and the tokenizer never sees a huge text whole."""
+    if need is None:
+        return tok.encode_text(text)
+    n = max(4 * need, 256)
+    while n < len(text):
+        enc = tok.encode_text(text[:_boundary(text, n)])
+        if len(enc.ids) >= need:
+            return enc
+        n *= 2
+    return tok.encode_text(text)
 
 
 class _Builder:
     """Accumulates ids/labels; text is buffered so one chunk between two special tokens is encoded at once."""
 
-    def __init__(self, tok: TextTokenizer):
+    def __init__(self, tok: TextTokenizer, max_tokens: int | None = None):
         self.tok = tok
+        # Bounded: stop once more than this many ids are built (max_tokens + CUT_MARGIN); None: never.
+        self.stop_after = None if max_tokens is None else max_tokens + CUT_MARGIN
         self.ids: list[int] = []
         self.labels: list[int] = []
         self.spans: list[tuple[int, int]] = []
@@ -58,7 +102,13 @@ class _Builder:
         self._text: list[str] = []
         self._label_from: int | None = None  # char offset in the pending chunk from which tokens are trained
 
+    @property
+    def full(self) -> bool:
+        return self.stop_after is not None and len(self.ids) > self.stop_after
+
     def text(self, s: str, trained: bool) -> None:
+        if self.full:
+            return
         if trained and self._label_from is None:
             self._label_from = sum(len(t) for t in self._text)
         elif not trained and self._label_from is not None:
@@ -70,7 +120,8 @@ class _Builder:
         if not self._text:
             return
         chunk = "".join(self._text)
-        enc = self.tok.encode_text(chunk)  # "<|im_end|>" in a message is text, not the end of the turn
+        need = None if self.stop_after is None else self.stop_after + 1 - len(self.ids)
+        enc = encode_prefix(self.tok, chunk, need)  # "<|im_end|>" in a message is text, not the end of the turn
         self.ids.extend(enc.ids)
         if self._label_from is None:
             self.labels.extend([IGNORE_INDEX] * len(enc.ids))
@@ -84,6 +135,8 @@ class _Builder:
 
     def special(self, token_id: int, trained: bool, count: int = 1) -> None:
         self._flush()
+        if self.full:
+            return
         self.ids.extend([token_id] * count)
         self.labels.extend([token_id if trained else IGNORE_INDEX] * count)
 
@@ -91,16 +144,22 @@ class _Builder:
         sp = self.tok.special
         if video and sp.video_pad is None:
             raise ValueError(f"tokenizer {self.tok.name} has no <|video_pad|> token; use a Qwen2-VL/2.5-VL tokenizer")
+        self._flush()
+        if self.full:
+            return  # a vision block is added whole or not at all (safe_cut needs its span)
+        stop, self.stop_after = self.stop_after, None
         self.special(sp.vision_start, False)
         start = len(self.ids)
         self.special(sp.video_pad if video else sp.image_pad, False, n_pads)
         self.spans.append((start, len(self.ids)))
         self.is_video.append(video)
         self.special(sp.vision_end, False)
+        self.stop_after = stop
 
     def finish(self) -> Encoded:
         self._flush()
-        return Encoded(np.asarray(self.ids, np.int64), np.asarray(self.labels, np.int64), self.spans, self.is_video)
+        return Encoded(np.asarray(self.ids, np.int64), np.asarray(self.labels, np.int64), self.spans, self.is_video,
+                       partial=self.full)
 
 
 def encode_conversation(
@@ -110,19 +169,20 @@ def encode_conversation(
     default_system: str | None = DEFAULT_SYSTEM,
     train_on_prompt: bool = False,
     video_grids: Sequence[tuple[int, int, int]] = (),
+    max_tokens: int | None = None,
 ) -> Encoded:
     """Render `messages` (content with `<image>`/`<video>` placeholders) and tokenize; `grids[i]` is image i's
     (t, h, w), `video_grids[j]` video j's. Each video becomes `<|vision_start|><|video_pad|>*n<|vision_end|>`.
 
     Labels are on assistant content + `<|im_end|>`; with `train_on_prompt`, on every non-vision token except the
-    `<|im_start|>role\\n` headers.
+    `<|im_start|>role\\n` headers. `max_tokens`: a bounded encoding (see the module docstring).
     """
     if sum(m.content.count(IMAGE_PLACEHOLDER) for m in messages) != len(grids):
         raise ValueError("number of <image> placeholders differs from the number of images")
     if sum(m.content.count(VIDEO_PLACEHOLDER) for m in messages) != len(video_grids):
         raise ValueError("number of <video> placeholders differs from the number of videos")
     sp = tok.special
-    b = _Builder(tok)
+    b = _Builder(tok, max_tokens)
     turns = list(messages)
     if default_system is not None and (not turns or turns[0].role != "system"):
         turns.insert(0, Message("system", default_system))
@@ -167,7 +227,7 @@ def _content(b: _Builder, content: str, items: _VisionItems, trained: bool,
 
 
 def encode_document(tok: TextTokenizer, text: str, grids: Sequence[tuple[int, int, int]],
-                    end_of_text: bool = True) -> Encoded:
+                    end_of_text: bool = True, max_tokens: int | None = None) -> Encoded:
     """A document (interleaved web page, plain text): no chat template; `text` with `<image>` placeholders.
 
     Every text token after the first is trained and so is the closing `<|endoftext|>` (the model learns where
@@ -175,7 +235,7 @@ def encode_document(tok: TextTokenizer, text: str, grids: Sequence[tuple[int, in
     """
     if text.count(IMAGE_PLACEHOLDER) != len(grids):
         raise ValueError("number of <image> placeholders differs from the number of images")
-    b = _Builder(tok)
+    b = _Builder(tok, max_tokens)
     _content(b, text, _VisionItems(grids, ()), trained=True, placeholders=_IMAGE_ONLY)
     if end_of_text:
         b.special(tok.special.endoftext, True)

@@ -3,6 +3,7 @@ test's): preemption with exact resume, async saves killed mid-write, poisoned te
 
 from __future__ import annotations
 
+import collections
 import json
 import signal
 import socket
@@ -209,6 +210,49 @@ def test_elastic_resume_two_to_one_and_one_to_two_processes(tmp_path):
         assert sum(r["packs"] for r in report) == stop_at * 2  # 2 packs per step, over all stages
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert all(torch.isfinite(t).all() for t in load_weights(out / "final").values())
+
+
+def _traced_records(trace: Path) -> collections.Counter:
+    """How often each record (source, file, byte offset) was trained, from the MINDVL_DATA_TRACE files."""
+    return collections.Counter(line for f in sorted(trace.glob("train_shard_*.txt")) for line in
+                               f.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_elastic_resume_one_to_two_to_three_processes_trains_every_record_once(tmp_path):
+    """Issue 21: 1 process (steps 1-3) -> 2 processes (steps 4-6) -> 3 processes (steps 7-10) on one 60-record file,
+    6 packs a step, one record a pack: by step 10, the epoch's steps, every record has been trained exactly once, as
+    in an uninterrupted 2-process run (the records each run trained are traced by the loader, MINDVL_DATA_TRACE).
+    Before, on 1 -> 2 the second rank began the next epoch at once while the first read the whole rest."""
+    corpus = tmp_path / "ids.jsonl"
+    with open(corpus, "w") as f:  # ~157 tokens each (seq_len 256: one a pack), all the same length
+        for i in range(60):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Record {i:03d}: " + "alpha beta gamma delta " * 14},
+                {"role": "assistant", "content": f"id {i:03d} end"}]}) + "\n")
+
+    def recipe(name: str) -> Path:
+        raw = raw_recipe(tmp_path / name, tmp_path / "cache", budget={"max_steps": 10}, batch={"global_batch_size": 6},
+                         checkpoint={"every": 1, "keep": 5})
+        raw["data"].update(sources=[{"paths": [str(corpus)]}], seq_len=256)
+        raw["model"]["arch"].pop("vision")  # text-only corpus, text-only model
+        raw["phase"]["trainable"] = ["language_model"]
+        return write_recipe(tmp_path / f"{name}.yaml", raw)
+
+    ref = finish(launch(tmp_path, ["train", str(recipe("ref"))], world=2,
+                        extra_env={"MINDVL_DATA_TRACE": str(tmp_path / "ref_trace")}))
+    assert all(r[0] == 0 for r in ref), ref[0][2][-3000:]
+    run = recipe("run")
+    for world, stop_at in [(1, 3), (2, 6), (3, 10)]:
+        args = ["train", str(run), "resume=auto", f"max_steps={stop_at}", "schedule.allow_change=true"]
+        done = finish(launch(tmp_path, args, world=world, extra_env={"MINDVL_DATA_TRACE": str(tmp_path / "trace")}))
+        assert all(r[0] == 0 for r in done), done[0][2][-3000:]
+        if stop_at > 3:
+            assert "(elastic: written by" in done[0][1]
+    reference, elastic = _traced_records(tmp_path / "ref_trace"), _traced_records(tmp_path / "trace")
+    assert sum(reference.values()) == sum(elastic.values()) == 60  # 10 steps x 6 packs x 1 record
+    assert len(reference) == 60 and set(reference.values()) == {1}
+    assert elastic == reference  # the same 60 records, each once
 
 
 @pytest.mark.slow
