@@ -347,7 +347,7 @@ def load_pretrained(folder: str | os.PathLike, dtype: torch.dtype | None = None,
     if config.get("model_type") != "mindvl":
         raise ValueError(f"{folder} is a {config.get('model_type')!r} checkpoint; import it first: "
                          f"mindvl convert --from-hf {folder} --out OUT")
-    cfg = MindVLConfig.from_dict(config)
+    cfg = MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
     tensors = TensorFolder(folder)
     check_tensors(tensors.shapes(), expected_shapes(cfg), str(folder))
     with torch.device("meta"):

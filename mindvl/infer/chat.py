@@ -33,6 +33,7 @@ from mindvl.data.video import (
 )
 from mindvl.models import MindVL, MindVLConfig
 
+from .device import default_device, resolve_device  # noqa: F401  (default_device: public here before)
 from .generate import Prompt, check_sampling, generate
 
 ImageInput = str | os.PathLike | bytes | Image.Image
@@ -151,6 +152,9 @@ def chat(model: MindVL, tokenizer: TextTokenizer, text: str, images: Sequence[Im
 def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> TextTokenizer:
     """An explicit tokenizer path wins; otherwise the model folder's own tokenizer.json (what `mindvl export`,
     the trainer's final export and `mindvl convert` copy there)."""
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} does not exist (give a folder written by mindvl export, "
+                                "mindvl convert or a run's final/)")
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
     if (Path(model_dir) / "tokenizer.json").is_file():
@@ -195,15 +199,11 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
     return settings_from_processor_config(json.loads(path.read_text()) if path.is_file() else {}, fps)
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_for_chat(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
                   device: str | torch.device | None = None,
                   dtype: torch.dtype | None = None) -> tuple[MindVL, TextTokenizer]:
     """A model folder (+ its tokenizer) ready to generate: eval mode, bf16 on accelerators, fp32 on CPU."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)  # before anything is loaded: a CUDA device on a CPU build is one line
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     tok = resolve_tokenizer(model_dir, tokenizer)
