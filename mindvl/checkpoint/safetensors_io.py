@@ -55,6 +55,7 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the safetensors header is not a JSON object; {_FIX}")
     data_bytes = size - 8 - n
+    cut = []  # (end, name) of tensors whose data runs past the end of the file
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -63,8 +64,12 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
                 or not 0 <= offsets[0] <= offsets[1]):
             raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in the header; {_FIX}")
         if offsets[1] > data_bytes:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {offsets[1]} of the data but the file holds "
-                             f"{data_bytes} data bytes: the file is truncated or corrupt; {_FIX}")
+            cut.append((offsets[1], name))
+    if cut:
+        end, name = min(cut)  # the first tensor cut off
+        more = f" (and {len(cut) - 1} more)" if len(cut) > 1 else ""
+        raise ValueError(f"{path}: tensor {name!r}{more} ends at byte {end} of the data but the file holds "
+                         f"{data_bytes} data bytes: the file is truncated or corrupt; {_FIX}")
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         cause, last_file = _unwrap(exc)
         if debug or not _is_expected(cause) or _is_bug(cause, last_file):
             raise
-        prefix = f"checkpoint failed on rank {_first_rank(exc)}: " if cause is not exc else ""
+        prefix = f"checkpoint I/O failed on rank {_first_rank(exc)}: " if cause is not exc else ""
         print(f"mindvl {args.command}: error: {prefix}{one_line(_message(cause))}", file=sys.stderr)
         return 2
     return int(result or 0)
