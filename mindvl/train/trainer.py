@@ -50,7 +50,7 @@ from .parallel import (
 )
 from .phases import apply_phase
 from .plan_headline import PlannerHeadline
-from .preempt import StepVotes, StopSignals, resume_hint
+from .preempt import StepVotes, StopSignals, clear_marker, resume_hint, write_marker
 from .preflight import preflight
 from .runfolder import claim_run_folder
 from .seeding import data_section, seed_everything
@@ -238,6 +238,8 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
             resumed_how = f" (elastic: written by {len(old_ranks)} rank(s))"
         step, tokens_seen = train_state["step"], train_state["tokens"]
 
+    if env.is_main:
+        clear_marker(out)  # a PREEMPTED marker of an earlier run: this one resumed (or restarted)
     sinks = MetricSinks(out, recipe, env, resume_step=step if ckpt is not None else 0)
     peak, peak_how = device_peak_flops(env.device, param_dtype(recipe.parallel, env.device))
     if env.is_main:
@@ -333,6 +335,9 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
             msg = (f"preempted ({signals.received or 'signal on another rank'}) after step {step}/{total_steps}: "
                    f"checkpoint {where}; resume with: {resume_hint(recipe.output_dir)}")
             sinks.info(msg)
+            if env.is_main:  # for schedulers: the checkpoint is complete (saved and finished above)
+                write_marker(out, step, total_steps, where, signals.received or "signal on another rank")
+            barrier(env)  # no rank exits 75 before the marker exists (torchrun stops the others on the first exit)
             raise Preempted(msg)
     if saver is not None:
         saver.finish()
