@@ -107,7 +107,7 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """mindvl model folder -> transformers model folder, streaming tensor by tensor."""
     src = Path(src)
-    cfg = MindVLConfig.from_dict(read_config(src))
+    cfg = MindVLConfig.from_dict(read_config(src), str(src / CONFIG_NAME))
     config = hf_config(cfg)  # refuses unrepresentable models before anything is written
     tensors = TensorFolder(src)
     with atomic_output_folder(out, overwrite) as tmp:

@@ -92,3 +92,39 @@ def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs
     assert losses(out) == losses(reference)
     ours, ref = load_weights(out / "final"), load_weights(reference / "final")
     assert all(torch.equal(ours[n], ref[n]) for n in ref)
+
+
+STOP_TWICE = """
+import os, signal, sys, time
+from mindvl.train.preempt import StopSignals
+sig = getattr(signal, sys.argv[1])
+with StopSignals() as stop:
+    for _ in range(2):  # each delivered on its own: Python runs the handler between the sleeps
+        os.kill(os.getpid(), sig)
+        time.sleep(0.2)
+    print("still running after", stop.received)
+"""
+
+
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 0), ("SIGUSR1", 0), ("SIGINT", 128 + signal.SIGINT)])
+def test_the_same_sigterm_twice_is_one_request_but_a_second_ctrl_c_exits_at_once(sig, code):
+    """A scheduler signals every process and torchrun forwards its copy: a worker sees the same SIGTERM (or USR1)
+    twice in a moment and must still checkpoint; a second Ctrl-C is a human asking to stop now."""
+    proc = subprocess.run([sys.executable, "-c", STOP_TWICE, sig], env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert ("still running after " + sig in proc.stdout) == (code == 0)
+    assert ("second signal" in proc.stderr) == (code != 0)
+
+
+def test_the_marker_is_written_whole_and_cleared(tmp_path):
+    from mindvl.train.preempt import MARKER, clear_marker, write_marker
+
+    path = write_marker(tmp_path, 3, 6, tmp_path / "checkpoints" / "step_00000003", "SIGUSR1")
+    info = json.loads(path.read_text())
+    assert path == tmp_path / MARKER and [p.name for p in tmp_path.iterdir()] == [MARKER]  # no temporary left
+    assert (info["step"], info["total_steps"], info["reason"], info["exit_code"]) == (3, 6, "SIGUSR1", 75)
+    assert info["checkpoint"].endswith("step_00000003") and info["time"].endswith("+00:00")
+    clear_marker(tmp_path)
+    clear_marker(tmp_path)  # absent: nothing to do
+    assert not path.exists()
