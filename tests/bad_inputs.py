@@ -88,6 +88,22 @@ def config_not_json(tmp: Path, model: Path):
     return ["chat", str(m), "--prompt", "hi"], [str(m / "config.json"), "not valid JSON"]
 
 
+def hf_config_string_size(tmp: Path, model: Path):
+    hf = tmp / "qwen3"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 64, "hidden_size": "128",
+                                                "intermediate_size": 96, "num_hidden_layers": 1,
+                                                "num_attention_heads": 2}))
+    return (["convert", "--from-hf", str(hf), "--out", str(tmp / "out")],
+            [str(hf / "config.json"), "hidden_size", "integer"])
+
+
+def video_config_not_json(tmp: Path, model: Path):
+    m = copy_model(model, tmp / "m")
+    (m / "video_preprocessor_config.json").write_text("{'fps': 2}")
+    return ["chat", str(m), "--prompt", "hi"], [str(m / "video_preprocessor_config.json"), "not valid JSON"]
+
+
 def tokenizer_not_json(tmp: Path, model: Path):
     m = copy_model(model, tmp / "m")
     (m / "tokenizer.json").write_text('{"version": ')
@@ -162,6 +178,9 @@ CASES = [
     Case("safetensors-index-not-json", "model.safetensors.index.json that is not JSON", index_not_json),
     Case("config-hidden-size-string", 'config.json with text.hidden_size "128"', string_hidden_size),
     Case("config-not-json", "config.json that is not JSON", config_not_json),
+    Case("hf-config-string-size", '`mindvl convert --from-hf` of a config.json with hidden_size "128"',
+         hf_config_string_size),
+    Case("video-config-not-json", "video_preprocessor_config.json that is not JSON", video_config_not_json),
     Case("tokenizer-not-json", "tokenizer.json that is not JSON", tokenizer_not_json),
     Case("chat-missing-folder", "`mindvl chat` on a folder that does not exist", missing_model_folder),
     Case("chat-not-an-image", "a text file given as `--image`", not_an_image),

@@ -196,7 +196,15 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
     """Video sampling and sizes from the folder's video_preprocessor_config.json (transformers' video processor
     file) when it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
     path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
-    return settings_from_processor_config(json.loads(path.read_text()) if path.is_file() else {}, fps)
+    if not path.is_file():
+        return settings_from_processor_config({}, fps)
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); fix or delete it (then Qwen2-VL's defaults apply)") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: the top level must be a JSON object")
+    return settings_from_processor_config(config, fps)
 
 
 def load_for_chat(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,

@@ -61,6 +61,16 @@ def _fits(value: Any, hint: Any) -> bool:
     return True  # nested configs are checked by their own _from_dict
 
 
+def _check_types(obj: Any, w: str) -> None:
+    """Every field of a config dataclass has its annotated type (configs built in code or converted from another
+    format; `_from_dict` checks files before construction with the file's name)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _fits(value, hints[f.name]):
+            raise ValueError(f"{w}.{f.name} must be {_describe(hints[f.name])}, got {_kind(value)} {value!r}")
+
+
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -102,6 +112,7 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         w = "vision"
+        _check_types(self, w)
         _require(self.hidden_size % self.num_heads == 0, w, "hidden_size must be divisible by num_heads")
         _require((self.hidden_size // self.num_heads) % 4 == 0, w, "head_dim must be a multiple of 4 (2-D RoPE)")
         _require(all(0 <= i < self.depth for i in self.fullatt_block_indexes), w,
@@ -183,6 +194,7 @@ class TextConfig:
 
     def __post_init__(self) -> None:
         w = "text"
+        _check_types(self, w)
         _require(self.family in self.FAMILIES, w, f"family {self.family!r} is not one of {self.FAMILIES}")
         if self.is_moe:
             self._check_deepseek(w)
