@@ -43,15 +43,40 @@ done
 """
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc): what SLURM signals as "every process of the job" (its cgroup);
+    torchrun starts each worker in a session of its own, so a process group would miss them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
 def schedule(tmp_path: Path, recipe: Path, out: Path) -> subprocess.Popen:
     script = tmp_path / "scheduler.sh"
     script.write_text(SCHEDULER)
     cli = tmp_path / "cli.py"
     cli.write_text(CLI + "\n")
-    # Its own session: "every process of the job" is its process group, which the test can signal as SLURM would.
     return subprocess.Popen(["bash", str(script), str(out), str(recipe), str(free_port()), str(cli)],
                             env=env() | {"PYTHON": sys.executable}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +102,10 @@ def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs
     if how == "usr1-to-the-batch-script":  # sbatch --signal=B:USR1@N: the time limit is near
         proc.send_signal(signal.SIGUSR1)
     else:  # preemption: SIGTERM to the batch script, torchrun, the workers and their loader workers at once
-        os.killpg(proc.pid, signal.SIGTERM)
+        job = [proc.pid, *descendants(proc.pid)]
+        assert len(job) >= 4  # bash, torchrun, 2 workers (and their loader workers)
+        for pid in job:
+            os.kill(pid, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, (stdout[-2000:], stderr[-3000:])
 
@@ -92,6 +120,38 @@ def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs
     assert losses(out) == losses(reference)
     ours, ref = load_weights(out / "final"), load_weights(reference / "final")
     assert all(torch.equal(ours[n], ref[n]) for n in ref)
+
+
+@pytest.mark.slow
+def test_workers_of_a_launcher_killed_outright_checkpoint_and_stop_instead_of_training_on(tmp_path):
+    """SIGUSR1 to a torchrun not told to forward it kills torchrun (its default action): the workers take their
+    parent's death as SIGTERM (PR_SET_PDEATHSIG), checkpoint, leave the marker and exit; none trains on."""
+    recipe = two_rank_recipe(tmp_path, "run")
+    out = tmp_path / "run"
+    cli = tmp_path / "cli.py"
+    cli.write_text(CLI + "\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                 "--master_port", str(free_port()), str(cli), "train", str(recipe)],
+                                env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while steps_logged(out) < 2 and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    assert launcher.poll() is None and steps_logged(out) >= 2
+    workers = descendants(launcher.pid)
+    assert len(workers) >= 2
+    launcher.send_signal(signal.SIGUSR1)
+    assert launcher.wait(timeout=60) == -signal.SIGUSR1
+    deadline = time.time() + 180
+    while any(alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [w for w in workers if alive(w)]
+    for w in left:
+        os.kill(w, signal.SIGKILL)
+    assert not left, "workers still running 180 s after their launcher died"
+    marker = json.loads((out / "PREEMPTED").read_text())
+    assert marker["reason"] == "SIGTERM" and 2 <= marker["step"] < 6 == marker["total_steps"]
+    assert steps_logged(out) == marker["step"] and not (out / "final").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip().strip('"') == f"step_{marker['step']:08d}"
 
 
 STOP_TWICE = """
