@@ -12,11 +12,11 @@ Loader worker processes ignore these signals (mindvl.data.loader): Ctrl-C reache
 worker that died on it would break the main process's data stream before the checkpoint.
 
 For schedulers, a preempted run leaves `OUTPUT_DIR/PREEMPTED` (`write_marker`): JSON with the step, the checkpoint,
-the signal and the time, written atomically by rank 0 once the checkpoint is complete, before any rank exits 75,
-and removed when a run in that folder resumes. It is the contract under torchrun, whose own exit status is 1
-whenever a worker exits non-zero (75 included). Under torchrun a worker also asks the kernel for SIGTERM when the
-launcher dies (`watch_launcher`): a launcher killed by a signal it does not forward (SIGUSR1 without
-`--signals-to-handle`) no longer leaves orphaned workers training on; they checkpoint and stop.
+the signal and the time, written atomically by rank 0 once the checkpoint is complete, before any rank exits 75, and
+removed by the next run in that folder once it holds the folder's lock. It is the contract under torchrun, whose own
+exit status is 1 whenever a worker exits non-zero (75 included). Under torchrun a worker also asks the kernel for
+SIGTERM when the launcher dies (`watch_launcher`): a launcher killed by a signal it does not forward (SIGUSR1
+without `--signals-to-handle`) no longer leaves orphaned workers training on; they checkpoint and stop.
 """
 
 from __future__ import annotations

@@ -173,6 +173,8 @@ def train(recipe: Recipe) -> RunResult:
         # or written (the run folder included)
         checked = preflight(recipe, data_cfg)
         lock = claim_run_folder(Path(recipe.output_dir), bool(recipe.checkpoint.resume), recipe.overwrite, env)
+        if env.is_main:
+            clear_marker(recipe.output_dir)  # an earlier attempt's PREEMPTED: this one is the run now
         with StopSignals() as signals:
             return _train(recipe, env, signals, data_cfg, checked)
     finally:
@@ -238,8 +240,6 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
             resumed_how = f" (elastic: written by {len(old_ranks)} rank(s))"
         step, tokens_seen = train_state["step"], train_state["tokens"]
 
-    if env.is_main:
-        clear_marker(out)  # a PREEMPTED marker of an earlier run: this one resumed (or restarted)
     sinks = MetricSinks(out, recipe, env, resume_step=step if ckpt is not None else 0)
     peak, peak_how = device_peak_flops(env.device, param_dtype(recipe.parallel, env.device))
     if env.is_main:

@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_longrun_processes import free_port, losses, steps_logged, two_rank_recipe
-from train_helpers import CLI, env, load_weights
+from train_helpers import CLI, env, load_weights, raw_recipe
+
+from mindvl.config import load_recipe
+from mindvl.train.preempt import MARKER, clear_marker, write_marker
+from mindvl.train.trainer import train
 
 # The README's batch script, with `scontrol requeue` turned into a loop; each attempt on a fresh port.
 SCHEDULER = r"""#!/bin/bash
@@ -25,6 +29,7 @@ OUT=$1 RECIPE=$2 PORT=$3 CLI=$4
 attempt=0
 while :; do
     attempt=$((attempt + 1))
+    rm -f "$OUT/PREEMPTED"
     "$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((PORT + attempt)) \
         --signals-to-handle SIGTERM,SIGINT,SIGUSR1 --shutdown-timeout 120 "$CLI" train "$RECIPE" resume=auto &
     launcher=$!
@@ -116,7 +121,7 @@ def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs
     assert marker["reason"] == ("SIGUSR1" if how == "usr1-to-the-batch-script" else "SIGTERM")
     assert marker["checkpoint"] == str(out / "checkpoints" / f"step_{marker['step']:08d}")
     assert "exiting now without a checkpoint" not in stderr  # torchrun's forwarded copy counted once
-    assert not (out / "PREEMPTED").exists()  # the resumed run removed it
+    assert not (out / "PREEMPTED").exists()
     assert losses(out) == losses(reference)
     ours, ref = load_weights(out / "final"), load_weights(reference / "final")
     assert all(torch.equal(ours[n], ref[n]) for n in ref)
@@ -178,8 +183,6 @@ def test_the_same_sigterm_twice_is_one_request_but_a_second_ctrl_c_exits_at_once
 
 
 def test_the_marker_is_written_whole_and_cleared(tmp_path):
-    from mindvl.train.preempt import MARKER, clear_marker, write_marker
-
     path = write_marker(tmp_path, 3, 6, tmp_path / "checkpoints" / "step_00000003", "SIGUSR1")
     info = json.loads(path.read_text())
     assert path == tmp_path / MARKER and [p.name for p in tmp_path.iterdir()] == [MARKER]  # no temporary left
@@ -188,3 +191,11 @@ def test_the_marker_is_written_whole_and_cleared(tmp_path):
     clear_marker(tmp_path)
     clear_marker(tmp_path)  # absent: nothing to do
     assert not path.exists()
+
+
+def test_the_next_run_in_the_folder_removes_a_stale_marker(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    write_marker(out, 3, 6, out / "checkpoints" / "step_00000003", "SIGTERM")
+    train(load_recipe(raw=raw_recipe(out, tmp_path / "cache", budget={"max_steps": 1}, checkpoint={"every": None})))
+    assert not (out / MARKER).exists() and (out / "final").is_dir()
