@@ -336,13 +336,28 @@ def build(cls: type, data: Any, where: str = "") -> Any:
 # ------------------------------------------------------------------------------------------------- overrides
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line and column, 1-based)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{where}{context + ', ' if context else ''}{problem}"
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """`key=value` (dotted path or alias) into the raw recipe dict; the value is parsed as YAML."""
     if "=" not in item:
         raise ValueError(f"override {item!r}: expected key=value")
     key, text = item.split("=", 1)
     key = ALIASES.get(key.strip(), key.strip())
-    value = yaml.safe_load(text) if text.strip() else None
+    try:  # safe_load: a tag such as !!python/object is refused, never constructed
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"override {item!r}: not a plain YAML value ({yaml_problem(exc)}); values are numbers, "
+                         "strings, lists or mappings: quote the value to pass it as text") from None
     if isinstance(value, str):
         try:  # YAML 1.1 reads `2e-3` (no dot) as a string; on the command line it means the number
             value = float(value) if any(c in value.lower() for c in ".e") else value
@@ -430,7 +445,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ValueError(f"recipe {p}: invalid YAML ({exc})") from None
+            raise ValueError(f"recipe {p}: invalid YAML ({yaml_problem(exc)})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"recipe {p}: top level must be a mapping")
         _resolve_inputs(raw, p.resolve().parent)

@@ -136,9 +136,12 @@ def read_config(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model folder needs its config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: the top level must be a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _rope(text: dict) -> tuple[float, list[int] | None]:
@@ -274,9 +277,30 @@ def compose_token_ids(language_from: str | os.PathLike) -> tuple[dict[str, int],
 
 
 def mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
+    """A transformers config.json (or a mindvl one) -> MindVLConfig; errors name the file and the key."""
+    where = str(Path(folder) / CONFIG_NAME)
+    try:
+        return _mindvl_config_from_hf(config, Path(folder))
+    except KeyError as exc:  # a required key the converters index directly
+        raise ValueError(f"{where}: missing key {exc}; is it a complete transformers config.json?") from None
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+
+
+# Sizes the converters compute with (head_dim = hidden_size // heads) before any dataclass can check them.
+_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def _mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
+    for section, values in (("", config), ("text_config.", config.get("text_config") or {})):
+        for key in _INT_KEYS:
+            value = values.get(key) if isinstance(values, dict) else None
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{section}{key} must be an integer, got {value!r}")
     family = detect_family(config, str(folder / CONFIG_NAME))
     if family == "mindvl":
-        return MindVLConfig.from_dict(config)
+        return MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
     if family == "qwen2_5_vl":
         text = text_config_from_hf(config, "qwen2")
         vision = vision_config_from_hf(config)
@@ -324,7 +348,7 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
     if config.get("model_type") != "mindvl":
         raise ValueError(f"{folder} is a {config.get('model_type')!r} checkpoint; import it first: "
                          f"mindvl convert --from-hf {folder} --out OUT")
-    cfg = MindVLConfig.from_dict(config)
+    cfg = MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
     tensors = TensorFolder(folder)
     check_tensors(tensors.shapes(), expected_shapes(cfg), str(folder))
     with torch.device("meta"):

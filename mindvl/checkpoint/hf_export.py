@@ -77,7 +77,7 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """mindvl model folder -> transformers model folder, streaming tensor by tensor."""
     src = Path(src)
-    cfg = MindVLConfig.from_dict(read_config(src))
+    cfg = MindVLConfig.from_dict(read_config(src), str(src / CONFIG_NAME))
     config = hf_config(cfg)  # refuses unrepresentable models before anything is written
     keys = key_map(config["model_type"])  # qwen2_5_vl, qwen3, qwen2 or deepseek_v3: the import table, read backwards
     tensors = TensorFolder(src)

@@ -230,8 +230,8 @@ def _open_mindvl(path: Path) -> tuple[MindVLConfig, TensorFolder]:
         raise ValueError(f"{path} is a {raw.get('model_type')!r} checkpoint, not a mindvl model folder; import it "
                          f"first: mindvl convert --from-hf {path} --out OUT")
     try:
-        cfg = MindVLConfig.from_dict(raw)
-    except (TypeError, ValueError) as exc:
+        cfg = MindVLConfig.from_dict(raw, str(path / CONFIG_NAME))  # ValueErrors name the file
+    except TypeError as exc:
         raise ValueError(f"{path / CONFIG_NAME}: {exc}") from None
     return cfg, TensorFolder(path)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -28,6 +28,61 @@ _DTYPE_TAGS: dict[torch.dtype, str] = {
     torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
 _TAG_DTYPES = {tag: dtype for dtype, tag in _DTYPE_TAGS.items()}
+# safetensors' own bound on the JSON header; a larger length field is a corrupt or foreign file.
+MAX_HEADER_BYTES = 100_000_000
+_FIX = "re-export or re-download it"
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Read the header of one .safetensors file and check it against the file size: a ValueError naming the file
+    (and tensor) for a truncated file, an absurd header length or an offset past the end, instead of the
+    library's multi-line error. Reads the header only."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {size} bytes is too short for a safetensors file; {_FIX}")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ValueError(f"{path}: the header length field says {n} bytes but the file has {size}: not a "
+                             f"safetensors file, or corrupt; {_FIX}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: the safetensors header is not valid JSON ({exc}); {_FIX}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object; {_FIX}")
+    data_bytes = size - 8 - n
+    cut = []  # (end, name) of tensors whose data runs past the end of the file
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in the header; {_FIX}")
+        if offsets[1] > data_bytes:
+            cut.append((offsets[1], name))
+    if cut:
+        end, name = min(cut)  # the first tensor cut off
+        more = f" (and {len(cut) - 1} more)" if len(cut) > 1 else ""
+        raise ValueError(f"{path}: tensor {name!r}{more} ends at byte {end} of the data but the file holds "
+                         f"{data_bytes} data bytes: the file is truncated or corrupt; {_FIX}")
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | os.PathLike) -> Iterator:
+    """`safe_open(path)` whose errors (a corrupt header, a truncated file) are one-line ValueErrors naming the
+    file."""
+    try:
+        f = safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        check_safetensors_file(path)  # usually says precisely what is wrong
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}); {_FIX}") from None
+    with f:
+        yield f
 
 
 class TensorFolder:
@@ -39,10 +94,9 @@ class TensorFolder:
             raise FileNotFoundError(f"{self.folder} is not a folder")
         index = self.folder / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: self.folder / shard for name, shard in weight_map.items()}
+            self.file_of = {name: self.folder / shard for name, shard in _read_index(index).items()}
         elif (self.folder / SINGLE_NAME).is_file():
-            with safe_open(self.folder / SINGLE_NAME, framework="pt") as f:
+            with open_safetensors(self.folder / SINGLE_NAME) as f:
                 self.file_of = {name: self.folder / SINGLE_NAME for name in f.keys()}  # noqa: SIM118
         else:
             pickled = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in self.folder.glob(pattern))
@@ -62,7 +116,7 @@ class TensorFolder:
         """Tensor shapes from the file headers; nothing is loaded."""
         out: dict[str, tuple[int, ...]] = {}
         for path, names in self._by_file().items():
-            with safe_open(path, framework="pt") as f:
+            with open_safetensors(path) as f:
                 for name in names:
                     out[name] = tuple(f.get_slice(name).get_shape())
         return out
@@ -71,7 +125,7 @@ class TensorFolder:
         """Tensor dtypes from the file headers; nothing is loaded."""
         out: dict[str, torch.dtype] = {}
         for path, names in self._by_file().items():
-            with safe_open(path, framework="pt") as f:
+            with open_safetensors(path) as f:
                 for name in names:
                     tag = f.get_slice(name).get_dtype()
                     if tag not in _TAG_DTYPES:
@@ -80,14 +134,14 @@ class TensorFolder:
         return out
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.file_of[name], framework="pt") as f:
+        with open_safetensors(self.file_of[name]) as f:
             return f.get_tensor(name)
 
     def iter_tensors(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs, one file open at a time and one tensor in memory at a time."""
         wanted = set(self.file_of if names is None else names)
         for path, file_names in self._by_file().items():
-            with safe_open(path, framework="pt") as f:
+            with open_safetensors(path) as f:
                 for name in file_names:
                     if name in wanted:
                         yield name, f.get_tensor(name)
@@ -97,6 +151,17 @@ class TensorFolder:
         for name, path in self.file_of.items():
             groups.setdefault(path, []).append(name)
         return groups
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight map of a model.safetensors.index.json: tensor name -> shard file name."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{index}: not a safetensors index ({exc}); {_FIX}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names; {_FIX}")
+    return weight_map
 
 
 class ShardedWriter:

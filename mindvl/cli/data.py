@@ -75,6 +75,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     import yaml
 
+    from mindvl.config import yaml_problem
     from mindvl.data.plan import format_plan, plan_json, plan_recipe
 
     path = Path(args.recipe)
@@ -82,6 +83,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"recipe not found: {path}")
     if args.probe <= 0:
         raise ValueError(f"--probe must be > 0, got {args.probe}")
-    plan = plan_recipe(yaml.safe_load(path.read_text()) or {}, str(path), args.probe, args.tokenizer)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"recipe {path}: invalid YAML ({yaml_problem(exc)})") from None
+    plan = plan_recipe(raw, str(path), args.probe, args.tokenizer)
     print(plan_json(plan) if args.json else format_plan(plan), end="" if not args.json else "\n")
     return 0

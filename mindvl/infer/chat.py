@@ -34,6 +34,7 @@ from mindvl.data.video import (
 )
 from mindvl.models import MindVL, MindVLConfig
 
+from .device import default_device, resolve_device  # noqa: F401  (default_device: public here before)
 from .generate import Prompt, check_sampling, generate
 
 ImageInput = str | os.PathLike | bytes | Image.Image
@@ -171,6 +172,9 @@ def chat(model: MindVL, tokenizer: TextTokenizer, text: str, images: Sequence[Im
 def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> TextTokenizer:
     """An explicit tokenizer path wins; otherwise the model folder's own tokenizer.json (what `mindvl export`,
     the trainer's final export and `mindvl convert` copy there)."""
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} does not exist (give a folder written by mindvl export, "
+                                "mindvl convert or a run's final/)")
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
     if (Path(model_dir) / "tokenizer.json").is_file():
@@ -212,7 +216,15 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
     """Video sampling and sizes from the folder's video_preprocessor_config.json (transformers' video processor
     file) when it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
     path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
-    return settings_from_processor_config(json.loads(path.read_text()) if path.is_file() else {}, fps)
+    if not path.is_file():
+        return settings_from_processor_config({}, fps)
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); fix or delete it (then Qwen2-VL's defaults apply)") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: the top level must be a JSON object")
+    return settings_from_processor_config(config, fps)
 
 
 def training_system(model_dir: str | os.PathLike) -> tuple[str | None, str]:
@@ -292,15 +304,11 @@ def describe_system(system: str | None) -> str:
     return "none (no system turn)" if system is None else repr(system)
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_for_chat(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
                   device: str | torch.device | None = None,
                   dtype: torch.dtype | None = None) -> tuple[MindVL, TextTokenizer]:
     """A model folder (+ its tokenizer) ready to generate: eval mode, bf16 on accelerators, fp32 on CPU."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)  # before anything is loaded: a CUDA device on a CPU build is one line
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     tok = resolve_tokenizer(model_dir, tokenizer)

@@ -7,18 +7,84 @@ is an error, not a silently ignored field. Conversion *from* transformers' confi
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
+def _from_dict(cls: type[T], data: dict[str, Any], where: str, section: str = "") -> T:
+    """`where`: the file, named in errors; `section`: the keys' prefix there ("text.")."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: {section.rstrip('.') or 'the top level'} must be a JSON object, got "
+                         f"{_kind(data)}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(names)}")
-    return cls(**data)
+        raise ValueError(f"{where}: {section}unknown key(s) {unknown}; known keys are {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if not _fits(value, hints[key]):
+            raise ValueError(f"{where}: {section}{key} must be {_describe(hints[key])}, got {_kind(value)} "
+                             f"{value!r}; fix the file")
+    try:
+        return cls(**data)
+    except ValueError as exc:  # __post_init__'s checks name the section ("text: ..."); add the file
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Does a JSON value have the field's type? (A wrong type would otherwise fail far away, e.g. a string
+    hidden_size inside torch.empty with a misleading message.)"""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return isinstance(value, (list, tuple)) and all(_fits(v, inner) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return True  # nested configs are checked by their own _from_dict
+
+
+def _check_types(obj: Any, w: str) -> None:
+    """Every field of a config dataclass has its annotated type (configs built in code or converted from another
+    format; `_from_dict` checks files before construction with the file's name)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _fits(value, hints[f.name]):
+            raise ValueError(f"{w}.{f.name} must be {_describe(hints[f.name])}, got {_kind(value)} {value!r}")
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return names.get(hint, "an object" if origin is dict else str(hint))
+
+
+def _kind(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _require(cond: bool, where: str, msg: str) -> None:
@@ -46,6 +112,7 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         w = "vision"
+        _check_types(self, w)
         _require(self.hidden_size % self.num_heads == 0, w, "hidden_size must be divisible by num_heads")
         _require((self.hidden_size // self.num_heads) % 4 == 0, w, "head_dim must be a multiple of 4 (2-D RoPE)")
         _require(all(0 <= i < self.depth for i in self.fullatt_block_indexes), w,
@@ -127,6 +194,7 @@ class TextConfig:
 
     def __post_init__(self) -> None:
         w = "text"
+        _check_types(self, w)
         _require(self.family in self.FAMILIES, w, f"family {self.family!r} is not one of {self.FAMILIES}")
         if self.is_moe:
             self._check_deepseek(w)
@@ -224,14 +292,17 @@ class MindVLConfig:
         return {"model_type": "mindvl", "architectures": ["MindVL"], **data}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MindVLConfig:
+    def from_dict(cls, data: dict[str, Any], where: str = "config.json") -> MindVLConfig:
+        """`where`: the file the dict was read from, named in errors."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: the top level must be a JSON object, got {_kind(data)}")
         data = dict(data)
         if data.pop("model_type", "mindvl") != "mindvl":
-            raise ValueError("config.json: model_type is not 'mindvl'; convert it first with `mindvl convert`")
+            raise ValueError(f"{where}: model_type is not 'mindvl'; convert it first with `mindvl convert`")
         data.pop("architectures", None)
         if "text" not in data:
-            raise ValueError("config.json: missing required key 'text'")
-        text = _from_dict(TextConfig, data.pop("text"), "config.json: text")
+            raise ValueError(f"{where}: missing required key 'text'")
+        text = _from_dict(TextConfig, data.pop("text"), where, "text.")
         vision_data = data.pop("vision", None)
-        vision = _from_dict(VisionConfig, vision_data, "config.json: vision") if vision_data else None
-        return _from_dict(cls, {**data, "text": text, "vision": vision}, "config.json")
+        vision = _from_dict(VisionConfig, vision_data, where, "vision.") if vision_data else None
+        return _from_dict(cls, {**data, "text": text, "vision": vision}, where)

@@ -237,8 +237,12 @@ def _read_corpus(texts_or_jsonl, text_key: str) -> list:
 def load_moe_model(model_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                    device: torch.device | str = "cpu") -> nn.Module:
     """A mindvl model folder (model_type mindvl) or a transformers causal-LM folder, in eval mode."""
+    from mindvl.checkpoint.hf import read_config
+    from mindvl.infer.device import resolve_device
+
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
+    device = resolve_device(device)
+    config = read_config(model_dir)  # errors name the file
     if config.get("model_type") == "mindvl":
         from mindvl.checkpoint import load_model
 
@@ -263,6 +267,8 @@ def trace_folder(model_dir: str | os.PathLike, texts_or_jsonl, tokenizer_dir: st
     the `tokenizers` library; texts that give no tokens are skipped (counted in meta). The model folder is a mindvl
     folder or a transformers MoE causal LM (see `trace_corpus`).
     """
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} does not exist")
     items = _read_corpus(texts_or_jsonl, text_key)[:max_sequences]
     tokenizer = None
     if any(isinstance(x, str) for x in items):

@@ -182,6 +182,9 @@ def load_trace(path: str | os.PathLike) -> RouterTrace:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"router trace {path} does not exist")
+    if not zipfile.is_zipfile(path):  # np.load would try it as a pickle and suggest allow_pickle: never for a trace
+        raise ValueError(f"{path}: not a router trace (a trace is the .npz that `mindvl moe-trace` writes; this file "
+                         "is not an .npz archive)")
     try:
         with np.load(path, allow_pickle=False) as data:
             files = set(data.files)

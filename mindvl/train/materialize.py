@@ -82,7 +82,7 @@ def model_source(recipe: Recipe, tok, env: ParallelEnv) -> tuple[MindVLConfig, W
         raise FileNotFoundError(f"model.init_from: {folder} is not a mindvl model folder (no config.json)")
     from mindvl.checkpoint.hf import read_config
 
-    return MindVLConfig.from_dict(read_config(folder)), WeightSource(folder)
+    return MindVLConfig.from_dict(read_config(folder), str(folder / "config.json")), WeightSource(folder)
 
 
 def canonical_name(name: str) -> str:

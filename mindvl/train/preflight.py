@@ -71,7 +71,7 @@ def check_inputs(recipe: Recipe, tok: TextTokenizer) -> None:
         if not where.is_file():
             raise FileNotFoundError(f"model.init_from: {m.init_from} is not a mindvl model folder (no {CONFIG_NAME})")
         TensorFolder(m.init_from)  # a folder without weights fails here, naming it, not after the model is built
-        _check_tokenizer(MindVLConfig.from_dict(read_config(m.init_from)), tok, str(where))
+        _check_tokenizer(MindVLConfig.from_dict(read_config(m.init_from), str(where)), tok, str(where))
         _check_pixels(recipe, Path(m.init_from))
     elif m.compose is not None:
         language = Path(m.compose["language"])

@@ -50,7 +50,7 @@ from .parallel import (
 )
 from .phases import apply_phase
 from .plan_headline import PlannerHeadline
-from .preempt import StepVotes, StopSignals, resume_hint
+from .preempt import StepVotes, StopSignals, clear_marker, resume_hint, write_marker
 from .preflight import preflight
 from .runfolder import claim_run_folder
 from .seeding import data_section, seed_everything
@@ -173,6 +173,8 @@ def train(recipe: Recipe) -> RunResult:
         # or written (the run folder included)
         checked = preflight(recipe, data_cfg)
         lock = claim_run_folder(Path(recipe.output_dir), bool(recipe.checkpoint.resume), recipe.overwrite, env)
+        if env.is_main:
+            clear_marker(recipe.output_dir)  # an earlier attempt's PREEMPTED: this one is the run now
         with StopSignals() as signals:
             return _train(recipe, env, signals, data_cfg, checked)
     finally:
@@ -333,6 +335,9 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
             msg = (f"preempted ({signals.received or 'signal on another rank'}) after step {step}/{total_steps}: "
                    f"checkpoint {where}; resume with: {resume_hint(recipe.output_dir)}")
             sinks.info(msg)
+            if env.is_main:  # for schedulers: the checkpoint is complete (saved and finished above)
+                write_marker(out, step, total_steps, where, signals.received or "signal on another rank")
+            barrier(env)  # no rank exits 75 before the marker exists (torchrun stops the others on the first exit)
             raise Preempted(msg)
     if saver is not None:
         saver.finish()
