@@ -23,7 +23,8 @@ from mindvl.checkpoint.training import (
     AsyncCheckpointer,
     full_model_state,
     load_checkpoint,
-    read_latest,
+    load_newest_readable,
+    point_latest,
     read_rank_states,
     resolve_checkpoint,
     save_checkpoint,
@@ -35,7 +36,7 @@ from mindvl.models.moe import update_router_bias
 
 from .agree import agreed_error, gather_objects
 from .evaluate import Evaluator
-from .guard import BadStepGuard, is_finite
+from .guard import BadStepGuard
 from .materialize import build_model
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -222,12 +223,14 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
     step, tokens_seen = 0, 0
     resume = recipe.checkpoint.resume
     ckpt, resumed_how = None, ""
-    if resume == "auto":
-        ckpt = read_latest(ckpt_root)
+    if resume == "auto":  # `latest`, or the newest older checkpoint that reads, if it is truncated or damaged
+        found = load_newest_readable(ckpt_root, model, optimizer)
+        if found is not None:
+            ckpt, train_state, rank_state = found
     elif resume:
         ckpt = resolve_checkpoint(resume)
-    if ckpt is not None:
         train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
+    if ckpt is not None:
         check_budget_unchanged(train_state, recipe, ckpt)
         scheduler.load_state_dict(train_state["scheduler"])
         old_ranks = read_rank_states(ckpt)
@@ -256,13 +259,14 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
                        and recipe.optim.router_bias_rate > 0)
     every = recipe.checkpoint.every
     votes = StepVotes(env, recipe.checkpoint.every_minutes)
-    guard = BadStepGuard(recipe.optim.max_bad_steps)
+    guard = BadStepGuard(recipe.optim.max_bad_steps, step, ckpt, recipe.optim.loss_spike_factor,
+                         recipe.optim.loss_spike_window)
     saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
     evaluator = Evaluator(recipe, data_cfg, tok, env, out)
 
     def checkpoint() -> Path:
         args = (ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()})
-        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected}
+        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected, "trusted": guard.trusts}
         path = saver.save(*args, **kw) if saver is not None else save_checkpoint(*args, **kw)
         guard.saved(path)
         votes.checkpointed()
@@ -277,10 +281,10 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         def allow_update(stats: StepStats, step: int = step) -> bool:
             # One vote per step: stop signal, bad step (loss or grad norm not finite), time-based checkpoint due.
             nonlocal vote
-            vote = votes.vote(signals.received is not None,
-                              not (is_finite(stats.loss_sum) and is_finite(stats.grad_norm)),
+            loss = stats.loss_sum / max(1.0, float(stats.counts[0]))
+            vote = votes.vote(signals.received is not None, guard.is_bad(loss, stats.grad_norm),
                               writing=saver is not None and not saver.written_here())
-            guard.record(step + 1, vote.bad_step)
+            guard.record(step + 1, vote.bad_step, loss)
             return not vote.bad_step
 
         hooks = StepHooks(agree=lambda problem: agreed_error(problem, env),  # no rank fails a fetch alone
@@ -289,6 +293,8 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         micro = MicroBatchStream(batches.next, accum, env.device, agree=hooks.agree)  # a small prefetch window
         stats = optimizer_step(model, optimizer, micro, env, config, recipe.trainable_modules,
                                recipe.optim.grad_clip, recipe.parallel.grad_accumulation, hooks)
+        if guard.began and env.is_main:  # the weights this streak began on are suspect: `latest` goes back
+            point_latest(ckpt_root, guard.last_good())
         counts, loss_total, t_data = stats.counts, stats.loss_sum, stats.data_s
         t_fwd, t_bwd, grad_norm = stats.forward_s, stats.backward_s, stats.grad_norm
         n_global = max(1.0, float(counts[0]))
