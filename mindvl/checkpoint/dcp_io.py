@@ -1,7 +1,7 @@
 """The one way mindvl reads (and the guard around how it writes) torch.distributed.checkpoint (DCP) folders.
 
 Why a reader of our own: DCP's `FileSystemReader` unpickles `.metadata` with a plain `pickle.load`, and its default
-load planner reads every non-tensor entry (the optimizer's param-group values) with `torch.load(weights_only=False)`.
+load planner reads every non-tensor entry (the optimizer's param-group values) with an unrestricted `torch.load`.
 Both run whatever code a crafted file names. Users resume and export checkpoints they did not write (shared run
 folders, downloads), so every DCP read in mindvl goes through `read_dcp`, which
 
@@ -200,7 +200,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             info = self.reader.storage_data.get(read_item.storage_index)
             where = self.reader.folder / (info.relative_path if info is not None else "?")
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-            what = f"names {found.group(1)}" if found else f"is not plain data ({_first_line(exc)})"
+            name = found.group(1) if found else ""
+            name = name if "." in name or not name else f"builtins.{name}"  # torch drops the builtins module
+            what = f"names {name}" if name else f"is not plain data ({_first_line(exc)})"
             raise UnsafeCheckpointError(
                 f"{where}: refusing to load it: its entry {read_item.dest_index.fqn} {what}, which a checkpoint never "
                 "contains (unpickling it could run code); get the checkpoint again from a source you trust") from None

@@ -123,11 +123,13 @@ class BadStepGuard:
         if len(self.streak) < self.max_consecutive:
             return
         found = self.last_good()
-        good = (str(found) if found is not None else
-                "none (no checkpoint was followed by a good step; `latest` was removed)")
         what = "a non-finite loss or gradient norm" + (" or a loss spike" if self.spike_factor else "")
+        head = (f"stopping: {len(self.streak)} consecutive steps ({self.streak[0]}..{self.streak[-1]}) had {what} and "
+                f"were skipped; data position: {data_position}; ")
+        if found is None:
+            raise TooManyBadSteps(head + "last good checkpoint: none (no checkpoint was followed by a good step, so "
+                                  "`latest` was removed). Inspect the data around that position or lower optim.lr and "
+                                  "start over (overwrite=true), or raise optim.max_bad_steps")
         raise TooManyBadSteps(
-            f"stopping: {len(self.streak)} consecutive steps ({self.streak[0]}..{self.streak[-1]}) had {what} and "
-            f"were skipped; data position: {data_position}; last good checkpoint: {good}. "
-            "Inspect the data around that position or lower optim.lr, then resume from that checkpoint "
-            "(resume=PATH), or raise optim.max_bad_steps")
+            head + f"last good checkpoint: {found} (`latest` names it). Inspect the data around that position or "
+            "lower optim.lr (with schedule.allow_change=true), then resume=auto, or raise optim.max_bad_steps")

@@ -145,13 +145,33 @@ class ShardedBatches:
 
 
 def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> None:
-    """A resume with another max_steps / max_tokens would silently bend the LR schedule: refuse unless asked."""
-    before = train_state.get("recipe", {}).get("budget")
+    """A resume with another max_steps / max_tokens (or another LR: optim.lr, optim.min_lr, schedule.warmup_ratio,
+    schedule.decay) would silently bend the LR schedule: refuse unless asked."""
+    saved = train_state.get("recipe", {})
+    before = saved.get("budget")
     now = {"max_steps": recipe.budget.max_steps, "max_tokens": recipe.budget.max_tokens}
     if before is not None and before != now and not recipe.schedule.allow_change:
         raise ValueError(f"budget: the checkpoint {ckpt.name} was trained with {before}, this run asks for {now}; "
                          "the LR schedule depends on it. Resume with the same budget, or set "
                          "schedule.allow_change=true to recompute the schedule from this step on")
+    for section, key in (("optim", "lr"), ("optim", "min_lr"), ("schedule", "warmup_ratio"), ("schedule", "decay")):
+        old, new = saved.get(section, {}).get(key), getattr(getattr(recipe, section), key)
+        if old is not None and old != new and not recipe.schedule.allow_change:
+            raise ValueError(f"{section}.{key}: the checkpoint {ckpt.name} was trained with {old}, this run asks for "
+                             f"{new}; a resume keeps the checkpoint's LR schedule. Resume with the same value, or set "
+                             "schedule.allow_change=true to follow this recipe's schedule from this step on")
+
+
+def resume_schedule(scheduler, optimizer: torch.optim.Optimizer, train_state: dict, recipe: Recipe,
+                    ckpt: Path) -> None:
+    """Restore the LR schedule; with schedule.allow_change the recipe's LR (not the checkpoint's) from this step on."""
+    check_budget_unchanged(train_state, recipe, ckpt)
+    scheduler.load_state_dict(train_state["scheduler"])
+    if recipe.schedule.allow_change:  # the saved base LR would otherwise stay, whatever optim.lr now says
+        scheduler.base_lrs = [recipe.optim.lr] * len(scheduler.base_lrs)
+        for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = recipe.optim.lr * fn(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -231,8 +251,7 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         ckpt = resolve_checkpoint(resume)
         train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
     if ckpt is not None:
-        check_budget_unchanged(train_state, recipe, ckpt)
-        scheduler.load_state_dict(train_state["scheduler"])
+        resume_schedule(scheduler, optimizer, train_state, recipe, ckpt)
         old_ranks = read_rank_states(ckpt)
         if batches.same_layout(old_ranks):
             batches.load_shards(old_ranks)  # exact: the same packs as an uninterrupted run

@@ -65,7 +65,7 @@ def test_a_bad_step_streak_stops_naming_the_last_good_checkpoint_which_rotation_
     msg = str(info.value)
     # step_2's weights gave the bad step 3, so they are not known good; step_1's were verified by the good step 2
     assert "3 consecutive steps (3..5)" in msg and "checkpoint: " in msg and "data shards 0: 10 packs" in msg
-    assert msg.split("last good checkpoint: ")[1].split(".")[0].endswith("step_00000001")
+    assert msg.split("last good checkpoint: ")[1].split(" ")[0].endswith("step_00000001")
     assert info.value.exit_code == EXIT_BAD_STEPS
     names = [p.name for p in complete_checkpoints(out / "checkpoints")]
     assert "step_00000001" in names  # keep: 1, yet the last good checkpoint survived rotation
