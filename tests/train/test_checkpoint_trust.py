@@ -264,7 +264,7 @@ def test_a_pinned_checkpoint_is_not_pruned_and_a_pruned_one_is_seen_as_gone(tmp_
 
 def test_exports_during_a_keep_1_training_succeed_or_print_one_line(tmp_path, capsys):
     out = tmp_path / "run"
-    raw = raw_recipe(out, tmp_path / "cache", budget={"max_steps": 60}, checkpoint={"every": 1, "keep": 1})
+    raw = raw_recipe(out, tmp_path / "cache", budget={"max_steps": 40}, checkpoint={"every": 1, "keep": 1})
     recipe = write_recipe(tmp_path / "r.yaml", raw)
     trainer = subprocess.Popen(mindvl_cmd("train", str(recipe)), env=env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
