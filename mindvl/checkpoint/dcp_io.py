@@ -152,7 +152,12 @@ def _check_shards(folder: Path, metadata: Metadata) -> None:
         if not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
             raise CheckpointReadError(f"{folder / METADATA} names the shard {rel!r}, outside the checkpoint folder; "
                                       "refusing to read it")
-        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+        try:
+            end = int(info.offset) + int(info.length)
+        except (TypeError, ValueError):
+            raise CheckpointReadError(f"{folder / METADATA}: the shard entry for {rel!r} has no valid offset and "
+                                      "length") from None
+        needed[rel] = max(needed.get(rel, 0), end)
     for rel, size in sorted(needed.items()):
         try:
             have = (folder / rel).stat().st_size
