@@ -83,6 +83,10 @@ class OptimSection:
     router_bias_rate: float = 1e-3
     # A step whose loss or gradient norm is not finite is skipped on every rank; this many in a row stop the run.
     max_bad_steps: int = 5
+    # Loss-spike guard (off: null): a step whose loss exceeds this factor times the median loss of the last
+    # `loss_spike_window` good steps counts as a bad step too (skipped, counted, part of a streak).
+    loss_spike_factor: float | None = None
+    loss_spike_window: int = 32
 
 
 @dataclass
@@ -204,6 +208,9 @@ class Recipe:
         _check(self.checkpoint.every_minutes is None or self.checkpoint.every_minutes > 0,
                "checkpoint.every_minutes", "must be > 0 or null")
         _check(self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1")
+        _check(self.optim.loss_spike_factor is None or self.optim.loss_spike_factor > 1, "optim.loss_spike_factor",
+               "must be > 1 (a loss above factor x the running median is a bad step), or null to turn it off")
+        _check(self.optim.loss_spike_window >= 1, "optim.loss_spike_window", "must be >= 1")
         _check(self.logging.every >= 1, "logging.every", "must be >= 1")
         for key, module, extra in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")):
             # checked here, on every rank, so a missing extra never stops rank 0 alone

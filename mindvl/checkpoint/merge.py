@@ -224,7 +224,17 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 # --------------------------------------------------------------------------------------------- inputs, checks
 
 
+def _refuse_training_folder(path: Path) -> None:
+    """A run folder or training checkpoint holds DCP shards, which merge never reads: say how to get a model folder."""
+    if (path / CONFIG_NAME).is_file():
+        return
+    if any((path / marker).exists() for marker in ("train_state.json", "latest", "checkpoints")):
+        raise ValueError(f"{path} is a training run or checkpoint, not a model folder; export it first "
+                         f"(mindvl export {path} --out DIR) and merge DIR")
+
+
 def _open_mindvl(path: Path) -> tuple[MindVLConfig, TensorFolder]:
+    _refuse_training_folder(path)
     raw = read_config(path)
     if raw.get("model_type") != "mindvl":
         raise ValueError(f"{path} is a {raw.get('model_type')!r} checkpoint, not a mindvl model folder; import it "
@@ -238,6 +248,7 @@ def _open_mindvl(path: Path) -> tuple[MindVLConfig, TensorFolder]:
 
 def _open_language_model(base: Path) -> tuple[MindVLConfig, TensorFolder, dict[str, str]]:
     """A base LLM's config, its tensors and {mindvl name: stored name} for its language-model tensors."""
+    _refuse_training_folder(base)
     raw = read_config(base)
     family = detect_family(raw, str(base / CONFIG_NAME))
     if family == "mindvl":

@@ -12,7 +12,16 @@ Layout under `OUTPUT_DIR/checkpoints/`:
 
 Atomicity: every rank writes into `step_N.partial`; after a barrier rank 0 renames it to `step_N` and then moves
 `latest`. A crash at any point leaves the previous `latest` and its folder untouched. `AsyncCheckpointer` writes the
-shards in the background and keeps the same protocol (the rename waits until every rank's write finished).
+shards in the background and keeps the same protocol (the rename waits until every rank's write finished). A failed
+save (a full disk, ...) raises one line (`dcp_io.CheckpointWriteError`) on every rank and leaves `latest` as it was.
+
+Trust (the bad-step guard decides): a save may be told its weights are not trusted (written during a bad-step streak,
+or the one whose weights gave the streak's first bad step); it is still written but does not move `latest`, and
+`point_latest` moves `latest` back to the last good checkpoint when a streak begins.
+
+Readers: every DCP read goes through `dcp_io.read_dcp` (no code from checkpoints). Readers that may run beside a
+training (export) pin the folder (`dcp_io.pinned`); the pruner skips pinned folders and renames a folder away before
+deleting it, so a reader either reads a whole checkpoint or retries on the new `latest`.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ import json
 import os
 import random
 import shutil
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +49,16 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+)
+
+from .dcp_io import (
+    CheckpointReadError,
+    CheckpointWriteError,
+    create_pin,
+    pinned,
+    read_dcp,
+    remove_unpinned,
+    write_failure,
 )
 
 LATEST = "latest"
@@ -96,12 +117,31 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _place(partial: Path, final: Path) -> None:
+    """Rename the completed folder into place (rank 0)."""
+    if final.exists():  # the same step saved again (e.g. a resumed run re-saving its last step)
+        graveyard = final.with_name(final.name + ".replaced" + PARTIAL)
+        if graveyard.exists():
+            shutil.rmtree(graveyard)
+        os.replace(final, graveyard)  # out of the way at once; a reader of the old one retries on `latest`
+        shutil.rmtree(graveyard, ignore_errors=True)
+    os.replace(partial, final)
+
+
 def _finalize(partial: Path, final: Path, root: Path) -> None:
     """Rename the completed folder into place, then move the `latest` pointer (rank 0 only)."""
-    if final.exists():  # the same step saved again (e.g. a resumed run re-saving its last step)
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    _place(partial, final)
     _write_json(root / LATEST, final.name)  # os.replace of a temp file: the pointer is never half-written
+
+
+def point_latest(root: str | Path, ckpt: Path | None) -> None:
+    """Rank 0: point `latest` at `ckpt` (a bad-step streak began: the newer checkpoints hold untrusted weights), or
+    remove it when no checkpoint is trusted (resume=auto then refuses rather than resuming bad weights)."""
+    pointer = Path(root) / LATEST
+    if ckpt is not None:
+        _write_json(pointer, Path(ckpt).name)
+    elif pointer.exists():
+        pointer.unlink()
 
 
 @contextlib.contextmanager
@@ -112,30 +152,75 @@ def _single_process_quiet():
         yield
 
 
+# Decides, when a save completes, whether its weights are trusted (moves `latest`); None: always.
+Trust = Callable[[Path], bool] | None
+
+
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     train_state: dict[str, Any], rank_state: dict[str, Any], keep: int | None = None,
-                    protect: Path | None = None) -> Path:
+                    protect: Path | None = None, trusted: Trust = None) -> Path:
     """Collective: every rank calls it. Writes `root/step_N` atomically and prunes to the newest `keep` (never
-    deleting `protect`)."""
+    deleting `protect`). `latest` moves to it unless `trusted(step_N)` says no. A failed write raises
+    CheckpointWriteError on every rank (one line: "disk full ..." when it is) and leaves `latest` as it was."""
     root, partial, final = _begin(root, step)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
-    _write_small_files(partial, step, train_state, rank_state)
-    _complete(root, partial, final, keep, protect)
+
+    def write() -> None:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+        _write_small_files(partial, step, train_state, rank_state)
+
+    _guarded_write(root, final, write)
+    _complete(root, partial, final, keep, protect, trusted)
     return final
+
+
+def _guarded_write(root: Path, final: Path, write: Callable[[], Any]) -> Any:
+    """Collective: run `write`; if it fails on any rank, every rank raises the same CheckpointWriteError."""
+    message, result = None, None
+    try:
+        result = write()
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException; interrupts pass through
+        message = str(write_failure(root, final.name, _latest_name(root), exc))
+    message = _agreed_message(message)
+    if message is not None:
+        raise CheckpointWriteError(message)
+    return result
+
+
+def _agreed_message(message: str | None) -> str | None:
+    """Collective: the lowest rank's message (or None) on every rank."""
+    if not _distributed():
+        return message
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)
+    return next((m for m in gathered if m is not None), None)
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        return json.loads((root / LATEST).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _begin(root: str | Path, step: int) -> tuple[Path, Path, Path]:
     root = Path(root)
     final = root / step_name(step)
     partial = root / (step_name(step) + PARTIAL)
+    message = None
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a crashed save of the same step
-            shutil.rmtree(partial)
-        partial.mkdir()
-    _barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a crashed save of the same step
+                shutil.rmtree(partial)
+            partial.mkdir()
+            create_pin(partial)
+        except OSError as exc:
+            message = str(write_failure(root, final.name, _latest_name(root), exc))
+    message = _agreed_message(message)
+    if message is not None:
+        raise CheckpointWriteError(message)
     return root, partial, final
 
 
@@ -146,10 +231,14 @@ def _write_small_files(partial: Path, step: int, train_state: dict[str, Any], ra
         _write_json(partial / TRAIN_STATE, {**train_state, "step": step})
 
 
-def _complete(root: Path, partial: Path, final: Path, keep: int | None, protect: Path | None) -> None:
+def _complete(root: Path, partial: Path, final: Path, keep: int | None, protect: Path | None,
+              trusted: Trust = None) -> None:
     _barrier()  # every rank's files are in the partial folder
     if _rank() == 0:
-        _finalize(partial, final, root)
+        if trusted is None or trusted(final):
+            _finalize(partial, final, root)
+        else:  # written, but its weights are not trusted: `latest` stays on the last good checkpoint
+            _place(partial, final)
         prune(root, keep, protect)
     _barrier()
 
@@ -158,29 +247,35 @@ class AsyncCheckpointer:
     """`checkpoint.async_save`: the DCP shards are written by a background thread while training continues, with
     the same atomic protocol. `save` snapshots the state to CPU memory (the next optimizer step cannot change what
     is written), starts the write into `step_N.partial` and returns; `finish` (collective) waits for the write on
-    every rank, then renames to `step_N` and moves `latest`. Until then `latest` names the previous checkpoint, so a
-    process killed mid-write leaves that one loadable. The background writes use their own gloo process group so
-    their collectives never interleave with the training step's.
+    every rank, then renames to `step_N` and moves `latest` (asking `trusted` then, not at `save`: a streak may
+    have begun meanwhile). Until then `latest` names the previous checkpoint, so a process killed mid-write leaves
+    that one loadable. The background writes use their own gloo process group so their collectives never interleave
+    with the training step's.
     """
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo") if _distributed() else None
         if self.group is None:  # the background thread's save warns that it assumes one process: it is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        self.pending: tuple[Any, Path, Path, Path, int | None, Path | None] | None = None
+        self.pending: tuple[Any, Path, Path, Path, int | None, Path | None, Trust] | None = None
 
     def save(self, root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any], rank_state: dict[str, Any], keep: int | None = None,
-             protect: Path | None = None) -> Path:
+             protect: Path | None = None, trusted: Trust = None) -> Path:
         """Collective. Starts writing `root/step_N` (finishing the previous save first); returns its final path."""
         self.finish()
         root, partial, final = _begin(root, step)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        with _single_process_quiet():
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group,
-                                    no_dist=not _distributed())
-        _write_small_files(partial, step, train_state, rank_state)  # RNG and data state of this very step
-        self.pending = (future, root, partial, final, keep, protect)
+
+        def start():
+            with _single_process_quiet():
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group,
+                                        no_dist=not _distributed())
+            _write_small_files(partial, step, train_state, rank_state)  # RNG and data state of this very step
+            return future
+
+        future = _guarded_write(root, final, start)
+        self.pending = (future, root, partial, final, keep, protect, trusted)
         return final
 
     def written_here(self) -> bool:
@@ -191,22 +286,23 @@ class AsyncCheckpointer:
         """Collective: wait for the pending write and put it into place; returns its path (None if none)."""
         if self.pending is None:
             return None
-        future, root, partial, final, keep, protect = self.pending
+        future, root, partial, final, keep, protect, trusted = self.pending
         self.pending = None
-        future.result()  # re-raises a failed write
-        _complete(root, partial, final, keep, protect)
+        _guarded_write(root, final, future.result)  # re-raises a failed write, as one line on every rank
+        _complete(root, partial, final, keep, protect, trusted)
         return final
 
 
 def prune(root: Path, keep: int | None, protect: Path | None = None) -> None:
-    """Delete all but the newest `keep` complete checkpoints (never `latest` or `protect`: the last checkpoint before
-    a bad-step streak), and stale partial folders of older steps."""
+    """Delete all but the newest `keep` complete checkpoints (never `latest` or `protect`: the last good checkpoint),
+    and stale partial folders of older steps. A checkpoint a reader pins (`mindvl export` beside the training) is
+    left for the next prune."""
     latest = read_latest(root)
     complete = complete_checkpoints(root)
     if keep is not None:
         for p in complete[:-keep]:
             if (latest is None or p != latest) and (protect is None or p.name != Path(protect).name):
-                shutil.rmtree(p, ignore_errors=True)
+                remove_unpinned(p, p.with_name(p.name + ".pruned" + PARTIAL))
     for p in root.glob(f"step_*{PARTIAL}"):
         if latest is not None and p.name < latest.name:
             shutil.rmtree(p, ignore_errors=True)
@@ -224,7 +320,16 @@ def read_latest(root: str | Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / json.loads(pointer.read_text())
+    try:
+        name = json.loads(pointer.read_text())
+    except FileNotFoundError:  # removed this instant (point_latest)
+        return None
+    except (OSError, ValueError) as exc:
+        raise CheckpointReadError(f"{pointer} is damaged ({exc}); point it at a checkpoint folder name, e.g. "
+                                  f'"step_00000010", or resume=PATH') from None
+    if not isinstance(name, str) or not name.startswith("step_") or "/" in name or "\\" in name:
+        raise CheckpointReadError(f"{pointer} holds {name!r}, not a checkpoint folder name like \"step_00000010\"")
+    path = root / name
     if not (path / TRAIN_STATE).is_file():
         # Only possible after a crash while an existing step folder was being re-saved (a run resumed from an older
         # checkpoint): every folder with a final name is complete, so the newest of them is the right one.
@@ -248,39 +353,78 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"{p} is not a training checkpoint (no {TRAIN_STATE}, no checkpoints/latest)")
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointReadError(f"{path} is missing: the checkpoint is incomplete") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointReadError(f"{path} is truncated or damaged ({exc})") from None
+
+
 def read_train_state(ckpt: str | Path) -> dict[str, Any]:
-    return json.loads((Path(ckpt) / TRAIN_STATE).read_text())
+    return _read_json(Path(ckpt) / TRAIN_STATE)
 
 
 def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     require_rank_state: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Collective. Loads model (+ optimizer) in place (DCP reshards them to this world size), restores this rank's
     RNG; returns (train_state, rank_state). Without `require_rank_state` a rank the checkpoint has no state for (an
-    elastic resume onto more ranks) gets None."""
+    elastic resume onto more ranks) gets None. An unreadable checkpoint raises CheckpointReadError on every rank
+    (the model may then be partly overwritten: load another checkpoint into it); a crafted one UnsafeCheckpointError.
+    """
     ckpt = Path(ckpt)
     rank = _rank()
+    train_state = read_train_state(ckpt)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=not _distributed())
+    read_dcp(ckpt, state, distributed=_distributed())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = ckpt / f"rank_{rank:05d}.json"
     if not rank_file.is_file():
         if not require_rank_state:
-            return read_train_state(ckpt), None
+            return train_state, None
         raise ValueError(f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size")
-    rank_state = json.loads(rank_file.read_text())
+    rank_state = _read_json(rank_file)
     set_rng_state(rank_state.pop("rng"))
-    return read_train_state(ckpt), rank_state
+    return train_state, rank_state
+
+
+def load_newest_readable(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                         ) -> tuple[Path, dict[str, Any], dict[str, Any] | None] | None:
+    """Collective (`resume=auto`): load `latest`; if it is truncated or damaged, the next older complete checkpoint,
+    and so on, saying so in one line per skipped checkpoint. Returns (checkpoint, train_state, rank_state), or None
+    when `root` holds no checkpoint. A crafted checkpoint (UnsafeCheckpointError) is refused, never skipped."""
+    root = Path(root)
+    latest = read_latest(root)
+    if latest is None:
+        if complete_checkpoints(root):
+            raise ValueError(f"resume=auto: {root} holds checkpoints but no `latest` (a bad-step stop found no "
+                             "checkpoint it could trust, or a crash hit the first save); resume=PATH to pick one, "
+                             "or overwrite=true to start over")
+        return None
+    candidates = [latest] + [p for p in reversed(complete_checkpoints(root)) if p.name < latest.name]
+    for i, ckpt in enumerate(candidates):
+        try:
+            train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
+            read_rank_states(ckpt)
+            return ckpt, train_state, rank_state
+        except CheckpointReadError as exc:
+            if i + 1 == len(candidates):
+                raise CheckpointReadError(f"{exc} (and no older complete checkpoint is readable)") from None
+            if _rank() == 0:
+                print(f"mindvl: warning: checkpoint {ckpt} is unreadable, resuming from {candidates[i + 1].name} "
+                      f"instead: {exc}", file=sys.stderr, flush=True)
+    return None
 
 
 def read_rank_states(ckpt: str | Path) -> list[dict[str, Any]]:
     """Every rank's saved state (data positions, RNG) in rank order: what an elastic resume redistributes."""
     files = sorted(Path(ckpt).glob("rank_*.json"))
-    return [json.loads(f.read_text()) for f in files]
+    return [_read_json(f) for f in files]
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -288,21 +432,51 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    """A training checkpoint -> a mindvl model folder (safetensors + config.json + tokenizer files), single process."""
-    from mindvl.models import MindVL, MindVLConfig
+# Export beside a running training: how often to follow `latest` when the checkpoint being read is pruned.
+EXPORT_ATTEMPTS = 20
 
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    """A training checkpoint -> a mindvl model folder (safetensors + config.json + tokenizer files), single process.
+
+    Safe beside a running training: the checkpoint is pinned while it is read (the pruner leaves it alone); given a
+    run or `checkpoints/` folder, a checkpoint pruned before the pin is replaced by the new `latest`."""
+    follow = not (Path(ckpt) / TRAIN_STATE).is_file()  # a run folder: follow `latest`; a step folder: that one
+    for _ in range(EXPORT_ATTEMPTS):
+        folder = resolve_checkpoint(ckpt)
+        with pinned(folder) as ok:
+            if ok:
+                try:
+                    model, train_state = _read_model(folder)
+                except CheckpointReadError:
+                    if not follow or folder.is_dir():
+                        raise
+                    continue  # pruned while being read (a folder written before pins existed): next `latest`
+                break
+        if not follow:
+            raise CheckpointReadError(f"{folder} was deleted while it was being read (pruned by a running training?); "
+                                      "export the run folder to get its newest checkpoint")
+    else:
+        raise CheckpointReadError(f"{ckpt}: its newest checkpoint was pruned {EXPORT_ATTEMPTS} times while being "
+                                  "read; raise checkpoint.keep or export when the training pauses")
     from .hf import save_pretrained
 
-    ckpt = resolve_checkpoint(ckpt)
-    train_state = read_train_state(ckpt)
-    config = MindVLConfig.from_dict(train_state["model_config"])
-    model = MindVL(config)
-    state = {"model": model.state_dict()}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    model.load_state_dict(state["model"])
     side = train_state.get("side_files") or {}  # written by the trainer: the init model's folder, trained pixels
     pixels = side.get("pixels")
     return save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
                            pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))
+
+
+def _read_model(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
+    from mindvl.models import MindVL, MindVLConfig
+
+    train_state = read_train_state(folder)
+    try:
+        config = MindVLConfig.from_dict(train_state["model_config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{folder / TRAIN_STATE}: model_config is not a valid model config ({exc})") from None
+    model = MindVL(config)
+    state = {"model": model.state_dict()}
+    read_dcp(folder, state, distributed=False)
+    model.load_state_dict(state["model"])
+    return model, train_state

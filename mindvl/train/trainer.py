@@ -23,7 +23,8 @@ from mindvl.checkpoint.training import (
     AsyncCheckpointer,
     full_model_state,
     load_checkpoint,
-    read_latest,
+    load_newest_readable,
+    point_latest,
     read_rank_states,
     resolve_checkpoint,
     save_checkpoint,
@@ -35,7 +36,7 @@ from mindvl.models.moe import update_router_bias
 
 from .agree import agreed_error, gather_objects
 from .evaluate import Evaluator
-from .guard import BadStepGuard, is_finite
+from .guard import BadStepGuard
 from .materialize import build_model
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -144,13 +145,33 @@ class ShardedBatches:
 
 
 def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> None:
-    """A resume with another max_steps / max_tokens would silently bend the LR schedule: refuse unless asked."""
-    before = train_state.get("recipe", {}).get("budget")
+    """A resume with another max_steps / max_tokens (or another LR: optim.lr, optim.min_lr, schedule.warmup_ratio,
+    schedule.decay) would silently bend the LR schedule: refuse unless asked."""
+    saved = train_state.get("recipe", {})
+    before = saved.get("budget")
     now = {"max_steps": recipe.budget.max_steps, "max_tokens": recipe.budget.max_tokens}
     if before is not None and before != now and not recipe.schedule.allow_change:
         raise ValueError(f"budget: the checkpoint {ckpt.name} was trained with {before}, this run asks for {now}; "
                          "the LR schedule depends on it. Resume with the same budget, or set "
                          "schedule.allow_change=true to recompute the schedule from this step on")
+    for section, key in (("optim", "lr"), ("optim", "min_lr"), ("schedule", "warmup_ratio"), ("schedule", "decay")):
+        old, new = saved.get(section, {}).get(key), getattr(getattr(recipe, section), key)
+        if old is not None and old != new and not recipe.schedule.allow_change:
+            raise ValueError(f"{section}.{key}: the checkpoint {ckpt.name} was trained with {old}, this run asks for "
+                             f"{new}; a resume keeps the checkpoint's LR schedule. Resume with the same value, or set "
+                             "schedule.allow_change=true to follow this recipe's schedule from this step on")
+
+
+def resume_schedule(scheduler, optimizer: torch.optim.Optimizer, train_state: dict, recipe: Recipe,
+                    ckpt: Path) -> None:
+    """Restore the LR schedule; with schedule.allow_change the recipe's LR (not the checkpoint's) from this step on."""
+    check_budget_unchanged(train_state, recipe, ckpt)
+    scheduler.load_state_dict(train_state["scheduler"])
+    if recipe.schedule.allow_change:  # the saved base LR would otherwise stay, whatever optim.lr now says
+        scheduler.base_lrs = [recipe.optim.lr] * len(scheduler.base_lrs)
+        for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = recipe.optim.lr * fn(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -224,14 +245,15 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
     step, tokens_seen = 0, 0
     resume = recipe.checkpoint.resume
     ckpt, resumed_how = None, ""
-    if resume == "auto":
-        ckpt = read_latest(ckpt_root)
+    if resume == "auto":  # `latest`, or the newest older checkpoint that reads, if it is truncated or damaged
+        found = load_newest_readable(ckpt_root, model, optimizer)
+        if found is not None:
+            ckpt, train_state, rank_state = found
     elif resume:
         ckpt = resolve_checkpoint(resume)
-    if ckpt is not None:
         train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
-        check_budget_unchanged(train_state, recipe, ckpt)
-        scheduler.load_state_dict(train_state["scheduler"])
+    if ckpt is not None:
+        resume_schedule(scheduler, optimizer, train_state, recipe, ckpt)
         old_ranks = read_rank_states(ckpt)
         if batches.same_layout(old_ranks):
             batches.load_shards(old_ranks)  # exact: the same packs as an uninterrupted run
@@ -258,13 +280,14 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
                        and recipe.optim.router_bias_rate > 0)
     every = recipe.checkpoint.every
     votes = StepVotes(env, recipe.checkpoint.every_minutes)
-    guard = BadStepGuard(recipe.optim.max_bad_steps)
+    guard = BadStepGuard(recipe.optim.max_bad_steps, step, ckpt, recipe.optim.loss_spike_factor,
+                         recipe.optim.loss_spike_window)
     saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
     evaluator = Evaluator(recipe, data_cfg, tok, env, out)
 
     def checkpoint() -> Path:
         args = (ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()})
-        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected}
+        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected, "trusted": guard.trusts}
         path = saver.save(*args, **kw) if saver is not None else save_checkpoint(*args, **kw)
         guard.saved(path)
         votes.checkpointed()
@@ -279,10 +302,10 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         def allow_update(stats: StepStats, step: int = step) -> bool:
             # One vote per step: stop signal, bad step (loss or grad norm not finite), time-based checkpoint due.
             nonlocal vote
-            vote = votes.vote(signals.received is not None,
-                              not (is_finite(stats.loss_sum) and is_finite(stats.grad_norm)),
+            loss = stats.loss_sum / max(1.0, float(stats.counts[0]))
+            vote = votes.vote(signals.received is not None, guard.is_bad(loss, stats.grad_norm),
                               writing=saver is not None and not saver.written_here())
-            guard.record(step + 1, vote.bad_step)
+            guard.record(step + 1, vote.bad_step, loss)
             return not vote.bad_step
 
         hooks = StepHooks(agree=lambda problem: agreed_error(problem, env),  # no rank fails a fetch alone
@@ -291,6 +314,8 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         micro = MicroBatchStream(batches.next, accum, env.device, agree=hooks.agree)  # a small prefetch window
         stats = optimizer_step(model, optimizer, micro, env, config, recipe.trainable_modules,
                                recipe.optim.grad_clip, recipe.parallel.grad_accumulation, hooks)
+        if guard.began and env.is_main:  # the weights this streak began on are suspect: `latest` goes back
+            point_latest(ckpt_root, guard.last_good())
         counts, loss_total, t_data = stats.counts, stats.loss_sum, stats.data_s
         t_fwd, t_bwd, grad_norm = stats.forward_s, stats.backward_s, stats.grad_norm
         n_global = max(1.0, float(counts[0]))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_helpers import load_weights, raw_recipe, run, write_recipe
 
-from mindvl.checkpoint.training import complete_checkpoints, export_checkpoint
+from mindvl.checkpoint.training import complete_checkpoints, export_checkpoint, read_latest
 from mindvl.cli import main
 from mindvl.config import load_recipe
 from mindvl.train.runfolder import RunFolderError, RunLock
@@ -63,11 +63,15 @@ def test_a_bad_step_streak_stops_naming_the_last_good_checkpoint_which_rotation_
     with pytest.raises(TooManyBadSteps) as info:
         train(load_recipe(raw=raw))
     msg = str(info.value)
-    assert "3 consecutive steps (3..5)" in msg and "step_00000002" in msg and "data shards 0: 10 packs" in msg
+    # step_2's weights gave the bad step 3, so they are not known good; step_1's were verified by the good step 2
+    assert "3 consecutive steps (3..5)" in msg and "checkpoint: " in msg and "data shards 0: 10 packs" in msg
+    assert msg.split("last good checkpoint: ")[1].split(" ")[0].endswith("step_00000001")
     assert info.value.exit_code == EXIT_BAD_STEPS
     names = [p.name for p in complete_checkpoints(out / "checkpoints")]
-    assert "step_00000002" in names  # keep: 1, yet the last checkpoint before the streak survived rotation
+    assert "step_00000001" in names  # keep: 1, yet the last good checkpoint survived rotation
     assert names[-1] == "step_00000004"  # rotation still works for the others (step 5 stopped before its save)
+    assert "step_00000002" not in names and "step_00000003" not in names
+    assert read_latest(out / "checkpoints").name == "step_00000001"  # the streak's saves never moved `latest`
 
 
 # ---------------------------------------------------------------------------------------------------- run folders
