@@ -463,8 +463,23 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False
 
     side = train_state.get("side_files") or {}  # written by the trainer: the init model's folder, trained pixels
     pixels = side.get("pixels")
-    return save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
-                           pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))
+    written = save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
+                              pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))
+    _copy_run_recipe(folder, written)
+    return written
+
+
+def _copy_run_recipe(checkpoint: Path, out: Path) -> None:
+    """The run's `recipe.json` (RUN/checkpoints/step_N -> RUN/recipe.json) travels with an exported checkpoint, as it
+    sits beside a run's `final/`: eval and chat read the system turn the model was trained with from it
+    (`data.default_system`) instead of guessing from the chat template. Written atomically; absent when the
+    checkpoint lives outside a run folder."""
+    recipe = checkpoint.parent.parent / "recipe.json"
+    if not recipe.is_file():
+        return
+    tmp = out / f".recipe.json.tmp{os.getpid()}"
+    shutil.copyfile(recipe, tmp)
+    os.replace(tmp, out / "recipe.json")
 
 
 def _read_model(folder: Path) -> tuple[nn.Module, dict[str, Any]]:

@@ -29,16 +29,23 @@ def register(subparsers) -> None:
     p.add_argument("--max-pixels", type=int, help="largest resized image area (default: the folder's "
                    "preprocessor_config.json, else 1003520)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder or tokenizer.json (default: the model's)")
-    p.add_argument("--system", help="system prompt (default: Qwen's 'You are a helpful assistant.')")
+    p.add_argument("--system", help="system prompt (default: the one the model was trained with: its run's "
+                   "data.default_system, else its chat template's; printed on stderr)")
     p.add_argument("--no-system", action="store_true", help="no system turn (as recipes with default_system: null)")
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from mindvl.data.template import DEFAULT_SYSTEM
     from mindvl.data.video import require_decoder
-    from mindvl.infer.chat import ChatSession, load_for_chat, pixel_limits, video_settings
+    from mindvl.infer.chat import (
+        ChatSession,
+        describe_system,
+        load_for_chat,
+        pixel_limits,
+        training_system,
+        video_settings,
+    )
 
     if args.video:
         try:
@@ -49,7 +56,11 @@ def run(args) -> int:
             raise ValueError(f"--video-fps must be > 0, got {args.video_fps}")
     model, tok = load_for_chat(args.model, args.tokenizer, device=args.device)
     min_pixels, max_pixels = pixel_limits(args.model)
-    system = None if args.no_system else (DEFAULT_SYSTEM if args.system is None else args.system)
+    if args.no_system or args.system is not None:
+        system = None if args.no_system else args.system
+    else:  # the system turn the model saw in training, said once so a user can override it
+        system, source = training_system(args.model)
+        print(f"(system prompt {describe_system(system)}: {source}; --system/--no-system to change)", file=sys.stderr)
     session = ChatSession(
         model, tok, args.image, system=system,
         min_pixels=min_pixels if args.min_pixels is None else args.min_pixels,

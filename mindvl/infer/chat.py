@@ -232,9 +232,10 @@ def training_system(model_dir: str | os.PathLike) -> tuple[str | None, str]:
 
     A run's `final/` sits beside the run's `recipe.json`: its `data.default_system` (None: trained without a system
     turn) is what training rendered. A `mindvl merge` of such folders (config.json `source.merged_from`): theirs,
-    when they agree. Other folders (`mindvl export` of a checkpoint, `convert`) record no recipe: the default system
-    turn of their chat template is then the best record there is (what transformers' `apply_chat_template` renders;
-    Qwen2-VL's: "You are a helpful assistant."), which callers print so that a user can override it."""
+    when they agree. `mindvl export` of a checkpoint copies the run's recipe.json into the folder. Other folders
+    (`convert`) record no recipe: the default system turn of their chat template is then the best record there is
+    (what transformers' `apply_chat_template` renders; Qwen2-VL's: "You are a helpful assistant."), which callers
+    print so that a user can override it."""
     folder = Path(model_dir)
     recipe = _run_recipe(folder)
     if recipe is not None:
