@@ -218,10 +218,27 @@ def sec_environment(args, work: Path) -> dict:
 
 def sec_tests(args, work: Path) -> dict:
     xml = work / "tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "accelerator", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "accelerator", "-p", "no:cacheprovider",
            f"--junitxml={xml}", str(ROOT / "tests" / "test_accelerator_device.py")]
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    out = {"returncode": run.returncode, "output_tail": run.stdout[-4000:] + run.stderr[-2000:]}
+    # pytest stops short of the section's limit, so a slow compile cannot take the results of the finished tests
+    # with it: on a timeout the verbose lines (one per finished test) are kept.
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=max(10.0, args.limit - 15))
+        stdout, stderr, rc = run.stdout, run.stderr, run.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr, rc = "pytest stopped: section time limit", None
+    out = {"returncode": rc, "output_tail": stdout[-4000:] + stderr[-2000:]}
+    if not xml.exists():
+        lines = [ln for ln in stdout.splitlines() if "::" in ln and any(
+            w in ln for w in (" PASSED", " FAILED", " ERROR", " SKIPPED"))]
+        out["finished_tests"] = lines
+        out["passed"] = sum(" PASSED" in ln for ln in lines)
+        out["failure"] = sum(" FAILED" in ln or " ERROR" in ln for ln in lines)
+        out["skipped"] = sum(" SKIPPED" in ln for ln in lines)
+        if rc is None:
+            raise RuntimeError(f"pytest timed out after {len(lines)} finished tests: {out['passed']} passed, "
+                               f"{out['failure']} failed (lines in proof.log)")
     if xml.exists():
         import xml.etree.ElementTree as ET
 
@@ -576,10 +593,10 @@ def child_env(dry: bool) -> dict:
     return env
 
 
-def start(name: str, args, work: Path, log) -> tuple[subprocess.Popen, Path, float]:
+def start(name: str, args, work: Path, log, limit: float) -> tuple[subprocess.Popen, Path, float]:
     result = work / f"{name}.result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--result",
-           str(result)] + (["--dry-run"] if args.dry_run else [])
+           str(result), "--limit", str(int(limit))] + (["--dry-run"] if args.dry_run else [])
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args.dry_run), cwd=ROOT,
                             start_new_session=True)
     return proc, result, time.perf_counter()
@@ -674,6 +691,7 @@ def main() -> int:
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=float, default=600.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
@@ -709,12 +727,13 @@ def main() -> int:
                     res["sections"][name] = {"ok": False, "error": f"skipped: budget spent ({budget:.0f} s)"}
                     continue
                 say(f"section {name} (limit {min(limits[idx], left):.0f} s)")
-                proc, result, started = start(name, args, work, log)
-                res["sections"][name] = data = finish(name, proc, result, started, min(limits[idx], left))
+                limit = min(limits[idx], left)
+                proc, result, started = start(name, args, work, log, limit)
+                res["sections"][name] = data = finish(name, proc, result, started, limit)
                 say(f"section {name}: {'ok' if data.get('ok') else 'FAILED: ' + str(data.get('error'))[:300]} "
                     f"({data['wall_s']} s)")
                 if name == "prepare" and data.get("ok") and (wanted is None or "plan" in wanted):
-                    background = start("plan", args, work, log)  # CPU-only: beside the GPU sections
+                    background = start("plan", args, work, log, PLAN_TIMEOUT[idx])  # CPU only: beside the GPU
                     say("section plan started in the background")
             if background is not None:
                 left = max(10.0, budget + 10 - (time.perf_counter() - t_start))
