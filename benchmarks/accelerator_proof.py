@@ -380,7 +380,9 @@ def hf_arm(args, work: Path, arm: str) -> dict:
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(work / "hf", attn_implementation="sdpa",
                                                                dtype=torch.float32).to(dev)
     model.train()
-    model.gradient_checkpointing_enable()  # as the mindvl arm's full activation checkpointing
+    # as the mindvl arm's full activation checkpointing; non-reentrant, so blocks whose inputs need no gradient
+    # (the ViT's first) still get their weights' gradients
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=dev.type == "cuda")
     load_s = time.perf_counter() - t0
