@@ -19,7 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "accelerator_proof.py"
 def run_proof(out: Path, *extra: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
     env = {**os.environ, **(env_extra or {})}
     run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--dry-run", *extra], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=1800)
     proof = json.loads((out / "proof.json").read_text()) if (out / "proof.json").exists() else {}
     return run.returncode, proof, run.stdout + run.stderr
 

@@ -70,3 +70,21 @@ def routing_skew(config: MindVLConfig, tokens_per_micro_batch: int, expert_paral
     rows = tokens_per_micro_batch * t.num_experts_per_tok
     layers = 1 if checkpointing == "full" else t.num_hidden_layers - t.first_k_dense_replace
     return Skew(factor, int(rows * routed_row_bytes(config) * layers), rows, layers)
+
+
+def rank_factor(expert_load, expert_parallel: int) -> float:
+    """The capacity factor a routing produced at `expert_parallel` ranks: per MoE layer, the most-loaded rank's
+    routed rows over the mean (ranks hold consecutive slices of E / ep experts, as mindvl's EP shards them), the
+    maximum over layers. `expert_load`: [layers, experts] counts (the routers' `expert_load`). 1.0 = balanced."""
+    import torch
+
+    loads = torch.as_tensor(expert_load, dtype=torch.float64)
+    layers, experts = loads.shape
+    if expert_parallel < 1 or experts % expert_parallel:
+        raise ValueError(f"expert_parallel {expert_parallel} must divide the {experts} experts")
+    ranks = loads.reshape(layers, expert_parallel, experts // expert_parallel).sum(-1)
+    mean = ranks.mean(-1)
+    busy = mean > 0
+    if not bool(busy.any()):
+        return 1.0
+    return float((ranks.amax(-1)[busy] / mean[busy]).max())

@@ -15,7 +15,7 @@ from test_plan import MOE, reduced_recipe
 from mindvl.config import load_recipe
 from mindvl.models import MindVLConfig, TextConfig
 from mindvl.plan import format_report, get_device, plan, preset_config
-from mindvl.plan.skew import Skew, routed_row_bytes, routing_skew
+from mindvl.plan.skew import Skew, rank_factor, routed_row_bytes, routing_skew
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +91,14 @@ def test_a_traced_ep_plan_carries_the_skew_term(tmp_path):
     assert summary["factor"] == 1.5 and summary["headroom_at"]["1.0"] == pytest.approx(balanced.headroom)
     report = format_report(r)
     assert "routing skew" in report and "fits up to factor" in report and "routing skew (factor 1.5)" in report
+
+
+def test_rank_factor_by_hand():
+    loads = [[4, 0, 2, 2, 1, 1, 3, 3],  # ranks of 2 experts at EP 4: 4, 4, 2, 6 -> max/mean 6/4
+             [1, 1, 1, 1, 1, 1, 1, 1]]  # balanced
+    assert rank_factor(loads, 4) == pytest.approx(1.5)
+    assert rank_factor(loads, 1) == 1.0  # one rank holds every expert: no skew between ranks
+    assert rank_factor(loads, 8) == pytest.approx(4 / 2)  # per expert: 4 over the mean 2
+    assert rank_factor([[0] * 8], 4) == 1.0
+    with pytest.raises(ValueError, match="divide"):
+        rank_factor(loads, 3)
