@@ -354,20 +354,27 @@ def sec_mindvl(args, work: Path) -> dict:
                    **{k: statistics.median(v[s["warmup"]:]) for k, v in parts.items()},
                    note="forward_s/backward_s are host times (kernels are asynchronous): only the step time is exact")
         out["memory_after_throughput"] = memory(dev)
-        # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2.
-        recipe = load_recipe(raw=plan_recipe(work, s))
-        packs = worst_case_packs(DataConfig.from_dict(recipe.data), config)
-        gen = torch.Generator().manual_seed(1)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        for n in (1, 2):
-            made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
-                    for i in range(n)]
-            optimizer_step(model, opt, MicroBatchStream(iter(made).__next__, n, dev), env, config, grad_clip=1.0)
-        sync(dev)
-        out["memory_planner_packs"] = memory(dev)
-        out["planner_packs"] = [{"tokens": p.tokens, "images": len(p.images), "patches": p.patches} for p in packs]
+        # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2. An
+        # out-of-memory here is a finding, recorded beside the throughput figures above (not instead of them).
+        try:
+            recipe = load_recipe(raw=plan_recipe(work, s))
+            packs = worst_case_packs(DataConfig.from_dict(recipe.data), config)
+            out["planner_packs"] = [{"tokens": p.tokens, "images": len(p.images), "patches": p.patches}
+                                    for p in packs]
+            gen = torch.Generator().manual_seed(1)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+            for n in (1, 2):
+                made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
+                        for i in range(n)]
+                optimizer_step(model, opt, MicroBatchStream(iter(made).__next__, n, dev), env, config,
+                               grad_clip=1.0)
+            sync(dev)
+            out["memory_planner_packs"] = memory(dev)
+        except Exception as exc:
+            out.update(memory_error=f"{type(exc).__name__}: {exc}"[:2000], memory_traceback=traceback.format_exc(),
+                       memory_at_error=memory(dev))
         return out
     finally:
         destroy(env)
@@ -688,6 +695,8 @@ def report(res: dict) -> str:
                   "|---|---|---|---|---|---|---|",
                   f"| {p / GIB:.2f} | {a / GIB:.2f} | {r / GIB:.2f} | {outside / GIB:.2f} | {p / a:.3f} | "
                   f"{plan['reserve_bytes'] / GIB:.2f} | {(r - a + outside) / GIB:.2f} |"]
+    if mid.get("memory_error"):
+        lines += ["", f"The real step on the planner's packs failed: {mid['memory_error'][:300]}"]
     lost = [n for n, d in res["sections"].items() if not d.get("ok")]
     if lost:
         lines += ["", "Failures (tracebacks in proof.json):"] + [
