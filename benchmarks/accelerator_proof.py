@@ -593,12 +593,14 @@ WORKERS = {"environment": sec_environment, "tests": sec_tests, "prepare": sec_pr
 def worker_main(args) -> int:
     """Run one section in this process; its JSON goes to --result (a crash leaves the traceback there)."""
     result = Path(args.result)
+    t0 = time.perf_counter()
     try:
         if os.environ.get(FAIL_ENV) == args.worker:  # the failure-isolation test
             raise RuntimeError(f"{FAIL_ENV}={args.worker}: injected failure")
         data = {"ok": True, **WORKERS[args.worker](args, Path(args.work))}
     except BaseException as exc:  # noqa: B036  (record everything, including SystemExit from deep inside)
         data = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()}
+    data["section_s"] = round(time.perf_counter() - t0, 1)  # the work itself (wall_s adds the child's start)
     result.write_text(json.dumps(data, default=str))
     return 0 if data["ok"] else 1
 
@@ -634,6 +636,7 @@ def finish(name: str, proc: subprocess.Popen, result: Path, started: float, time
         data.update(ok=False, error=f"timed out after {timeout:.0f} s")
     elif "error" not in data and not data.get("ok"):
         data["error"] = f"exit code {rc} without a result (crashed: see proof.log)"
+    # wall_s: from the child's start to its end or, for the background planner, to when it was collected
     data.update(returncode=rc, wall_s=round(time.perf_counter() - started, 1))
     return data
 
@@ -653,7 +656,7 @@ def report(res: dict) -> str:
              f"torch {env.get('torch')}, CUDA {env.get('cuda')}, transformers {env.get('version_transformers')}, "
              f"python {env.get('python')}; peak {fmt((env.get('peak_flops') or 0) / 1e12)} TFLOP/s "
              f"({env.get('peak_how')}); total {res['wall_s']:.0f} s", "",
-             "| section | ok | wall s | result |", "|---|---|---|---|"]
+             "| section | ok | wall s (work s) | result |", "|---|---|---|---|"]
     mid = res.get("mindvl", {})
     for name, data in res["sections"].items():
         if not data.get("ok"):
@@ -669,7 +672,8 @@ def report(res: dict) -> str:
             g, u = data.get("grouped_mm", {}), data.get("unbind_fallback", {})
             what = (f"grouped {fmt(g.get('tokens_per_s'), ',.0f')} tokens/s (MFU {fmt(g.get('mfu'), '.1%')}), "
                     f"fallback {fmt(u.get('tokens_per_s'), ',.0f')}; loss0 vs CPU fp32 "
-                    f"{fmt(data.get('bf16_loss0_rel_diff_vs_cpu_fp32'), '.1e')}")
+                    f"{fmt(data.get('bf16_loss0_rel_diff_vs_cpu_fp32'), '.1e')}; routing at EP 8: capacity factor up "
+                    f"to {fmt(max((x['ep8_factor'] for x in g.get('routing', [])), default=None), '.2f')}")
         elif name == "tiny":
             what = f"{fmt(data.get('tokens_per_s_median'), ',.0f')} tokens/s, MFU {fmt(data.get('mfu_median'), '.2%')}"
         elif name == "plan":
@@ -678,7 +682,8 @@ def report(res: dict) -> str:
             what = f"{data.get('parameters', 0) / 1e6:,.1f}M parameters"
         else:
             what = f"{len(data.get('missing_packages', []))} missing packages: {data.get('missing_packages')}"
-        lines.append(f"| {name} | {'yes' if data.get('ok') else 'NO'} | {data.get('wall_s')} | {what} |")
+        took = f"{data.get('wall_s')} ({data.get('section_s', '-')})"
+        lines.append(f"| {name} | {'yes' if data.get('ok') else 'NO'} | {took} | {what} |")
     losses = {n: res["sections"].get(n, {}).get("losses") for n in ("mindvl", "hf_packed", "hf_padded")}
     if losses["mindvl"]:
         agree = [f"{n} {abs(v[0] - losses['mindvl'][0]) / abs(v[0]):.1e}" for n, v in losses.items()

@@ -44,6 +44,7 @@ def test_dry_run_every_section_succeeds(tmp_path):
     assert sections["tiny"]["tokens_per_s_median"] > 0
     md = (tmp_path / "proof.md").read_text()
     assert "| mindvl | yes |" in md and "Step-0 loss" in md
+    assert all(v["section_s"] > 0 for v in sections.values())
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
 
 
