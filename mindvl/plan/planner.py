@@ -8,7 +8,7 @@ communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` cov
 the runtime context (CUDA/CANN, ~1 GiB), communication library buffers (~1 GiB), kernel workspaces and allocator
 fragmentation (5% of capacity). A plan fits when peak + reserve (+ the routing-skew term, below) <= capacity.
 
-Routing skew (mindvl.plan.skew): under expert parallelism the trace routes balanced; `routing_skew` (a capacity
+Routing skew (mindvl.plan.skew): under expert parallelism the trace routes balanced; `routing_skew_factor` (a capacity
 factor, >= 1; a run's logged MaxVio bounds it: factor <= 1 + MaxVio) adds what the most-loaded EP rank's extra
 routed rows hold at the peak. The report prints the headroom at several factors and the largest factor that fits.
 """
