@@ -6,7 +6,11 @@
 Memory is traced (mindvl.plan.simulate: the real model, parallelize and training step on a fake cluster); FLOPs,
 communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` covers what the trace cannot see:
 the runtime context (CUDA/CANN, ~1 GiB), communication library buffers (~1 GiB), kernel workspaces and allocator
-fragmentation (5% of capacity). A plan fits when peak + reserve <= capacity.
+fragmentation (5% of capacity). A plan fits when peak + reserve (+ the routing-skew term, below) <= capacity.
+
+Routing skew (mindvl.plan.skew): under expert parallelism the trace routes balanced; `routing_skew_factor` (a capacity
+factor, >= 1; a run's logged MaxVio bounds it: factor <= 1 + MaxVio) adds what the most-loaded EP rank's extra
+routed rows hold at the peak. The report prints the headroom at several factors and the largest factor that fits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .devices import GIB, Device
 from .packs import PackShape, sampled_packs, worst_case_packs
 from .presets import known_presets, preset_config
 from .simulate import PARTS, trace_step
+from .skew import SENSITIVITY, Skew, routing_skew
 
 
 def reserve_bytes(device: Device) -> int:
@@ -87,14 +92,30 @@ class PlanResult:
     sharded_bytes: int = 0
     vision_load: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
+    skew: Skew | None = None  # routing skew under expert parallelism (None / no bytes: no term)
+
+    @property
+    def skew_bytes(self) -> int:
+        return self.skew.extra_bytes if self.skew is not None else 0
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes_per_rank + self.reserve_bytes <= self.capacity_bytes
+        return self.peak_bytes_per_rank + self.skew_bytes + self.reserve_bytes <= self.capacity_bytes
 
     @property
     def headroom(self) -> float:
-        return 1.0 - (self.peak_bytes_per_rank + self.reserve_bytes) / self.capacity_bytes
+        return 1.0 - (self.peak_bytes_per_rank + self.skew_bytes + self.reserve_bytes) / self.capacity_bytes
+
+    def skew_summary(self) -> dict | None:
+        """The skew term and the headroom's sensitivity to it (None without expert parallelism of a MoE)."""
+        if self.skew is None or not self.skew.bytes_per_unit:
+            return None
+        k = self.skew
+        args = (self.peak_bytes_per_rank, self.reserve_bytes, self.capacity_bytes)
+        return {"factor": k.factor, "extra_bytes": k.extra_bytes, "bytes_per_unit": k.bytes_per_unit,
+                "rows_balanced": k.rows_balanced, "layers_in_flight": k.layers_in_flight,
+                "headroom_at": {str(f): k.headroom_at(f, *args) for f in (1.0, *SENSITIVITY)},
+                "break_even_factor": k.break_even(*args)}
 
     @property
     def est_mfu(self) -> float:
@@ -113,12 +134,13 @@ class PlanResult:
             "est_timing": self.timing, "est_tokens_per_s": self.tokens_per_step / self.timing["step_s"],
             "est_mfu": self.est_mfu, "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
             "sharded_bytes_at_peak": self.sharded_bytes, "trace_s": self.trace_s, "notes": self.notes, "estimated": [
-                "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes"],
+                "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes",
+                "routing_skew"], "routing_skew": self.skew_summary(),
         }
 
 
 def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = None, sample_data: bool = False,
-         recipe_name: str = "") -> PlanResult:
+         recipe_name: str = "", routing_skew_factor: float = 1.0) -> PlanResult:
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     recipe = copy.deepcopy(recipe)
@@ -166,6 +188,8 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     vload = estimate.vision_load(config, packs, world_size, accum, trainable) if config.vision else None
     from mindvl.train.parallel import checkpointing_mode
 
+    skew = routing_skew(config, max(p.tokens for p in packs), recipe.parallel.expert_parallel,
+                        checkpointing_mode(recipe.parallel), routing_skew_factor)
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=checkpointing_mode(recipe.parallel),
@@ -176,7 +200,7 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         params={"total": counts.total_params, "trainable": counts.trainable_params},
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
-        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes)
+        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew)
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -186,11 +210,25 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def skew_lines(r: PlanResult) -> list[str]:
+    """The routing-skew term and the headroom's sensitivity to it (nothing without expert parallelism)."""
+    k = r.skew_summary()
+    if k is None:
+        return []
+    at = ", ".join(f"{f} {h:.0%}" for f, h in k["headroom_at"].items())
+    return [f"  routing skew: the trace routes balanced ({k['rows_balanced']:,} rows per micro-batch per EP rank, "
+            f"{k['layers_in_flight']} MoE layer(s) in flight); each +0.1 of capacity factor on the hot rank adds "
+            f"{_gib(k['bytes_per_unit'] / 10)}; headroom at factor {at}; fits up to factor "
+            f"{k['break_even_factor']:.2f}" + (f"; planned at {k['factor']}: +{_gib(k['extra_bytes'])}"
+                                               if k["factor"] > 1 else "")]
+
+
 def verdict(r: PlanResult) -> str:
     """One line: fits (with headroom) or not, naming the largest part and the knobs that would help."""
-    total = r.peak_bytes_per_rank + r.reserve_bytes
+    skew = f" + {_gib(r.skew_bytes)} routing skew (factor {r.skew.factor})" if r.skew_bytes else ""
+    total = r.peak_bytes_per_rank + r.skew_bytes + r.reserve_bytes
     if r.fits:
-        return (f"fits: {_gib(r.peak_bytes_per_rank)} peak + {_gib(r.reserve_bytes)} reserve of "
+        return (f"fits: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve of "
                 f"{_gib(r.capacity_bytes)} per {r.device.name} ({r.headroom:.0%} headroom)")
     part = max(r.breakdown, key=r.breakdown.get)
     knobs = [f"--world-size {2 * r.world_size}"]
@@ -199,7 +237,8 @@ def verdict(r: PlanResult) -> str:
     if r.grad_accumulation != "sharded":
         knobs.append("parallel.grad_accumulation=sharded")
     knobs += ["data.seq_len (lower)", "data.max_pixels (lower)"]
-    return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak + {_gib(r.reserve_bytes)} reserve = {_gib(total)} > "
+    return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve = "
+            f"{_gib(total)} > "
             f"{_gib(r.capacity_bytes)} per {r.device.name}; largest part: {part} ({_gib(r.breakdown[part])}); "
             f"try {', '.join(knobs)}")
 
@@ -216,6 +255,7 @@ def format_report(r: PlanResult) -> str:
         lines.append(f"  {part:<21} {_gib(r.breakdown[part]):>10}")
     lines.append(f"  {'peak':<21} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
                  f"{_gib(r.reserve_bytes)} (runtime, comm buffers, workspaces, fragmentation: not traced)")
+    lines += skew_lines(r)
     c = r.comm_bytes_per_step
     t = r.timing
     lines += [

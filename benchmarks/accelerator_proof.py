@@ -1,0 +1,783 @@
+"""The prepared accelerator proof: one command, <= 8 minutes on one H100, offline; one JSON + one markdown summary.
+
+    python benchmarks/accelerator_proof.py --out $OUT            # on the lent GPU, from the repository root
+    python benchmarks/accelerator_proof.py --out /tmp/p --dry-run  # CPU, tiny shapes (CI runs this: tests/)
+
+Install: nothing is installed and the machine's torch is never touched. The children run with the repository root on
+PYTHONPATH (`pip install -e .` would need setuptools from an index, which the machine cannot reach). mindvl needs at
+import numpy, pillow, pyyaml, rich, tokenizers, safetensors (+ pyarrow, matplotlib for reports), all in the lent
+image (KINDS.md); transformers is only the peer arm. The `environment` section names any that is missing; then carry
+wheels as the device README says (`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ...
+-d .whl NAME==VERSION`, `carry: [".whl"]`, and start the command with `python3 -m pip install -q --no-index --no-deps
+--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`; this script keeps that PYTHONPATH ahead of its own).
+
+Sections, each in its own process with its own time limit; a crash or timeout is recorded (exit code, traceback
+tail) and the next section runs:
+- environment: python, torch, CUDA, GPU, transformers; mindvl's imports.
+- tests: `pytest -m accelerator` (tests/test_accelerator_device.py: attention backends, bf16 FSDP step with fused
+  AdamW, streamed copies, KV/MLA-cache generation, grouped experts, each against CPU fp32 references).
+- prepare: a mid-size composition with random weights, saved once: a Qwen2.5-VL-7B-shaped ViT (32 blocks, 1280 wide)
+  + a Qwen3-1.7B-shaped LLM (28 layers, 2048 wide, GQA 16/8, vocab 151,936), built as transformers'
+  Qwen2_5_VLForConditionalGeneration (its decoder is Qwen2's: q/k/v biases, no q/k norms, untied head; transformers
+  has no Qwen2.5-VL ViT + Qwen3 class) and imported with `mindvl.checkpoint.convert_from_hf`, so both sides hold the
+  same weights.
+- plan: `mindvl.plan.plan` for that recipe on one h100-80g (CPU, fake tensors; runs beside the GPU sections).
+- mindvl: the mid model through the trainer's pieces (load_model, parallelize with bf16 FSDP and full activation
+  checkpointing, build_optimizer, step.optimizer_step on one 8K pack per step); tokens/s and MFU as the trainer
+  logs them (real tokens / step time, pack_training_flops / (step time x device_peak_flops)); then the planner's
+  exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved.
+- hf_packed / hf_padded: the same weights and samples through transformers (fp32 master weights, bf16 autocast,
+  gradient checkpointing, torch's fused AdamW + clip_grad_norm_): one padding-free packed row per step, or the
+  step's samples right-padded in micro-batches of 8 rows (gradients accumulated, loss weighted per labelled token).
+- moe: a small DeepSeek-V3-shaped MoE LLM (MLA, 64 routed experts top-8 in 8 groups, a shared expert) training in
+  bf16 with grouped_mm experts against the unbind fallback, step-0 loss against the CPU fp32 forward.
+- tiny: the packaged tiny SFT recipe through `mindvl.train.trainer.train`; tokens/s and MFU from its metrics.jsonl.
+
+Outputs under --out: proof.json (everything, with tracebacks), proof.md (the summary table), proof.log.
+
+On the lent machine (15 minutes of device time in all, a start included): one call of the device tool with
+`python3 benchmarks/accelerator_proof.py --out $OUT` and timeout_s 540 (the sections stop at --budget-s 450, the
+background planner 10 s later); then, if something broke and was fixed, rerun only that part, e.g.
+`--sections prepare,mindvl --budget-s 200` (prepare is needed by mindvl, hf_packed and hf_padded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GIB = 2**30
+MINDVL_IMPORTS = ("numpy", "PIL", "yaml", "rich", "tokenizers", "safetensors", "pyarrow", "matplotlib")
+
+# (name, seconds on the GPU, seconds in --dry-run); run in this order, each capped by what is left of --budget-s.
+# (The dry run's limits are generous: CI machines and shared ones are slow; a quiet 2-core run takes ~20-50 s each.)
+SECTIONS = [("environment", 60, 120), ("tests", 150, 180), ("prepare", 120, 180), ("mindvl", 120, 240),
+            ("hf_packed", 90, 180), ("moe", 75, 180), ("tiny", 60, 180), ("hf_padded", 90, 180)]
+PLAN_TIMEOUT = (240, 300)  # the planner runs in the background from after `prepare`
+FAIL_ENV = "MINDVL_PROOF_FAIL"  # a section name: that section raises at once (tests of the failure isolation)
+
+
+# ------------------------------------------------------------------------------------------------------ shapes
+
+
+def shapes(dry: bool) -> dict:
+    """The mid-size composition (GPU) or a miniature of it (--dry-run), and its data."""
+    if dry:
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                      fullatt_block_indexes=[1])
+        text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=2048, mrope_section=[4, 6, 6])
+        return dict(vision=vision, text=text, row_tokens=512, steps=2, warmup=1, samples=10,
+                    max_pixels=16 * 28 * 28, micro_rows=4)
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                  fullatt_block_indexes=[7, 15, 23, 31])
+    text = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                num_key_value_heads=8, vocab_size=151936, mrope_section=[16, 24, 24])
+    return dict(vision=vision, text=text, row_tokens=8192, steps=7, warmup=2, samples=480,
+                max_pixels=256 * 28 * 28, micro_rows=8)
+
+
+def hf_config(s: dict, peers) -> dict:
+    v, t = s["vision"], s["text"]
+    peers.set_vocab(t["vocab_size"])
+    return dict(
+        vision_config=dict(depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                           num_heads=v["num_heads"], out_hidden_size=v["out_hidden_size"], patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=v["fullatt_block_indexes"], in_channels=3),
+        hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+        num_hidden_layers=t["num_hidden_layers"], num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"], vocab_size=t["vocab_size"], rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": t["mrope_section"]}, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, image_token_id=peers.IMAGE_TOKEN, video_token_id=peers.VIDEO_TOKEN,
+        vision_start_token_id=peers.VISION_START, vision_end_token_id=peers.VISION_END, bos_token_id=0,
+        eos_token_id=1, tie_word_embeddings=False)
+
+
+def peers_module():
+    sys.path.insert(0, str(HERE))
+    import bench_peers
+
+    return bench_peers
+
+
+def make_samples(n: int, seed: int, max_pixels: int) -> list[dict]:
+    """bench_peers' sample mix (30% text, 70% one native-resolution image) under this run's max_pixels."""
+    import math
+    import random
+
+    from mindvl.data.image import smart_resize
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.7:
+            h, w = smart_resize(rng.randint(224, 1792), rng.randint(224, 1792), max_pixels=max_pixels)
+            out.append({"text": max(8, int(rng.lognormvariate(math.log(120), 0.8))), "grid": [1, h // 14, w // 14]})
+        else:
+            out.append({"text": max(8, int(rng.lognormvariate(math.log(300), 0.9))), "grid": None})
+    return out
+
+
+def step_data(s: dict, arm: str, image_token: int, merge: int) -> tuple[list, list[int], list[list[int]]]:
+    """(batches of `arm`, real tokens per step, sample groups): the same samples and groups for every arm."""
+    peers = peers_module()
+    peers.set_vocab(s["text"]["vocab_size"])
+    samples = make_samples(s["samples"], 0, s["max_pixels"])
+    groups = peers.step_groups(samples, s["steps"], s["row_tokens"])
+    real = [sum(peers.length(samples[i]) for i in g) for g in groups]
+    batches = peers.build_batches("mindvl" if arm == "mindvl" else arm, samples, groups, s["text"]["vocab_size"], 0,
+                                  image_token, merge)
+    return batches, real, groups
+
+
+def plan_recipe(work: Path, s: dict) -> dict:
+    """The recipe the planner plans and the real memory step runs: the prepared model, 8K packs, bf16, full AC,
+    2 micro-batches per step on one rank (the planner traces a step of 1 and one of 2)."""
+    return {"output_dir": str(work / "plan-out"), "model": {"init_from": str(work / "mindvl")},
+            "data": {"sources": [{"synth": {"tasks": ["ocr", "chart"], "n": 64, "seed": 3}}],
+                     "seq_len": s["row_tokens"], "max_pixels": s["max_pixels"], "min_pixels": 4 * 28 * 28,
+                     "pack_buffer": 16, "synth_cache": str(work / "synth"), "default_system": None},
+            "phase": {"name": "sft"}, "batch": {"global_batch_size": 2}, "budget": {"max_steps": 1},
+            "parallel": {"mixed_precision": "bf16", "activation_checkpointing": "full"}}
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {"max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "max_reserved_bytes": torch.cuda.max_memory_reserved(device), "reserved_bytes": reserved,
+            "outside_allocator_bytes": total - free - reserved, "total_bytes": total}
+
+
+def the_device():
+    import torch
+
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def summary(times: list[float], tokens: list[int], flops: list[float], peak: float, warmup: int) -> dict:
+    t, n, f = times[warmup:], tokens[warmup:], flops[warmup:]
+    return {"tokens_per_s": sum(n) / sum(t), "mfu": sum(f) / (sum(t) * peak) if f else None,
+            "step_s_median": statistics.median(t), "step_s": [round(x, 4) for x in times], "timed_steps": len(t),
+            "timed_tokens": sum(n)}
+
+
+# ------------------------------------------------------------------------------------------------------ sections
+
+
+def sec_environment(args, work: Path) -> dict:
+    import importlib
+    import platform
+
+    import torch
+
+    out = {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
+           "torch": torch.__version__, "cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda,
+           "threads": torch.get_num_threads(), "load_average": os.getloadavg()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sm_count=p.multi_processor_count,
+                   capability=list(torch.cuda.get_device_capability(0)))
+    missing = []
+    for name in (*MINDVL_IMPORTS, "transformers"):
+        try:
+            mod = importlib.import_module(name)
+            out[f"version_{name}"] = getattr(mod, "__version__", "?")
+        except ImportError as exc:
+            missing.append(f"{name} ({exc})")
+    import mindvl
+    from mindvl.train.metrics import device_peak_flops
+
+    out["mindvl_file"] = mindvl.__file__
+    out["missing_packages"] = missing
+    peak, how = device_peak_flops(the_device())
+    out.update(peak_flops=peak, peak_how=how)
+    return out
+
+
+def sec_tests(args, work: Path) -> dict:
+    xml = work / "tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "accelerator", "-p", "no:cacheprovider",
+           f"--junitxml={xml}", str(ROOT / "tests" / "test_accelerator_device.py")]
+    # pytest stops short of the section's limit, so a slow compile cannot take the results of the finished tests
+    # with it: on a timeout the verbose lines (one per finished test) are kept.
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=max(10.0, args.limit - 15))
+        stdout, stderr, rc = run.stdout, run.stderr, run.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr, rc = "pytest stopped: section time limit", None
+    out = {"returncode": rc, "output_tail": stdout[-4000:] + stderr[-2000:]}
+    if not xml.exists():
+        lines = [ln for ln in stdout.splitlines() if "::" in ln and any(
+            w in ln for w in (" PASSED", " FAILED", " ERROR", " SKIPPED"))]
+        out["finished_tests"] = lines
+        out["passed"] = sum(" PASSED" in ln for ln in lines)
+        out["failure"] = sum(" FAILED" in ln or " ERROR" in ln for ln in lines)
+        out["skipped"] = sum(" SKIPPED" in ln for ln in lines)
+        if rc is None:
+            raise RuntimeError(f"pytest timed out after {len(lines)} finished tests: {out['passed']} passed, "
+                               f"{out['failure']} failed (lines in proof.log)")
+    if xml.exists():
+        import xml.etree.ElementTree as ET
+
+        cases = []
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            status = "passed"
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    status = child.tag
+                    if child.tag != "skipped":
+                        cases.append({"name": case.get("name"), "status": status,
+                                      "message": (child.get("message") or "")[:800]})
+                    break
+            if status == "passed":
+                cases.append({"name": case.get("name"), "status": status})
+            elif status == "skipped":
+                cases.append({"name": case.get("name"), "status": status})
+        out["cases"] = cases
+        for status in ("passed", "failure", "error", "skipped"):
+            out[status] = sum(c["status"] == status for c in cases)
+    return out
+
+
+def sec_prepare(args, work: Path) -> dict:
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from mindvl.checkpoint import convert_from_hf
+
+    s, peers = shapes(args.dry_run), peers_module()
+    dev = the_device()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(dev):  # initialise on the GPU: seconds instead of a minute of CPU normal draws
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**hf_config(s, peers)))
+        with torch.no_grad():  # randomise norms and biases too (transformers sets them to 1 and 0)
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02) + (1.0 if "norm" in name else 0.0))
+    n = sum(p.numel() for p in model.parameters())
+    # bf16 on disk halves the I/O; both arms load it as fp32 master weights (the same values on both sides)
+    model.to(torch.bfloat16).save_pretrained(work / "hf")
+    del model
+    t1 = time.perf_counter()
+    convert_from_hf(work / "hf", work / "mindvl")
+    return {"parameters": n, "build_and_save_s": t1 - t0, "convert_s": time.perf_counter() - t1,
+            "folder_bytes": sum(f.stat().st_size for f in (work / "mindvl").iterdir())}
+
+
+def sec_plan(args, work: Path) -> dict:
+    import torch
+
+    from mindvl.config import load_recipe
+    from mindvl.plan import get_device, plan
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))  # leave the cores to the GPU sections beside it
+    recipe = load_recipe(raw=plan_recipe(work, shapes(args.dry_run)))
+    r = plan(recipe, 1, get_device("h100-80g"), recipe_name="proof mid-size SFT 8K")
+    d = r.to_dict()
+    return {k: d[k] for k in ("fits", "headroom", "peak_bytes_per_rank", "reserve_bytes", "capacity_bytes",
+                              "breakdown", "flops_per_step", "est_step_time_s", "est_mfu", "params", "packs",
+                              "trace_s", "notes")}
+
+
+def sec_mindvl(args, work: Path) -> dict:
+    import torch
+
+    from mindvl.checkpoint import load_model
+    from mindvl.config import OptimSection, ParallelSection, load_recipe
+    from mindvl.data import DataConfig
+    from mindvl.plan.packs import fake_pack, worst_case_packs
+    from mindvl.train.metrics import device_peak_flops
+    from mindvl.train.optim import build_optimizer
+    from mindvl.train.parallel import ParallelEnv, destroy, parallelize
+    from mindvl.train.step import MicroBatchStream, optimizer_step
+
+    s = shapes(args.dry_run)
+    dev = the_device()
+    env = ParallelEnv(0, 1, 0, dev, "nccl" if dev.type == "cuda" else "gloo")
+    out: dict = {}
+    try:
+        t0 = time.perf_counter()
+        model = load_model(work / "mindvl", dtype=torch.float32, device=dev)
+        model.train()
+        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing="full")
+        model = parallelize(model, env, pcfg)
+        opt = build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1))
+        config = model.config
+        out["load_s"] = time.perf_counter() - t0
+        out["fused_adamw"] = all(bool(g.get("fused")) for g in opt.param_groups)
+        batches, real, groups = step_data(s, "mindvl", config.image_token_id, config.vision.spatial_merge_size)
+        peak, how = device_peak_flops(dev)
+        times, flops, losses = [], [], []
+        parts = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+        for batch in batches:
+            sync(dev)
+            ta = time.perf_counter()
+            stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                                   grad_clip=1.0)
+            losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
+            sync(dev)
+            times.append(time.perf_counter() - ta)
+            flops.append(float(stats.counts[2]))
+            for k in parts:
+                parts[k].append(getattr(stats, k))
+        out.update(summary(times, real, flops, peak, s["warmup"]), peak_flops=peak, peak_how=how, losses=losses,
+                   samples=sum(len(g) for g in groups), tokens_per_step=real,
+                   **{k: statistics.median(v[s["warmup"]:]) for k, v in parts.items()},
+                   note="forward_s/backward_s are host times (kernels are asynchronous): only the step time is exact")
+        out["memory_after_throughput"] = memory(dev)
+        # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2. An
+        # out-of-memory here is a finding, recorded beside the throughput figures above (not instead of them).
+        try:
+            recipe = load_recipe(raw=plan_recipe(work, s))
+            packs = worst_case_packs(DataConfig.from_dict(recipe.data), config)
+            out["planner_packs"] = [{"tokens": p.tokens, "images": len(p.images), "patches": p.patches}
+                                    for p in packs]
+            gen = torch.Generator().manual_seed(1)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+            for n in (1, 2):
+                made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
+                        for i in range(n)]
+                optimizer_step(model, opt, MicroBatchStream(iter(made).__next__, n, dev), env, config,
+                               grad_clip=1.0)
+            sync(dev)
+            out["memory_planner_packs"] = memory(dev)
+        except Exception as exc:
+            out.update(memory_error=f"{type(exc).__name__}: {exc}"[:2000], memory_traceback=traceback.format_exc(),
+                       memory_at_error=memory(dev))
+        return out
+    finally:
+        destroy(env)
+
+
+def hf_arm(args, work: Path, arm: str) -> dict:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mindvl.models.config import MindVLConfig
+    from mindvl.train.metrics import device_peak_flops, training_flops
+
+    s, peers = shapes(args.dry_run), peers_module()
+    dev = the_device()
+    t0 = time.perf_counter()
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(work / "hf", attn_implementation="sdpa",
+                                                               dtype=torch.float32).to(dev)
+    model.train()
+    # as the mindvl arm's full activation checkpointing; non-reentrant, so blocks whose inputs need no gradient
+    # (the ViT's first) still get their weights' gradients
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=dev.type == "cuda")
+    load_s = time.perf_counter() - t0
+    batches, real, groups = step_data(s, arm, peers.IMAGE_TOKEN, 2)
+    samples = make_samples(s["samples"], 0, s["max_pixels"])
+    # MFU on the same FLOP count as the mindvl arm (the real tokens and patches; padding is not useful work)
+    cfg = MindVLConfig.from_dict(json.loads((work / "mindvl" / "config.json").read_text()))
+    peak, how = device_peak_flops(dev)
+    flops = []
+    for g in groups:
+        lengths = [peers.length(samples[i]) for i in g]
+        grids = [samples[i]["grid"] for i in g if samples[i]["grid"]]
+        labelled = sum(lengths) - sum(gr[1] * gr[2] // 4 + 1 for gr in grids) - len(g)
+        flops.append(training_flops(cfg, lengths, labelled, grids or None))
+
+    def micro_batches(batch: dict) -> list[dict]:
+        if arm == "hf_packed":
+            return [batch]
+        rows, out, k = batch["input_ids"].shape[0], [], s["micro_rows"]
+        pix_rows = [0]  # pixel rows per image, cumulated, to split pixel_values with the rows
+        grid = batch["image_grid_thw"]
+        images_per_row = ((batch["input_ids"] == peers.VISION_START).sum(1)).tolist()
+        if grid is not None:
+            for g in grid.tolist():
+                pix_rows.append(pix_rows[-1] + g[0] * g[1] * g[2])
+        img = 0
+        for a in range(0, rows, k):
+            b = min(rows, a + k)
+            n_img = sum(images_per_row[a:b])
+            per_row = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
+            mb = {key: (v[a:b] if key in per_row else v) for key, v in batch.items()}
+            if grid is not None:
+                mb["pixel_values"] = batch["pixel_values"][pix_rows[img]:pix_rows[img + n_img]] if n_img else None
+                mb["image_grid_thw"] = grid[img:img + n_img] if n_img else None
+            img += n_img
+            width = int(mb["attention_mask"].sum(1).max())
+            for key in per_row:
+                mb[key] = mb[key][:, :width]
+            out.append(mb)
+        return out
+
+    times, losses = [], []
+    for batch in batches:
+        sync(dev)
+        ta = time.perf_counter()
+        parts = [{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
+                 for mb in micro_batches(batch)]
+        total = sum(int((mb["labels"][..., 1:] != -100).sum()) for mb in parts)
+        loss_total = 0.0
+        for mb in parts:
+            n = int((mb["labels"][..., 1:] != -100).sum())
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = model(**mb).loss * (n / total)  # transformers' mean over this micro-batch's labels
+            loss.backward()
+            loss_total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        times.append(time.perf_counter() - ta)
+        losses.append(loss_total)
+    out = summary(times, real, flops, peak, s["warmup"])
+    out.update(load_s=load_s, losses=losses, peak_how=how, micro_batches_per_step=len(micro_batches(batches[0])),
+               padded_tokens_per_step=[int(b["input_ids"].numel()) for b in batches], memory=memory(dev))
+    return out
+
+
+def sec_hf_packed(args, work: Path) -> dict:
+    return hf_arm(args, work, "hf_packed")
+
+
+def sec_hf_padded(args, work: Path) -> dict:
+    return hf_arm(args, work, "hf_padded")
+
+
+def sec_moe(args, work: Path) -> dict:
+    """A DeepSeek-V3-shaped MoE LLM (MLA, grouped routing over 64 experts, a shared expert), bf16 FSDP on one
+    device: tokens/s and MFU with grouped_mm experts and with the unbind fallback; step-0 loss vs CPU fp32."""
+    import torch
+
+    from mindvl.config import OptimSection, ParallelSection
+    from mindvl.models import MindVL, MindVLConfig, TextConfig
+    from mindvl.models.moe import RoutedExperts, routers, update_router_bias
+    from mindvl.plan.skew import rank_factor
+    from mindvl.train.metrics import device_peak_flops
+    from mindvl.train.optim import build_optimizer
+    from mindvl.train.parallel import ParallelEnv, destroy, parallelize
+    from mindvl.train.step import MicroBatchStream, optimizer_step
+
+    dry = args.dry_run
+    text = TextConfig(family="deepseek_v3", vocab_size=2048 if dry else 32000, hidden_size=128 if dry else 1024,
+                      intermediate_size=256 if dry else 2816, num_hidden_layers=2 if dry else 8,
+                      num_attention_heads=4 if dry else 16, num_key_value_heads=4 if dry else 16,
+                      moe_intermediate_size=64 if dry else 256, n_routed_experts=16 if dry else 64,
+                      num_experts_per_tok=4 if dry else 8, n_shared_experts=1, n_group=4 if dry else 8,
+                      topk_group=2 if dry else 4, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                      norm_topk_prob=True, q_lora_rank=64 if dry else 384, kv_lora_rank=32 if dry else 256,
+                      qk_nope_head_dim=32 if dry else 64, qk_rope_head_dim=16 if dry else 32,
+                      v_head_dim=32 if dry else 64, head_dim=16 if dry else 32)
+    config = MindVLConfig(text=text, vision=None)
+    seq, steps, warmup = (256, 2, 1) if dry else (4096, 6, 2)
+    gen = torch.Generator().manual_seed(0)
+    packs = []
+    for _ in range(steps):
+        lengths = [int(x) for x in torch.randint(seq // 16, seq // 4, (64,), generator=gen).tolist()]
+        keep, total = [], 0
+        for n in lengths:
+            if total + n > seq:
+                break
+            keep.append(n)
+            total += n
+        keep.append(seq - total)
+        ids = torch.randint(5, text.vocab_size, (seq,), generator=gen)
+        cu = torch.tensor([0, *itertools.accumulate(keep)], dtype=torch.int32)
+        packs.append({"input_ids": ids, "labels": ids.clone(), "cu_seqlens": cu})
+    dev = the_device()
+    torch.manual_seed(0)
+    ref = MindVL(config)
+    ref.init_weights(seed=0)
+    with torch.no_grad():
+        ref_loss_sum, ref_count = ref.train()(**packs[0])
+    out: dict = {"params": sum(p.numel() for p in ref.parameters()), "tokens_per_step": seq,
+                 "cpu_fp32_loss0": float(ref_loss_sum / ref_count)}
+    env = ParallelEnv(0, 1, 0, dev, "nccl" if dev.type == "cuda" else "gloo")
+    try:
+        model = parallelize(ref.to(dev), env, ParallelSection(mixed_precision="bf16"))
+        opt = build_optimizer(model, OptimSection(lr=1e-4))
+        peak, how = device_peak_flops(dev)
+        for grouped in (True, False):
+            for m in model.modules():
+                if isinstance(m, RoutedExperts):
+                    m.use_grouped_mm = grouped
+            times, flops, losses, factors = [], [], [], []
+            for p in packs:
+                sync(dev)
+                ta = time.perf_counter()
+                stats = optimizer_step(model, opt, MicroBatchStream(iter([p]).__next__, 1, dev), env, config,
+                                       grad_clip=1.0)
+                losses.append(stats.loss_sum / float(stats.counts[0]))
+                sync(dev)
+                times.append(time.perf_counter() - ta)
+                flops.append(float(stats.counts[2]))
+                # the routing's skew as the planner's capacity factor at EP 8 and MaxVio (untimed; resets counts)
+                loads = torch.stack([r.expert_load for r in routers(model)]).cpu()
+                factors.append({"ep8_factor": rank_factor(loads, 8), "max_vio": update_router_bias(model, 0.0)})
+            out["grouped_mm" if grouped else "unbind_fallback"] = {**summary(times, [seq] * steps, flops, peak,
+                                                                               warmup), "losses": losses,
+                                                                   "routing": factors}
+        out["bf16_loss0_rel_diff_vs_cpu_fp32"] = abs(out["grouped_mm"]["losses"][0] - out["cpu_fp32_loss0"]) / abs(
+            out["cpu_fp32_loss0"])
+        out.update(peak_how=how, memory=memory(dev))
+        return out
+    finally:
+        destroy(env)
+
+
+def sec_tiny(args, work: Path) -> dict:
+    import yaml
+
+    import mindvl
+    from mindvl.config import load_recipe
+    from mindvl.train.trainer import train
+
+    steps = 3 if args.dry_run else 40
+    out_dir = work / "tiny"
+    raw = yaml.safe_load((Path(mindvl.__file__).parent / "recipes" / "tiny" / "sft.yaml").read_text())
+    # Fewer synthetic samples than the recipe's 7,200 (generated before the first step; the shapes come from the
+    # same generators): enough for the steps run here.
+    for source in raw["data"]["sources"]:
+        source["synth"]["n"] = max(8, source["synth"]["n"] // (150 if args.dry_run else 5))
+    if args.dry_run:
+        raw["data"].update(seq_len=512, pack_buffer=8)
+    recipe = load_recipe(raw=raw, overrides=[
+        f"output_dir={out_dir}", f"max_steps={steps}", f"data.synth_cache={work}/synth", "checkpoint.every=null",
+        "logging.every=1", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"])
+    t0 = time.perf_counter()
+    train(recipe)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "tokens_per_s" in r][max(1, steps // 4):]  # past the warm-up steps
+    return {"steps": steps, "train_wall_s": wall, "synth_samples": sum(x["synth"]["n"] for x in raw["data"]["sources"]),
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in recs),
+            "mfu_median": statistics.median(r["mfu"] for r in recs), "loss_last": recs[-1]["loss"],
+            "records": len(recs)}
+
+
+WORKERS = {"environment": sec_environment, "tests": sec_tests, "prepare": sec_prepare, "plan": sec_plan,
+           "mindvl": sec_mindvl, "hf_packed": sec_hf_packed, "hf_padded": sec_hf_padded, "moe": sec_moe,
+           "tiny": sec_tiny}
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+
+def worker_main(args) -> int:
+    """Run one section in this process; its JSON goes to --result (a crash leaves the traceback there)."""
+    result = Path(args.result)
+    t0 = time.perf_counter()
+    try:
+        if os.environ.get(FAIL_ENV) == args.worker:  # the failure-isolation test
+            raise RuntimeError(f"{FAIL_ENV}={args.worker}: injected failure")
+        data = {"ok": True, **WORKERS[args.worker](args, Path(args.work))}
+    except BaseException as exc:  # noqa: B036  (record everything, including SystemExit from deep inside)
+        data = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()}
+    data["section_s"] = round(time.perf_counter() - t0, 1)  # the work itself (wall_s adds the child's start)
+    result.write_text(json.dumps(data, default=str))
+    return 0 if data["ok"] else 1
+
+
+def child_env(dry: bool) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the repository first (no install), after any carried wheels already on PYTHONPATH
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+    if dry:
+        env["MINDVL_PEAK_TFLOPS"] = env.get("MINDVL_PEAK_TFLOPS", "0.1")  # no CPU matmul probe in the dry run
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is a CPU run even where a GPU is present
+    return env
+
+
+def start(name: str, args, work: Path, log, limit: float) -> tuple[subprocess.Popen, Path, float]:
+    result = work / f"{name}.result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--result",
+           str(result), "--limit", str(int(limit))] + (["--dry-run"] if args.dry_run else [])
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args.dry_run), cwd=ROOT,
+                            start_new_session=True)
+    return proc, result, time.perf_counter()
+
+
+def finish(name: str, proc: subprocess.Popen, result: Path, started: float, timeout: float) -> dict:
+    try:
+        rc = proc.wait(timeout=max(1.0, timeout))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the section's own process group (its pytest / compile children too)
+        rc, timed_out = proc.wait(), True
+    data = json.loads(result.read_text()) if result.exists() else {"ok": False}
+    if timed_out:
+        data.update(ok=False, error=f"timed out after {timeout:.0f} s")
+    elif "error" not in data and not data.get("ok"):
+        data["error"] = f"exit code {rc} without a result (crashed: see proof.log)"
+    # wall_s: from the child's start to its end or, for the background planner, to when it was collected
+    data.update(returncode=rc, wall_s=round(time.perf_counter() - started, 1))
+    return data
+
+
+def ratio(a, b):
+    return a / b if a and b else None
+
+
+def fmt(x, spec=".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(res: dict) -> str:
+    env = res.get("environment", {})
+    gpu = env.get("gpu") or "CPU (dry run)"
+    lines = [f"# Accelerator proof ({'dry run, ' if res['dry_run'] else ''}{gpu})", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, transformers {env.get('version_transformers')}, "
+             f"python {env.get('python')}; peak {fmt((env.get('peak_flops') or 0) / 1e12)} TFLOP/s "
+             f"({env.get('peak_how')}); total {res['wall_s']:.0f} s", "",
+             "| section | ok | wall s (work s) | result |", "|---|---|---|---|"]
+    mid = res.get("mindvl", {})
+    for name, data in res["sections"].items():
+        if not data.get("ok"):
+            what = (data.get("error") or "")[:200].replace("|", "/").replace("\n", " ")
+        elif name == "tests":
+            what = f"{data.get('passed')} passed, {data.get('failure', 0) + data.get('error', 0)} failed, " \
+                   f"{data.get('skipped')} skipped"
+        elif name in ("mindvl", "hf_packed", "hf_padded"):
+            what = f"{fmt(data.get('tokens_per_s'), ',.0f')} tokens/s, MFU {fmt(data.get('mfu'), '.1%')}"
+            if name != "mindvl":
+                what += f"; mindvl / this: {fmt(ratio(mid.get('tokens_per_s'), data.get('tokens_per_s')), '.2f')}x"
+        elif name == "moe":
+            g, u = data.get("grouped_mm", {}), data.get("unbind_fallback", {})
+            what = (f"grouped {fmt(g.get('tokens_per_s'), ',.0f')} tokens/s (MFU {fmt(g.get('mfu'), '.1%')}), "
+                    f"fallback {fmt(u.get('tokens_per_s'), ',.0f')}; loss0 vs CPU fp32 "
+                    f"{fmt(data.get('bf16_loss0_rel_diff_vs_cpu_fp32'), '.1e')}; routing at EP 8: capacity factor up "
+                    f"to {fmt(max((x['ep8_factor'] for x in g.get('routing', [])), default=None), '.2f')}")
+        elif name == "tiny":
+            what = f"{fmt(data.get('tokens_per_s_median'), ',.0f')} tokens/s, MFU {fmt(data.get('mfu_median'), '.2%')}"
+        elif name == "plan":
+            what = f"planned peak {fmt(data.get('peak_bytes_per_rank', 0) / GIB, '.2f')} GiB"
+        elif name == "prepare":
+            what = f"{data.get('parameters', 0) / 1e6:,.1f}M parameters"
+        else:
+            what = f"{len(data.get('missing_packages', []))} missing packages: {data.get('missing_packages')}"
+        took = f"{data.get('wall_s')} ({data.get('section_s', '-')})"
+        lines.append(f"| {name} | {'yes' if data.get('ok') else 'NO'} | {took} | {what} |")
+    losses = {n: res["sections"].get(n, {}).get("losses") for n in ("mindvl", "hf_packed", "hf_padded")}
+    if losses["mindvl"]:
+        agree = [f"{n} {abs(v[0] - losses['mindvl'][0]) / abs(v[0]):.1e}" for n, v in losses.items()
+                 if v and n != "mindvl"]
+        lines += ["", f"Step-0 loss of the mid model, mindvl {losses['mindvl'][0]:.5f}; relative difference to "
+                  f"{', '.join(agree) or '-'} (same weights and samples, bf16 compute on both sides)"]
+    plan, mem = res["sections"].get("plan", {}), mid.get("memory_planner_packs", {})
+    if plan.get("ok") and mem:
+        p, a, r = plan["peak_bytes_per_rank"], mem["max_allocated_bytes"], mem["max_reserved_bytes"]
+        outside = mem["outside_allocator_bytes"]
+        lines += ["", "Planner vs the real step (same packs, same step sequence):", "",
+                  "| planned peak GiB | max_allocated GiB | max_reserved GiB | outside allocator GiB | "
+                  "planned / allocated | planned reserve GiB | real (reserved - allocated + outside) GiB |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| {p / GIB:.2f} | {a / GIB:.2f} | {r / GIB:.2f} | {outside / GIB:.2f} | {p / a:.3f} | "
+                  f"{plan['reserve_bytes'] / GIB:.2f} | {(r - a + outside) / GIB:.2f} |"]
+    if mid.get("memory_error"):
+        lines += ["", f"The real step on the planner's packs failed: {mid['memory_error'][:300]}"]
+    lost = [n for n, d in res["sections"].items() if not d.get("ok")]
+    if lost:
+        lines += ["", "Failures (tracebacks in proof.json):"] + [
+            f"- {n}: {(res['sections'][n].get('error') or '')[:300]}" for n in lost]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="folder for proof.json, proof.md, proof.log")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (CI)")
+    ap.add_argument("--budget-s", type=float, default=None, help="total seconds (default 450 on a GPU, 1500 dry)")
+    ap.add_argument("--sections", default=None, help="comma-separated subset, e.g. tests,tiny")
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=float, default=600.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker_main(args)
+    if not args.out:
+        ap.error("--out is required")
+    t_start = time.perf_counter()
+    budget = args.budget_s or (1500.0 if args.dry_run else 450.0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = set(args.sections.split(",")) if args.sections else None
+    shm = Path("/dev/shm")
+    big_shm = shm.is_dir() and shutil.disk_usage(shm).free > 40 * GIB  # the mid model's folders (~11 GB)
+    work = Path(tempfile.mkdtemp(prefix="mindvl-proof-", dir=shm if big_shm and not args.dry_run else None))
+    res: dict = {"dry_run": args.dry_run, "budget_s": budget, "work": str(work), "sections": {}}
+    idx = 1 if args.dry_run else 0
+    with open(out / "proof.log", "w") as log:
+        def say(msg: str) -> None:
+            line = f"[{time.perf_counter() - t_start:6.1f}s] {msg}"
+            print(line, flush=True)
+            log.write(line + "\n")
+            log.flush()
+
+        background = None
+        try:
+            for name, *limits in SECTIONS:
+                if wanted is not None and name not in wanted:
+                    continue
+                left = budget - (time.perf_counter() - t_start)
+                if name in ("mindvl", "hf_packed", "hf_padded") and not res["sections"].get("prepare", {}).get("ok"):
+                    res["sections"][name] = {"ok": False, "error": "skipped: prepare did not succeed"}
+                    continue
+                if left < 20:
+                    res["sections"][name] = {"ok": False, "error": f"skipped: budget spent ({budget:.0f} s)"}
+                    continue
+                say(f"section {name} (limit {min(limits[idx], left):.0f} s)")
+                limit = min(limits[idx], left)
+                proc, result, started = start(name, args, work, log, limit)
+                res["sections"][name] = data = finish(name, proc, result, started, limit)
+                say(f"section {name}: {'ok' if data.get('ok') else 'FAILED: ' + str(data.get('error'))[:300]} "
+                    f"({data['wall_s']} s)")
+                if name == "prepare" and data.get("ok") and (wanted is None or "plan" in wanted):
+                    background = start("plan", args, work, log, PLAN_TIMEOUT[idx])  # CPU only: beside the GPU
+                    say("section plan started in the background")
+            if background is not None:
+                left = max(10.0, budget + 10 - (time.perf_counter() - t_start))
+                res["sections"]["plan"] = finish("plan", *background, min(PLAN_TIMEOUT[idx], left))
+                say(f"section plan: {'ok' if res['sections']['plan'].get('ok') else 'FAILED'}")
+        finally:
+            res["environment"] = res["sections"].get("environment", {})
+            res["mindvl"] = res["sections"].get("mindvl", {})
+            res["wall_s"] = time.perf_counter() - t_start
+            (out / "proof.json").write_text(json.dumps(res, indent=1, default=str))
+            (out / "proof.md").write_text(report(res))
+            shutil.rmtree(work, ignore_errors=True)
+            say(f"wrote {out / 'proof.json'} and proof.md")
+    print((out / "proof.md").read_text())
+    ok = all(d.get("ok") for d in res["sections"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The prepared accelerator proof (benchmarks/accelerator_proof.py) in its CPU dry run, so it cannot rot before a GPU
+is lent: every section runs at tiny shapes and succeeds, the mid model's three arms agree on the step-0 loss, and a
+crashing section is recorded with its traceback while the next one still runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "accelerator_proof.py"
+
+
+def run_proof(out: Path, *extra: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
+    env = {**os.environ, **(env_extra or {})}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--dry-run", *extra], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1800)
+    proof = json.loads((out / "proof.json").read_text()) if (out / "proof.json").exists() else {}
+    return run.returncode, proof, run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_every_section_succeeds(tmp_path):
+    rc, proof, output = run_proof(tmp_path)
+    sections = proof["sections"]
+    failed = {k: v.get("error") for k, v in sections.items() if not v.get("ok")}
+    assert rc == 0 and not failed, (failed, output[-3000:])
+    assert set(sections) == {"environment", "tests", "prepare", "plan", "mindvl", "hf_packed", "hf_padded", "moe",
+                             "tiny"}
+    assert sections["environment"]["missing_packages"] == []
+    assert sections["tests"]["skipped"] >= 10 and sections["tests"]["failure"] == 0  # no CUDA here: all skip
+    mid = sections["mindvl"]
+    assert mid["fused_adamw"] and mid["tokens_per_s"] > 0 and 0 < mid["mfu"]
+    # same weights, samples and bf16 compute: transformers' padded and padding-free arms give mindvl's loss
+    for arm in ("hf_packed", "hf_padded"):
+        assert sections[arm]["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-3), arm
+    assert sections["plan"]["peak_bytes_per_rank"] > 0
+    assert sections["moe"]["bf16_loss0_rel_diff_vs_cpu_fp32"] < 1e-2
+    assert sections["tiny"]["tokens_per_s_median"] > 0
+    md = (tmp_path / "proof.md").read_text()
+    assert "| mindvl | yes |" in md and "Step-0 loss" in md
+    assert all(v["section_s"] > 0 for v in sections.values())
+    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+
+
+def test_a_crashing_section_is_recorded_and_the_next_runs(tmp_path):
+    rc, proof, output = run_proof(tmp_path, "--sections", "environment,tests",
+                                  env_extra={"MINDVL_PROOF_FAIL": "environment"})
+    assert rc == 1, output[-2000:]
+    env, tests = proof["sections"]["environment"], proof["sections"]["tests"]
+    assert not env["ok"] and "injected failure" in env["error"] and "Traceback" in env["traceback"]
+    assert tests["ok"] and tests["skipped"] >= 10
+    assert "environment: RuntimeError" in (tmp_path / "proof.md").read_text()
