@@ -80,6 +80,14 @@ def test_words_and_min_chars():
     assert intersect_lines(["stop", "stop"], ["stop"]) == ["stop"]
 
 
+def test_strict_mode_refuses_words_only_one_engine_separated():
+    assert intersect_lines(["Room 30 5"], ["Room 305"]) == ["Room 30 5"]  # the lenient default's residual risk
+    assert intersect_lines(["Room 30 5"], ["Room 305"], glued_words=False) == ["Room"]
+    assert intersect_lines(["meadowriver 4006"], ["meadow river 4006"], glued_words=False) == ["4006"]
+    assert intersect_lines(["meadowriver 4006"], ["meadow river 4006"]) == ["meadow river 4006"]
+    assert intersect_lines(["Room 305", "Floor 2"], ["Room 305 Floor 21"], glued_words=False) == ["Room 305 Floor"]
+
+
 def _words(lines: list[str]) -> Counter:
     return Counter(w for t in lines for w in words(t))
 
