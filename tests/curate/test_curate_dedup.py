@@ -139,3 +139,23 @@ def test_per_side_crops_are_found_and_distinct_images_kept(tmp_path, crop):
         assert all(x in kept for x in first), "the first of a pair (or a distinct image) was dropped"
         found[bool(windows)] = sum(order[2 * i + 1] not in kept for i in range(n)) / n
     assert found[True] >= 0.95 and found[True] > found[False], found
+
+
+def test_batched_window_phash_is_imagehash_phash():
+    """The window hashes are imagehash's pHash of each window (batched DCT), and the mirror hash that of the mirror."""
+    from PIL import Image, ImageOps
+
+    from mindvl.curate.stages.dedup import phash64, window_boxes, window_hashes
+    from mindvl.curate.synth import distinct_image
+
+    for i, size in enumerate((160, 97, 256)):
+        img = distinct_image(i, seed=4, size=size)
+        g = img.convert("L")
+        boxes = window_boxes(g.width, g.height, [0.92, 0.85])
+        x0, y0, x1, y1 = boxes[0]  # the centre window, then the four corners
+        assert len(boxes) == 10 and x1 - x0 == round(size * 0.92) and abs(x0 - (size - x1)) <= 1 and y0 == x0
+        assert boxes[1][:2] == (0, 0) and boxes[4][2:] == (size, size)
+        want = [phash64(g.resize((32, 32), Image.Resampling.LANCZOS, box=b)) for b in boxes]
+        want.append(phash64(ImageOps.mirror(g)))
+        assert window_hashes(img, [0.92, 0.85], True).tolist() == want
+    assert window_hashes(distinct_image(0, seed=4), [], False).shape == (0,)

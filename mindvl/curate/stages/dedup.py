@@ -94,6 +94,8 @@ def window_hashes(image, scales: list[float], mirror: bool) -> np.ndarray:
     thumbs = [g.resize((32, 32), Image.Resampling.LANCZOS, box=box) for box in window_boxes(g.width, g.height, scales)]
     if mirror:
         thumbs.append(ImageOps.mirror(g).resize((32, 32), Image.Resampling.LANCZOS))
+    if not thumbs:
+        return np.zeros(0, dtype=np.uint64)
     return phash64_thumbnails(np.stack([np.asarray(t, dtype=np.float64) for t in thumbs]))
 
 
