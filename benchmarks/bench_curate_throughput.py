@@ -87,11 +87,14 @@ def memory(args, tmp: str) -> None:
             print(out.strip().splitlines()[-1], flush=True)
 
 
-def _hash_sidecars(tmp: str, n: int, per_shard: int, seed: int) -> list[tuple[str, str]]:
+def _hash_sidecars(tmp: str, n: int, per_shard: int, seed: int, windows: int = 0) -> list[tuple[str, str]]:
     """Sidecars of a phash_dedup run over n synthetic hashes: n/3 random 64-bit values, each 3 times with a few bits
-    flipped (near copies within distance 8 most of the time), shuffled; written as the workers write them."""
+    flipped (near copies within distance 8 most of the time), shuffled; written as the workers write them. With
+    `windows`, each record also has that many window hashes, each its own hash with 3-8 random bits flipped (a
+    crop's hash is a few bits from the frame's)."""
     import numpy as np
 
+    os.makedirs(tmp, exist_ok=True)
     rng = np.random.default_rng(seed)
     h = np.repeat(rng.integers(0, 2**63, size=n // 3, dtype=np.uint64) * np.uint64(2), 3)
     for _ in range(5):
@@ -103,7 +106,15 @@ def _hash_sidecars(tmp: str, n: int, per_shard: int, seed: int) -> list[tuple[st
         name, part = f"s{s:05d}", h[a:a + per_shard]
         keys = np.asarray([f"{name}/{i:08d}" for i in range(len(part))], dtype=str)
         path = os.path.join(tmp, f"{name}.arrays.npz")
-        np.savez(path, phash=part, phash__keys=keys, sha1=np.arange(a, a + len(part), dtype=np.uint64), sha1__keys=keys)
+        extra = {}
+        if windows:
+            win = np.repeat(part[:, None], windows, axis=1)
+            for _ in range(8):
+                m = rng.random(win.shape) < 0.6
+                win[m] ^= np.uint64(1) << rng.integers(0, 64, size=int(m.sum())).astype(np.uint64)
+            extra = {"phash_windows": win, "phash_windows__keys": keys}
+        np.savez(path, phash=part, phash__keys=keys, sha1=np.arange(a, a + len(part), dtype=np.uint64), sha1__keys=keys,
+                 **extra)
         shards.append((name, path))
     return shards
 
@@ -120,14 +131,15 @@ def dedup_scaling(args) -> None:
     from mindvl.curate.stages.dedup import PhashDedup, block_layout, near_pairs, near_pairs_scan
 
     print("| records | blocks x bits, flip radius | full scan s | MIH in memory s | stage plan (8 partitions) s | "
-          "pairs | scan / MIH |")
-    print("|---|---|---|---|---|---|---|")
+          "stage plan, + 11 window hashes a record s | pairs | scan / MIH |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in args.dedup_sizes:
         tmp = tempfile.mkdtemp(prefix="bench-dedup-")
         try:
             shards = _hash_sidecars(tmp, n, 10_000, seed=n)
+            shards_w = _hash_sidecars(os.path.join(tmp, "w"), n, 10_000, seed=n, windows=11)
             h = np.concatenate([read_sidecar(p, ("phash",))["phash"][1] for _, p in shards]).astype(np.uint64)
-            times: dict[str, list[float]] = {"scan": [], "mih": [], "plan": []}
+            times: dict[str, list[float]] = {"scan": [], "mih": [], "plan": [], "plan_w": []}
             found = {}
             for _ in range(args.rounds):
                 for arm in times:
@@ -138,9 +150,10 @@ def dedup_scaling(args) -> None:
                         found[arm] = len(near_pairs_scan(h, 8))
                     elif arm == "mih":
                         found[arm] = len(near_pairs(h, 8))
-                    else:
+                    else:  # 8 partitions of whole-image rows (the window rows: 11x as many, so 8 x 16)
                         stage = PhashDedup({"max_distance": 8, "partition_rows": max(1, n // 8)}, "dedup", 0)
-                        found[arm] = stage.plan(shards, tmp, lambda name, plan: None)["pairs"]
+                        found[arm] = stage.plan(shards if arm == "plan" else shards_w, tmp,
+                                                lambda name, plan: None)["pairs"]
                     times[arm].append(time.perf_counter() - t0)
             assert len(set(found.values())) == 1, found  # every arm finds the same pairs
             cell = {a: (f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" if t else "-") for a, t in
@@ -149,7 +162,7 @@ def dedup_scaling(args) -> None:
             ratio = (f"{statistics.median(times['scan']) / statistics.median(times['mih']):.1f}x" if times["scan"]
                      else "-")
             print(f"| {n} | {len(blocks)} x {blocks[-1][1]}-{blocks[0][1]}, r={r} | {cell['scan']} | {cell['mih']} | "
-                  f"{cell['plan']} | {found['mih']} | {ratio} |", flush=True)
+                  f"{cell['plan']} | {cell['plan_w']} | {found['mih']} | {ratio} |", flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())

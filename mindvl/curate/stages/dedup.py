@@ -165,10 +165,11 @@ def block_value(h: np.ndarray, offset: int, width: int) -> np.ndarray:
 
 
 def join(q: np.ndarray, d: np.ndarray, masks: np.ndarray, max_distance: int, blocks: list[tuple[int, int]],
-         k: int, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+         k: int, radius: int, either_order: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pairs (query, data) of ROW arrays with data earlier than query (gid), hashes within max_distance, whose
     block values differ by one of `masks`, and not within `radius` in any block before k (found there already).
-    Returns (query gid, data gid, same SHA-1) arrays."""
+    Returns (query gid, data gid, same SHA-1) arrays. `either_order`: data rows earlier or later than the query
+    (not the query's own record), returned as (later gid, earlier gid, same SHA-1)."""
     if not len(q) or not len(d):
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, np.zeros(0, dtype=bool)
@@ -206,12 +207,14 @@ def join(q: np.ndarray, d: np.ndarray, masks: np.ndarray, max_distance: int, blo
             qi = np.repeat(hit, c)
             di = np.repeat(lo[hit], c) + (np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c))
             x = qc["h"][qi] ^ dh[di]
-            ok = (np.bitwise_count(x) <= max_distance) & (dgid[di] < qc["gid"][qi])
+            ok = np.bitwise_count(x) <= max_distance
+            ok &= (dgid[di] != qc["gid"][qi]) if either_order else (dgid[di] < qc["gid"][qi])
             for off, width in blocks[:k]:  # found in an earlier block already
                 ok &= np.bitwise_count(block_value(x, off, width)) > radius
             qi, di = qi[ok], di[ok]
-            out_q.append(qc["gid"][qi])
-            out_d.append(dgid[di])
+            a, b = qc["gid"][qi], dgid[di]
+            out_q.append(np.maximum(a, b) if either_order else a)
+            out_d.append(np.minimum(a, b) if either_order else b)
             out_x.append(qc["sha"][qi] == dsha[di])
     if not out_q:
         empty = np.zeros(0, dtype=np.int64)
@@ -293,62 +296,77 @@ class PhashDedup(GlobalStage):
         if n == 0:
             return {"records": 0, "pairs": 0, "dropped": 0}
         blocks, r = block_layout(d, n)
-        # window joins reuse the layout: within dw <= d, a pair is within r in some block (pigeonhole)
-        p = min(max(0, math.ceil(math.log2(max(n, n_windows) / self.o.partition_rows))), min(w for _, w in blocks))
+        bits = lambda rows, bl: min(max(0, math.ceil(math.log2(rows / self.o.partition_rows))),  # noqa: E731
+                                    min(w for _, w in bl))
+        p = bits(n, blocks)
+        # Window rows get their own layout, for dw over all the rows they are looked up among (frames + windows,
+        # ~12x the frames): with the frames' layout the buckets would hold ~12x the candidates. The frames are
+        # spilled a second time under it ("f"), beside the windows ("w").
+        blocks_w, r_w = block_layout(dw, n + n_windows) if n_windows else ([], 0)
+        p_w = bits(max(n, n_windows), blocks_w) if n_windows else 0
         spill = os.path.join(workdir, "dedup_spill")
         shutil.rmtree(spill, ignore_errors=True)
         os.makedirs(spill)
         part = lambda kind, k, a: os.path.join(spill, f"{kind}{k}.p{a}")  # noqa: E731
 
-        def spill_rows(kind: str, h: np.ndarray, sha: np.ndarray, gid: np.ndarray) -> None:
+        def spill_rows(kind: str, layout: list[tuple[int, int]], pb: int, h: np.ndarray, sha: np.ndarray,
+                       gid: np.ndarray) -> None:
             rows = np.zeros(len(h), dtype=ROW)
             rows["h"], rows["sha"], rows["gid"] = h, sha, gid
-            for k, (off, width) in enumerate(blocks):
+            for k, (off, width) in enumerate(layout):
                 rows["v"] = block_value(h, off, width)
-                pa = (rows["v"] >> np.uint64(width - p)).astype(np.int64) if p else np.zeros(len(h), np.int64)
+                pa = (rows["v"] >> np.uint64(width - pb)).astype(np.int64) if pb else np.zeros(len(h), np.int64)
                 order = np.argsort(pa, kind="stable")
-                bounds = np.searchsorted(pa[order], np.arange((1 << p) + 1))
+                bounds = np.searchsorted(pa[order], np.arange((1 << pb) + 1))
                 for a in np.unique(pa):
                     spill_append(part(kind, k, a), rows[order[bounds[a]:bounds[a + 1]]])
 
-        # 1. the index, spilled per block and partition: whole-image hashes ("b"), window hashes ("w", SHA-1 0)
+        # 1. the index, spilled per block and partition: frames ("b"), and under the window layout frames ("f") and
+        # window hashes ("w", SHA-1 0)
         for s, (_name, path) in enumerate(shards):
             side = read_sidecar(path, ("phash", "sha1", "phash_windows"))
             if "phash" not in side:
                 continue
             h = side["phash"][1].astype(np.uint64)
+            sha = side["sha1"][1].astype(np.uint64)
             gid = (s << 32) + np.arange(len(h), dtype=np.int64)
-            spill_rows("b", h, side["sha1"][1].astype(np.uint64), gid)
+            spill_rows("b", blocks, p, h, sha, gid)
             if "phash_windows" in side:
                 if side["phash_windows"][0] != side["phash"][0]:
                     raise ValueError(f"{path}: phash_windows rows do not match phash rows (a sidecar written by "
                                      "another version? rerun the phash_dedup stage)")
                 win = side["phash_windows"][1].astype(np.uint64)
-                spill_rows("w", win.reshape(-1), np.zeros(win.size, np.uint64), np.repeat(gid, win.shape[1]))
-        # 2. per block, partition pairs (A, A ^ t) joined two at a time; drops spilled per shard. Whole vs whole
-        # within d, then whole (query) vs earlier windows and windows (query) vs earlier whole within dw.
-        pairs = window_pairs = 0
-        for k, (_off, width) in enumerate(blocks):
-            masks = flip_masks(width, r)
-            tops = masks >> np.uint64(width - p) if p else np.zeros(len(masks), np.uint64)
-            by_top = {int(t): masks[tops == t] for t in np.unique(tops)}
-            for a in range(1 << p):
-                q = spill_read(part("b", k, a), ROW)
-                qw = spill_read(part("w", k, a), ROW) if n_windows else q[:0]
-                if not len(q) and not len(qw):
-                    continue
-                for t, masks_t in by_top.items():
-                    data = q if t == 0 else spill_read(part("b", k, a ^ t), ROW)
-                    qg, _dg, exact = join(q, data, masks_t, d, blocks, k, r)
-                    pairs += len(qg)
-                    self._spill_drops(spill, qg, exact)
-                    if not n_windows:
+                spill_rows("f", blocks_w, p_w, h, sha, gid)
+                spill_rows("w", blocks_w, p_w, win.reshape(-1), np.zeros(win.size, np.uint64),
+                           np.repeat(gid, win.shape[1]))
+
+        # 2. per block, partition pairs (A, A ^ t) joined two at a time; drops spilled per shard: frames vs frames
+        # within d, then frames vs windows within dw
+        def joins(layout, radius, pb, kinds, dist, either_order=False):
+            found = 0
+            for k, (_off, width) in enumerate(layout):
+                masks = flip_masks(width, radius)
+                tops = masks >> np.uint64(width - pb) if pb else np.zeros(len(masks), np.uint64)
+                by_top = {int(t): masks[tops == t] for t in np.unique(tops)}
+                for a in range(1 << pb):
+                    qs = {qk: spill_read(part(qk, k, a), ROW) for qk, _ in kinds}
+                    if not any(len(q) for q in qs.values()):
                         continue
-                    data_w = qw if t == 0 else spill_read(part("w", k, a ^ t), ROW)
-                    for qq, dd in ((q, data_w), (qw, data)):
-                        qg, _dg, _ = join(qq, dd, masks_t, dw, blocks, k, r)
-                        window_pairs += len(qg)
-                        self._spill_drops(spill, qg, np.zeros(len(qg), dtype=bool))
+                    for t, masks_t in by_top.items():
+                        for qk, dk in kinds:
+                            q = qs[qk]
+                            if not len(q):
+                                continue
+                            data = qs[dk] if t == 0 and dk in qs else spill_read(part(dk, k, a ^ t), ROW)
+                            qg, _dg, exact = join(q, data, masks_t, dist, layout, k, radius, either_order)
+                            found += len(qg)
+                            self._spill_drops(spill, qg, exact if qk == dk else np.zeros(len(qg), dtype=bool))
+            return found
+
+        pairs = joins(blocks, r, p, [("b", "b")], d)
+        # one join, frames looked up among the windows, either order (the later record of a pair is dropped):
+        # the lookups are the frames', not the ~12x more windows'
+        window_pairs = joins(blocks_w, r_w, p_w, [("f", "w")], dw, either_order=True) if n_windows else 0
         # 3. the plan, shard by shard
         counts = {"exact_duplicate": 0, "near_duplicate": 0}
         for s, (name, path) in enumerate(shards):
@@ -367,7 +385,9 @@ class PhashDedup(GlobalStage):
         shutil.rmtree(spill, ignore_errors=True)
         return {"records": n, "pairs": pairs, "window_pairs": window_pairs, "dropped": sum(counts.values()),
                 **counts, "max_distance": d, "window_distance": dw, "windows_per_record": n_windows // n,
-                "blocks": len(blocks), "flip_radius": r, "partitions": 1 << p}
+                "blocks": len(blocks), "flip_radius": r, "partitions": 1 << p,
+                **({"window_blocks": len(blocks_w), "window_flip_radius": r_w, "window_partitions": 1 << p_w}
+                   if n_windows else {})}
 
     @staticmethod
     def _spill_drops(spill: str, gid: np.ndarray, exact: np.ndarray) -> None:
