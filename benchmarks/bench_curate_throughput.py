@@ -150,8 +150,9 @@ def dedup_scaling(args) -> None:
                         found[arm] = len(near_pairs_scan(h, 8))
                     elif arm == "mih":
                         found[arm] = len(near_pairs(h, 8))
-                    else:  # 8 partitions of whole-image rows (the window rows: 11x as many, so 8 x 16)
-                        stage = PhashDedup({"max_distance": 8, "partition_rows": max(1, n // 8)}, "dedup", 0)
+                    else:  # 8 partitions of the largest kind of rows (frames; windows: 11x as many)
+                        rows = max(1, (n if arm == "plan" else 11 * n) // 8)
+                        stage = PhashDedup({"max_distance": 8, "partition_rows": rows}, "dedup", 0)
                         found[arm] = stage.plan(shards if arm == "plan" else shards_w, tmp,
                                                 lambda name, plan: None)["pairs"]
                     times[arm].append(time.perf_counter() - t0)
