@@ -1,4 +1,5 @@
-"""OCR: the line-level intersection rule, and the two-engine stage on rendered text images."""
+"""OCR: the word-level intersection rule (fragment cases, punctuation, case, CJK), and the two-engine stage on rendered
+text images."""
 
 from __future__ import annotations
 
