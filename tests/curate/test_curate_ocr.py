@@ -7,7 +7,7 @@ import shutil
 from collections import Counter
 
 import pytest
-from curate_helpers import run
+from curate_helpers import dropped, run
 
 from mindvl.curate.stages.ocr import intersect_lines, normalise, words
 from mindvl.curate.synth import ocr_corpus
@@ -135,3 +135,30 @@ def test_coverage_of_the_kept_text_against_a_vocabulary():
     assert cov["vocabulary_words_covered"] == "1/3 (33.3%)"
     assert cov["vocabulary_characters_covered"] == "3/5 (60.0%)"  # a b c of a b c d z
     assert cov["missing_words"] == "cd zz"
+
+
+def test_the_stage_keeps_agreed_words_only(tmp_path, monkeypatch):
+    """The stage with stand-in engines (no binaries needed): the kept text is the word-level intersection, written
+    as the answer; an image with no agreed word is dropped as ocr_no_agreement; `glued_words` reaches the rule."""
+    pytest.importorskip("rapidocr_onnxruntime")
+    import mindvl.curate.stages.ocr as ocr
+
+    path, _truth = ocr_corpus(str(tmp_path / "in"), 3, seed=3)
+    readings = [(["Room 30", "Floor 2"], ["Room 305 Floor 21"]), (["open"], ["reopened today"]),
+                (["meadowriver 4006"], ["meadow river 4006"])]
+    calls = iter(readings * 2)
+    current = {}
+
+    def engine_a(image, text_score=0.5):
+        current["pair"] = next(calls)
+        return current["pair"][0]
+
+    monkeypatch.setattr(ocr.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(ocr, "rapidocr_lines", engine_a)
+    monkeypatch.setattr(ocr, "tesseract_lines", lambda image, lang="eng", psm=6: current["pair"][1])
+    for glued, third in ((True, "meadow river 4006"), (False, "4006")):
+        report, items = run([path], str(tmp_path / f"out{glued}"), [{"ocr": {"glued_words": glued}}],
+                            engine="inprocess")
+        answers = sorted(it.texts() for it in items)
+        assert answers == sorted(["Room\nFloor", third]), answers
+        assert dropped(report, "0:ocr") == {"ocr_no_agreement": 1}
