@@ -15,7 +15,9 @@ the driver of 2 local workers: flat when streaming and when the global plans kee
 
 `--dedup`: near-duplicate search time against corpus size (synthetic 64-bit hashes with planted near copies): the
 old full pair scan, multi-index hashing in memory, and the phash_dedup plan with its spill partitions.
-`--recall`: duplicate recall per variant and false drops at several max_distance values (not a timing).
+`--recall`: near-duplicate recall per transform (crops of 1-6% per side, random and one-corner crops, rotation,
+brightness, JPEG re-encoding, scaling, watermark, flip) and distinct images dropped, pHash alone against the crop
+windows + mirror hash, with the wall time of each (not a timing test).
 
     python benchmarks/bench_curate_throughput.py --n 2000 --rounds 3
     python benchmarks/bench_curate_throughput.py --memory --n 1500 --scale 8
@@ -85,11 +87,14 @@ def memory(args, tmp: str) -> None:
             print(out.strip().splitlines()[-1], flush=True)
 
 
-def _hash_sidecars(tmp: str, n: int, per_shard: int, seed: int) -> list[tuple[str, str]]:
+def _hash_sidecars(tmp: str, n: int, per_shard: int, seed: int, windows: int = 0) -> list[tuple[str, str]]:
     """Sidecars of a phash_dedup run over n synthetic hashes: n/3 random 64-bit values, each 3 times with a few bits
-    flipped (near copies within distance 8 most of the time), shuffled; written as the workers write them."""
+    flipped (near copies within distance 8 most of the time), shuffled; written as the workers write them. With
+    `windows`, each record also has that many window hashes, each its own hash with 3-8 random bits flipped (a
+    crop's hash is a few bits from the frame's)."""
     import numpy as np
 
+    os.makedirs(tmp, exist_ok=True)
     rng = np.random.default_rng(seed)
     h = np.repeat(rng.integers(0, 2**63, size=n // 3, dtype=np.uint64) * np.uint64(2), 3)
     for _ in range(5):
@@ -101,7 +106,15 @@ def _hash_sidecars(tmp: str, n: int, per_shard: int, seed: int) -> list[tuple[st
         name, part = f"s{s:05d}", h[a:a + per_shard]
         keys = np.asarray([f"{name}/{i:08d}" for i in range(len(part))], dtype=str)
         path = os.path.join(tmp, f"{name}.arrays.npz")
-        np.savez(path, phash=part, phash__keys=keys, sha1=np.arange(a, a + len(part), dtype=np.uint64), sha1__keys=keys)
+        extra = {}
+        if windows:
+            win = np.repeat(part[:, None], windows, axis=1)
+            for _ in range(8):
+                m = rng.random(win.shape) < 0.6
+                win[m] ^= np.uint64(1) << rng.integers(0, 64, size=int(m.sum())).astype(np.uint64)
+            extra = {"phash_windows": win, "phash_windows__keys": keys}
+        np.savez(path, phash=part, phash__keys=keys, sha1=np.arange(a, a + len(part), dtype=np.uint64), sha1__keys=keys,
+                 **extra)
         shards.append((name, path))
     return shards
 
@@ -118,14 +131,15 @@ def dedup_scaling(args) -> None:
     from mindvl.curate.stages.dedup import PhashDedup, block_layout, near_pairs, near_pairs_scan
 
     print("| records | blocks x bits, flip radius | full scan s | MIH in memory s | stage plan (8 partitions) s | "
-          "pairs | scan / MIH |")
-    print("|---|---|---|---|---|---|---|")
+          "stage plan, + 11 window hashes a record s | pairs | scan / MIH |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in args.dedup_sizes:
         tmp = tempfile.mkdtemp(prefix="bench-dedup-")
         try:
             shards = _hash_sidecars(tmp, n, 10_000, seed=n)
+            shards_w = _hash_sidecars(os.path.join(tmp, "w"), n, 10_000, seed=n, windows=11)
             h = np.concatenate([read_sidecar(p, ("phash",))["phash"][1] for _, p in shards]).astype(np.uint64)
-            times: dict[str, list[float]] = {"scan": [], "mih": [], "plan": []}
+            times: dict[str, list[float]] = {"scan": [], "mih": [], "plan": [], "plan_w": []}
             found = {}
             for _ in range(args.rounds):
                 for arm in times:
@@ -136,9 +150,11 @@ def dedup_scaling(args) -> None:
                         found[arm] = len(near_pairs_scan(h, 8))
                     elif arm == "mih":
                         found[arm] = len(near_pairs(h, 8))
-                    else:
-                        stage = PhashDedup({"max_distance": 8, "partition_rows": max(1, n // 8)}, "dedup", 0)
-                        found[arm] = stage.plan(shards, tmp, lambda name, plan: None)["pairs"]
+                    else:  # 8 partitions of the largest kind of rows (frames; windows: 11x as many)
+                        rows = max(1, (n if arm == "plan" else 11 * n) // 8)
+                        stage = PhashDedup({"max_distance": 8, "partition_rows": rows}, "dedup", 0)
+                        found[arm] = stage.plan(shards if arm == "plan" else shards_w, tmp,
+                                                lambda name, plan: None)["pairs"]
                     times[arm].append(time.perf_counter() - t0)
             assert len(set(found.values())) == 1, found  # every arm finds the same pairs
             cell = {a: (f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" if t else "-") for a, t in
@@ -147,35 +163,119 @@ def dedup_scaling(args) -> None:
             ratio = (f"{statistics.median(times['scan']) / statistics.median(times['mih']):.1f}x" if times["scan"]
                      else "-")
             print(f"| {n} | {len(blocks)} x {blocks[-1][1]}-{blocks[0][1]}, r={r} | {cell['scan']} | {cell['mih']} | "
-                  f"{cell['plan']} | {found['mih']} | {ratio} |", flush=True)
+                  f"{cell['plan']} | {cell['plan_w']} | {found['mih']} | {ratio} |", flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
+def _crop(img, left: float, top: float, right: float, bottom: float):
+    w, h = img.size
+    return img.crop((round(w * left), round(h * top), w - round(w * right), h - round(h * bottom)))
+
+
+def _transforms():
+    """name -> f(image, rng) -> encoded bytes of a near copy (PNG unless the transform is a re-encoding)."""
+    from PIL import Image, ImageDraw, ImageEnhance, ImageOps
+
+    from mindvl.curate.synth import encode
+
+    def png(f):
+        return lambda img, rng: encode(f(img, rng), "PNG")
+
+    def jpeg(img, rng):
+        return encode(img, "JPEG", quality=rng.randint(20, 40))
+
+    def watermark(img, rng):
+        im = img.copy()
+        d = ImageDraw.Draw(im)
+        x, y = int(im.width * rng.uniform(0.55, 0.65)), int(im.height * rng.uniform(0.82, 0.88))
+        d.rectangle((x - 2, y - 2, im.width - 4, y + 12), fill=(255, 255, 255))
+        d.text((x, y), "(c) stock", fill=(0, 0, 0))
+        return im
+
+    def scaled(img, rng):  # down (or up) and back, then saved at the new size
+        s = rng.choice((0.5, 0.6, 1.5, 2.0))
+        return img.resize((round(img.width * s), round(img.height * s)), Image.Resampling.BILINEAR)
+
+    out = {f"crop {c}% per side": png(lambda img, rng, c=c: _crop(img, *(c / 100,) * 4)) for c in range(1, 7)}
+    out["crop 0-5% each side (random)"] = png(lambda img, rng: _crop(img, *(rng.uniform(0, 0.05) for _ in range(4))))
+    out["crop 6% off two sides (one corner kept)"] = png(lambda img, rng: _crop(img, 0.06, 0.06, 0, 0))
+    out["rotation 2 deg"] = png(lambda img, rng: img.rotate(rng.choice((-2, 2)), Image.Resampling.BICUBIC))
+    out["rotation 5 deg"] = png(lambda img, rng: img.rotate(rng.choice((-5, 5)), Image.Resampling.BICUBIC))
+    out["brightness +-20%"] = png(lambda img, rng: ImageEnhance.Brightness(img).enhance(rng.choice((0.8, 1.2))))
+    out["JPEG re-encoding q20-40"] = jpeg
+    out["scaling x0.5-2"] = png(scaled)
+    out["corner watermark"] = png(watermark)
+    out["horizontal flip"] = png(lambda img, rng: ImageOps.mirror(img))
+    return out
+
+
 def dedup_recall(args) -> None:
-    """Duplicate recall per variant and distinct images dropped, for several max_distance values (not a timing)."""
+    """Near-duplicate recall per transform and distinct images dropped, pHash alone (before issue 28) against the
+    default crop windows + mirror hash, and the cost of each (wall seconds of the whole phash_dedup run, both arms
+    in one process, interleaved rounds). Not a timing test: the seconds are side by side on a shared machine."""
+    import json
+    import random
+
     from mindvl.curate import iter_output
-    from mindvl.curate.synth import VARIANTS
+    from mindvl.curate.synth import distinct_image, encode
 
     tmp = tempfile.mkdtemp(prefix="bench-recall-")
     try:
-        truth = pairs_corpus(os.path.join(tmp, "in"), 1000, dup_fraction=0.5, n_files=4, seed=21)
-        dups = list(truth.original_of)
-        print(f"{len(truth.names) - len(dups)} distinct images, {len(dups)} duplicates")
-        print("| max_distance | duplicate recall | " + " / ".join(VARIANTS) + " | distinct images dropped |")
-        print("|---|---|---|---|")
-        for dist in (6, 8, 10, 12):
-            out = os.path.join(tmp, f"out{dist}")
-            cfg = PipelineConfig.from_dict({"inputs": truth.files, "output": out,
-                                            "stages": [{"phash_dedup": {"max_distance": dist}}]})
-            run_pipeline(cfg, report=False)
-            kept = {item.record["id"] for item in iter_output(out)}
-            per = [sum(n not in kept for n in dups if f"_{k}." in n) / max(1, sum(f"_{k}." in n for n in dups))
-                   for k in VARIANTS]
-            false = sum(n not in kept for n in truth.names if n not in truth.original_of)
-            print(f"| {dist} | {sum(n not in kept for n in dups) / len(dups):.3f} | "
-                  + " / ".join(f"{r:.3f}" for r in per) + f" | {false} |", flush=True)
+        transforms = _transforms()
+        names = list(transforms)
+        n = args.recall_n
+        os.makedirs(os.path.join(tmp, "in", "images"))
+        rng = random.Random("recall")
+        originals, dups = [], []
+        for i in range(n):
+            img = distinct_image(i, 21)
+            name = f"images/d{i:05d}.png"
+            with open(os.path.join(tmp, "in", name), "wb") as f:
+                f.write(encode(img, "PNG"))
+            originals.append(name)
+            kind = names[i % len(names)]  # each transform on its own originals: copies do not find each other
+            dup = f"images/d{i:05d}_t{names.index(kind):02d}.png"
+            with open(os.path.join(tmp, "in", dup), "wb") as f:
+                f.write(transforms[kind](img, rng))
+            dups.append((dup, kind))
+        order = originals + [d for d, _ in dups]  # every copy after every original
+        files = []
+        for k in range(4):
+            path = os.path.join(tmp, "in", f"part{k}.jsonl")
+            with open(path, "w") as fh:
+                for name in order[k::4]:
+                    fh.write(json.dumps({"id": name, "images": [name], "messages": [
+                        {"role": "user", "content": "<image>Describe."},
+                        {"role": "assistant", "content": "A picture."}]}) + "\n")
+            files.append(path)
+        arms = {"pHash alone (before)": {"crop_windows": [], "mirror": False},
+                "pHash + crop windows + mirror (default)": {}}
+        results, seconds = {}, {a: [] for a in arms}
+        for _round in range(args.rounds):
+            for arm, opts in arms.items():
+                out = os.path.join(tmp, "out")
+                shutil.rmtree(out, ignore_errors=True)
+                cfg = PipelineConfig.from_dict({"inputs": files, "output": out, "engine": "inprocess",
+                                                "stages": [{"phash_dedup": {"max_distance": 8, **opts}}]})
+                t0 = time.perf_counter()
+                run_pipeline(cfg, report=False)
+                seconds[arm].append(time.perf_counter() - t0)
+                kept = {item.record["id"] for item in iter_output(out)}
+                results[arm] = ({k: sum(d not in kept for d, kk in dups if kk == k) / sum(kk == k for _, kk in dups)
+                                 for k in names}, sum(o not in kept for o in originals))
+        print(f"{n} distinct images (160 px synthetic colour fields with shapes), {len(dups)} near copies "
+              f"({n // len(names)}-{-(-n // len(names))} per transform), max_distance 8, window_distance 6")
+        print("| transform | " + " | ".join(arms) + " |\n|---|" + "---|" * len(arms))
+        for k in names:
+            print(f"| {k} | " + " | ".join(f"{results[a][0][k]:.2f}" for a in arms) + " |")
+        print("| **distinct images dropped** (false drops) | " + " | ".join(f"{results[a][1]} of {n}" for a in arms)
+              + " |")
+        print("| wall s, whole phash_dedup run (median of rounds) | " + " | ".join(
+            f"{sorted(seconds[a])[len(seconds[a]) // 2]:.1f} ({min(seconds[a]):.1f}-{max(seconds[a]):.1f})"
+            for a in arms) + " |")
+        print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -192,6 +292,7 @@ def main() -> None:
     ap.add_argument("--engine", default="inprocess")
     ap.add_argument("--dedup", action="store_true")
     ap.add_argument("--recall", action="store_true")
+    ap.add_argument("--recall-n", type=int, default=1400, help="distinct images (each with one near copy)")
     ap.add_argument("--dedup-sizes", type=int, nargs="+", default=[10_000, 30_000, 100_000, 300_000, 1_000_000])
     ap.add_argument("--scan-max", type=int, default=100_000)
     ap.add_argument("--tmp", default=None)

@@ -147,8 +147,10 @@ def image_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> d
 # Processor configs of a model with a vision tower: file name -> builder(existing or None, (min, max) pixels).
 def video_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> dict[str, Any]:
     """Qwen2-VL's video processor settings: the source's own (frame sampling and sizes) when it has them, else
-    transformers' defaults; video pixels are independent of the image min/max pixels."""
-    return video.video_processor_config(video.settings_from_processor_config(existing or {}), existing)
+    mindvl's training defaults written out in full (an absent key would mean transformers' default, which for
+    `cap_pixels_per_frame` is off); video pixels are independent of the image min/max pixels."""
+    settings = video.settings_from_processor_config(existing) if existing else video.VideoSettings()
+    return video.video_processor_config(settings, existing)
 
 
 # Processor configs of a model with a vision tower: file name -> builder(existing or None, (min, max) pixels).

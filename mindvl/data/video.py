@@ -163,8 +163,17 @@ def video_processor_config(s: VideoSettings = VideoSettings(), existing: dict | 
 
 def settings_from_processor_config(cfg: dict, fps: float | None = None) -> VideoSettings:
     """VideoSettings from a `video_preprocessor_config.json` dict (`size.shortest_edge/longest_edge` or
-    `min_pixels/max_pixels`, `fps`, `min_frames`, `max_frames`); missing keys take transformers' Qwen2-VL video
-    defaults and an explicit `fps` wins. The inverse of `video_processor_config`."""
+    `min_pixels/max_pixels`, `fps`, `min_frames`, `max_frames`, `cap_pixels_per_frame`, `max_video_tokens`); an
+    explicit `fps` wins. The inverse of `video_processor_config`.
+
+    A missing key means what it means to transformers' `Qwen2VLVideoProcessor` (5.23), which is not always
+    mindvl's training default: `cap_pixels_per_frame` is a class attribute of None there and `resize` tests it for
+    truth, so an absent (or null) key turns the per-video pixel budget OFF (a stock Qwen2.5-VL folder sizes 400
+    frames of 1080x1920 to 560x1008, not the budgeted 504x896). The other defaults agree with VideoSettings':
+    min/max_frames 4/768, size 128*28*28..768*28*28 (`min_pixels`/`max_pixels` override `size`, as its
+    `__init__` does), max_video_tokens 128000. One deliberate difference: transformers has no `fps` default and
+    samples no frames unless asked (`do_sample_frames` False), feeding every decoded frame; mindvl always samples,
+    at 2 fps when the file names none (qwen-vl-utils' and the model card's rate)."""
     s = VideoSettings()
     size = cfg.get("size") or {}
     return VideoSettings(
@@ -173,7 +182,7 @@ def settings_from_processor_config(cfg: dict, fps: float | None = None) -> Video
         max_frames=int(cfg.get("max_frames") or s.max_frames),
         min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or s.min_pixels),
         max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or s.max_pixels),
-        cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame", s.cap_pixels_per_frame)),
+        cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame")),  # absent/null: off, as in transformers
         max_video_tokens=int(cfg.get("max_video_tokens") or s.max_video_tokens),
     )
 

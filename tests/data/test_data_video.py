@@ -23,6 +23,7 @@ from mindvl.data.video import (
     patchify_video_uint8,
     require_decoder,
     sample_frame_indices,
+    settings_from_processor_config,
     write_test_video,
 )
 
@@ -54,6 +55,42 @@ def test_frame_sizes_match_transformers_with_the_per_video_budget(golden):
         assert list(frame_size(h, w, n, VideoSettings(cap_pixels_per_frame=cap))) == want, (n, h, w, cap)
     # 768 frames of 480x640: the budget (0.9 * 128000 tokens of 28x28 over 384 temporal patches) lowers the size.
     assert np.prod(golden["sizes"][2]) < np.prod(golden["sizes"][3])
+
+
+# A stock-style Qwen2.5-VL video_preprocessor_config.json: no `cap_pixels_per_frame` (nor fps/max_video_tokens).
+STOCK_VIDEO_CONFIG = {
+    "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2_5_VLProcessor",
+    "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28,
+    "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28},
+}
+
+
+def test_a_stock_folder_without_the_budget_key_sizes_as_transformers(golden, tmp_path):
+    """transformers' Qwen2VLVideoProcessor has `cap_pixels_per_frame = None` and tests it for truth: a folder whose
+    file lacks the key runs WITHOUT the per-video budget, and so must mindvl read it."""
+    from mindvl.infer.chat import video_settings
+
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(STOCK_VIDEO_CONFIG))
+    s = video_settings(tmp_path)
+    assert s.cap_pixels_per_frame is False
+    assert (s.min_frames, s.max_frames, s.min_pixels, s.max_pixels, s.max_video_tokens) == tuple(
+        golden["defaults"].tolist()[:5])
+    # transformers' sizes without the budget (SIZES[3]: 768 frames of 480x640) and not the budgeted ones (SIZES[2]).
+    assert SIZES[3][:3] == SIZES[2][:3] == (768, 480, 640) and not SIZES[3][3]
+    assert list(frame_size(480, 640, 768, s)) == golden["sizes"][3].tolist() != golden["sizes"][2].tolist()
+    # The issue's case: 400 frames of 1080x1920. Without the budget the size does not depend on the frame count, so
+    # transformers' 64-frame size (SIZES[4], where the budget does not bind) is its 400-frame size: 560x1008
+    # (hand-checked: sqrt(1080*1920 / 602112) = 1.856; floor(1080/1.856/28)*28 = 560, floor(1920/1.856/28)*28 = 1008).
+    assert SIZES[4][1:3] == (1080, 1920)
+    assert list(frame_size(1080, 1920, 400, s)) == golden["sizes"][4].tolist() == [560, 1008]
+    # With the budget on (mindvl's training default), the same clip is smaller: the difference the key makes.
+    assert list(frame_size(1080, 1920, 400, VideoSettings())) == [504, 896]
+    # An explicit null is also off (truth test); an explicit true turns the budget on.
+    assert not settings_from_processor_config({**STOCK_VIDEO_CONFIG, "cap_pixels_per_frame": None}).cap_pixels_per_frame
+    assert settings_from_processor_config({**STOCK_VIDEO_CONFIG, "cap_pixels_per_frame": True}).cap_pixels_per_frame
 
 
 def test_odd_frame_counts_repeat_the_last_frame():

@@ -4,16 +4,25 @@ Engines: `rapidocr` (PaddleOCR's PP-OCRv4 detection + recognition as ONNX, shipp
 wheel, run by onnxruntime on CPU) and `tesseract` (the `tesseract` binary, LSTM engine, TSV output grouped into
 lines by block/paragraph/line). Both read every image.
 
-Intersection, at line level: texts are normalised (Unicode NFKC, case-folded, every character that is not a letter or
-digit removed, so spacing and punctuation differences do not count). A line of engine A is *agreed* when its
-normalised text occurs inside one line of engine B; when it does not, the lines of B that occur inside it are agreed
-instead (one engine split a line the other read whole). Agreed pieces that overlap or touch inside the same line of
-the other engine are merged into that line's span (so a word cut in two boxes by one engine comes back whole; every
-character of the span was read by both). Agreed strings shorter than `min_chars` normalised characters are
-ignored. The kept text is the agreed lines in A's reading order, one per line; a single agreed piece is written with
-the spacing of the engine whose reading has more word breaks (the characters are the same by construction). Only
-character sequences both engines read identically survive, which is why the intersection's precision is higher than
-either engine's.
+Intersection, at word level: a word is kept only where both engines read the same whole word. Texts are
+compared normalised (Unicode NFKC, case-folded, every character that is not a letter or digit removed), so case,
+punctuation and spacing alone do not count, but word boundaries do: a boundary is a line end, whitespace, or either
+side of a character of a script written without spaces (Han, Hiragana, Katakana: there each character is a word, the
+unit Chinese OCR is scored in, as no segmenter is needed to agree on it). Each line of engine A is aligned with each
+line of engine B (difflib's matching blocks of the normalised texts); inside a matching block the positions that
+are boundaries in BOTH readings cut it into candidate words, and a candidate is agreed when neither engine puts a
+word break inside it that the other lacks, with one exception: a stretch that one engine read as a single token and
+the other as several words is agreed (line recognisers, PP-OCR's above all, drop spaces: "meadowriver" / "meadow
+river"; the characters are the same and the spaced reading is kept). So a word one engine cut short never survives
+("Room 30" / "Room 305" keeps "Room"; "oom 305" / "Room 305" keeps "305"; "open" / "reopened today" keeps nothing).
+The residual risk of the exception: a break inserted by one engine inside a word the other read whole survives
+("30 5" / "305"); `glued_words: false` turns the exception off (on simulated engines: word precision 0.974 -> 0.994,
+recall 0.679 -> 0.552, benchmarks/RESULTS.md). Agreed runs shorter than `min_chars` normalised characters are
+dropped; each character of B confirms at most one run (longest runs first, so a repeated word is not confirmed
+twice by one reading). The kept text is A's agreed runs in A's reading order, one line per A line (or fewer: runs
+that continue each other without a gap in one A line or in one B line, i.e. a line one engine cut into boxes, are
+joined back), each run written with the spacing of the engine whose reading has more word breaks (the characters
+are the same by construction).
 
 `write_answer: true` puts the kept text in the record's assistant turn (an OCR training pair); records with no agreed
 line are dropped (`ocr_no_agreement`). Coverage: the characters of the kept text are counted (report: distinct
@@ -29,6 +38,8 @@ import re
 import shutil
 import subprocess
 import unicodedata
+from dataclasses import dataclass
+from difflib import SequenceMatcher
 
 from .base import Histogram, MapStage, Options, register, with_first_image
 
@@ -40,10 +51,98 @@ def normalise(text: str) -> str:
     return "".join(c for c in unicodedata.normalize("NFKC", text).casefold() if c.isalnum())
 
 
-def _span(raw: str, norm_start: int, norm_len: int) -> str:
-    """The part of `raw` whose normalised text is normalise(raw)[norm_start : norm_start + norm_len]."""
-    idx = [i for i, c in enumerate(raw) if normalise(c)]
-    return raw[idx[norm_start]: idx[norm_start + norm_len - 1] + 1]
+# Scripts written without spaces between words: each character is a word (Han incl. extensions and compatibility
+# ideographs, Hiragana, Katakana incl. halfwidth). Hangul is written with spaces and is not here.
+_UNSPACED = ((0x3040, 0x30FF), (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),
+             (0xFF66, 0xFF9F), (0x20000, 0x3134F))
+
+
+def unspaced(c: str) -> bool:
+    o = ord(c)
+    return any(lo <= o <= hi for lo, hi in _UNSPACED)
+
+
+def words(text: str) -> list[str]:
+    """The normalised words of a text (the unit the intersection agrees on and the benchmark scores): whitespace
+    separates words, every character of a script written without spaces is a word, and each word is normalised
+    (empty ones, pure punctuation, dropped)."""
+    out: list[str] = []
+    for token in unicodedata.normalize("NFKC", text).split():
+        piece = ""
+        for c in token:
+            if unspaced(c):
+                out.extend(x for x in (normalise(piece), c) if x)
+                piece = ""
+            else:
+                piece += c
+        if normalise(piece):
+            out.append(normalise(piece))
+    return out
+
+
+@dataclass
+class _Reading:
+    """A line normalised for matching: `norm[k]` came from `text[src[k]]`; `brk[p]` (p = 0..len(norm)): whether a
+    word boundary lies before normalised position p."""
+    text: str
+    norm: str
+    src: list[int]
+    brk: list[bool]
+
+    def raw(self, start: int, end: int) -> str:
+        return self.text[self.src[start]: self.src[end - 1] + 1].strip()
+
+
+def _reading(line: str) -> _Reading:
+    text = unicodedata.normalize("NFKC", line)
+    norm: list[str] = []
+    src: list[int] = []
+    brk = [True]
+    gap = True  # whitespace since the last letter/digit (or line start)
+    prev_unspaced = False
+    for i, c in enumerate(text):
+        if c.isspace():
+            gap = True
+            continue
+        n = "".join(x for x in c.casefold() if x.isalnum())
+        if not n:  # punctuation: no character, and no boundary by itself ("12.50" is one word)
+            continue
+        u = unspaced(c)
+        if norm:
+            brk.append(gap or u or prev_unspaced)
+        for k, x in enumerate(n):
+            if k:
+                brk.append(False)
+            norm.append(x)
+            src.append(i)
+        gap, prev_unspaced = False, u
+    brk.append(True)
+    if not norm:
+        brk = [True]
+    return _Reading(text, "".join(norm), src, brk)
+
+
+def _agreed_runs(ra: _Reading, rb: _Reading, min_chars: int, glued: bool = True) -> list[tuple[int, int, int]]:
+    """(start in A, start in B, length) of the runs of whole words both readings agree on (module docstring)."""
+    runs = []
+    for i, j, n in SequenceMatcher(None, ra.norm, rb.norm, autojunk=False).get_matching_blocks():
+        cuts = [k for k in range(n + 1) if ra.brk[i + k] and rb.brk[j + k]]
+        run = None  # [start, end) in block offsets of the current agreed run
+        for p, q in zip(cuts, cuts[1:], strict=False):
+            # p, q are consecutive common boundaries, so a break strictly between them is in one reading only:
+            # agreed when neither reading breaks there, or (`glued`) when only one does (the other read the
+            # stretch as one token).
+            split_a = any(ra.brk[i + k] for k in range(p + 1, q))
+            split_b = any(rb.brk[j + k] for k in range(p + 1, q))
+            if not (split_a and split_b) if glued else not (split_a or split_b):
+                run = (run[0], q) if run else (p, q)
+            else:
+                if run and run[1] - run[0] >= min_chars:
+                    runs.append((i + run[0], j + run[0], run[1] - run[0]))
+                run = None
+        if run and run[1] - run[0] >= min_chars:
+            runs.append((i + run[0], j + run[0], run[1] - run[0]))
+    return runs
 
 
 def _spaced(x: str, y: str) -> str:
@@ -52,53 +151,32 @@ def _spaced(x: str, y: str) -> str:
     return y if len(y.split()) > len(x.split()) else x
 
 
-def _merge(intervals: list[tuple[int, int, str]]) -> list[tuple[int, int, list[str]]]:
-    """Merge (start, end, text) intervals that overlap or touch, in start order."""
-    out: list[tuple[int, int, list[str]]] = []
-    for s, e, t in sorted(intervals, key=lambda x: (x[0], x[1])):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e), [*out[-1][2], t])
-        else:
-            out.append((s, e, [t]))
-    return out
-
-
-def _reading(host_span: str, pieces: list[str]) -> str:
-    """The text of an agreed span: the host line's reading when several pieces were merged into it (their cuts are
-    not word breaks), else the better-spaced of the two readings."""
-    return host_span.strip() if len(pieces) > 1 else _spaced(host_span.strip(), pieces[0].strip())
-
-
-def intersect_lines(a: list[str], b: list[str], min_chars: int = 3) -> list[str]:
-    """The agreed lines (see the module docstring), in A's order."""
-    nb = [normalise(t) for t in b]
+def intersect_lines(a: list[str], b: list[str], min_chars: int = 3, glued_words: bool = True) -> list[str]:
+    """The text both engines agree on, word by word (see the module docstring), in A's order. `glued_words`
+    False: strict, a stretch one engine read as one token and the other as several words is not agreed."""
+    ra, rb = [_reading(t) for t in a], [_reading(t) for t in b]
+    cands = [(n, ia, sa, ib, sb) for ia, x in enumerate(ra) for ib, y in enumerate(rb)
+             for sa, sb, n in _agreed_runs(x, y, min_chars, glued_words)]
+    used_a = [bytearray(len(x.norm)) for x in ra]
+    used_b = [bytearray(len(y.norm)) for y in rb]
+    chosen: list[tuple[int, int, int, int, int]] = []  # (A line, start in A, length, B line, start in B)
+    for n, ia, sa, ib, sb in sorted(cands, key=lambda c: (-c[0], c[1], c[2], c[3], c[4])):
+        if any(used_a[ia][sa:sa + n]) or any(used_b[ib][sb:sb + n]):
+            continue  # overlapping runs (another alignment of the same characters): the longer one stands
+        used_a[ia][sa:sa + n] = b"\x01" * n
+        used_b[ib][sb:sb + n] = b"\x01" * n
+        chosen.append((ia, sa, n, ib, sb))
     kept: list[str] = []
-    group: list = []  # consecutive A lines agreeing inside the same B line: [host, [(start, end, text)]]
-
-    def flush() -> None:
-        if group:
-            host, intervals = group
-            for s, e, texts in _merge(intervals):
-                kept.append(_reading(_span(b[host], s, e - s), texts))
-            group.clear()
-
-    for line in a:
-        na = normalise(line)
-        host = next((j for j, x in enumerate(nb) if len(na) >= min_chars and na in x), None)
-        if host is not None:
-            if group and group[0] != host:
-                flush()
-            if not group:
-                group.extend([host, []])
-            start = nb[host].find(na)
-            group[1].append((start, start + len(na), line))
-            continue
-        flush()
-        pieces = [(na.find(x), na.find(x) + len(x), t) for t, x in zip(b, nb, strict=True)
-                  if len(x) >= min_chars and x in na]
-        for s, e, texts in _merge(pieces):
-            kept.append(_reading(_span(line, s, e - s), texts))
-    flush()
+    last: tuple[int, int, int, int] | None = None  # (A line, end in A, B line, end in B) of the previous run
+    for ia, sa, n, ib, sb in sorted(chosen):
+        text = _spaced(ra[ia].raw(sa, sa + n), rb[ib].raw(sb, sb + n))
+        # A run that continues the previous one without a gap, in A's line (B split the line) or in B's line (A
+        # split it, even across A lines): the same line -> joined.
+        if last is not None and ((last[0] == ia and last[1] == sa) or (last[2] == ib and last[3] == sb)):
+            kept[-1] = f"{kept[-1]} {text}"
+        else:
+            kept.append(text)
+        last = (ia, sa + n, ib, sb + n)
     return kept
 
 
@@ -144,7 +222,7 @@ class Ocr(MapStage):
         super().__init__(cfg, where, seed)
         self.o = Options(cfg, {"engines": list(ENGINES), "min_chars": 3, "lang": "eng", "psm": 6,
                                "text_score": 0.5, "write_answer": True, "drop_without_agreement": True,
-                               "vocabulary": None},
+                               "glued_words": True, "vocabulary": None},
                          where, {"text_score": (float,), "vocabulary": (str,)})
         if list(self.o.engines) != list(ENGINES):
             raise ValueError(f"{where}.engines: must be {list(ENGINES)} (engine A, engine B), got {self.o.engines}")
@@ -169,7 +247,7 @@ class Ocr(MapStage):
         for item, image in pairs:
             a = rapidocr_lines(image, self.o.text_score)
             b = tesseract_lines(image, self.o.lang, self.o.psm)
-            agreed = intersect_lines(a, b, self.o.min_chars)
+            agreed = intersect_lines(a, b, self.o.min_chars, self.o.glued_words)
             item.meta["ocr"] = {"rapidocr": a, "tesseract": b, "kept": agreed}
             self._count(a, b, agreed)
             if not agreed and self.o.drop_without_agreement:
