@@ -22,6 +22,7 @@ import yaml
 from mindvl.conventions import MODULES
 from mindvl.data.config import DataConfig
 from mindvl.typed import build as typed_build
+from mindvl.typed import check_keys
 
 # Everyday overrides have short names; everything else is reachable by its dotted path.
 ALIASES = {
@@ -236,12 +237,10 @@ class Recipe:
         given = [k for k in ("init_from", "compose", "arch") if getattr(m, k)]
         _check(len(given) == 1, "model", f"give one of init_from, compose, arch (got {given})")
         if m.compose is not None:
-            for k in m.compose:
-                _check(k in ("vision", "language"), f"model.compose.{k}", "unknown key (known: language, vision)")
+            check_keys(m.compose, ("language", "vision"), "model.compose")
             _check(set(m.compose) == {"vision", "language"}, "model.compose", "needs both `vision` and `language`")
         if m.arch is not None:
-            for k in m.arch:
-                _check(k in ("text", "vision"), f"model.arch.{k}", "unknown key (known: text, vision)")
+            check_keys(m.arch, ("text", "vision"), "model.arch")
         _check(self.eval.every is None or self.data.eval_config() is not None or self.eval.benchmark is not None,
                "eval.every", "needs held-out data (data.eval_sources or data.eval_fraction) or eval.benchmark")
 

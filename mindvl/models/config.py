@@ -10,14 +10,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mindvl.typed import check_keys, field_names
+
 T = TypeVar("T")
 
 
 def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(names)}")
+    """`cls(**data)` after rejecting unknown keys with mindvl.typed's error (`config.json: text.foo: unknown key`)."""
+    file, _, path = where.partition(": ")
+    try:
+        check_keys(data, field_names(cls), path)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from None
     return cls(**data)
 
 
