@@ -17,12 +17,11 @@ from typing import Any
 
 from mindvl.checkpoint.hf import CONFIG_NAME, compose_token_ids, read_config
 from mindvl.checkpoint.safetensors_io import TensorFolder
-from mindvl.checkpoint.side_files import processor_pixels
+from mindvl.checkpoint.side_files import processor_pixels, tokenizer_mismatches
 from mindvl.config import Recipe
 from mindvl.data import DataConfig
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, TextTokenizer, load_tokenizer
-from mindvl.infer.chat import tokenizer_mismatches
 from mindvl.models import MindVLConfig
 
 
