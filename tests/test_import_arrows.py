@@ -9,6 +9,7 @@ the file, the line and the arrow, e.g. `mindvl/train/preflight.py:25: train -> i
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,7 @@ def imports_in(source: str, current: str, is_package: bool, root: Path) -> list[
     return [(line, m, how) for line, m, how in found if m == "mindvl" or m.startswith("mindvl.")]
 
 
+@functools.cache  # parsed once per tree (the package walk takes a few seconds)
 def arrows(root: Path = PACKAGE_ROOT) -> list[Arrow]:
     """Every arrow between two rooms (and every child process that runs the CLI), once per file, line and module."""
     out: dict[Arrow, None] = {}
