@@ -3,22 +3,26 @@
     cfg = load_recipe("recipes/tiny/warmup.yaml", ["output_dir=runs/a", "max_steps=20", "optim.lr=5e-4"])
     cfg = load_recipe("tiny/warmup")          # the same recipe, shipped in the package, from any directory
 
-A recipe has the sections below; `data:` is validated by mindvl.data.DataConfig (kept here as its dict so this module
-imports only the standard library and yaml). Overrides take dotted paths (`optim.lr=1e-3`) or the short aliases in
-ALIASES; values are parsed as YAML (`1e-3`, `true`, `[a, b]`, `null`).
+A recipe has the sections below; `data:` is mindvl.data.DataConfig, built by the same converter (mindvl.typed) once
+at load, its `seed` defaulting to the recipe's `seed`. Overrides take dotted paths (`optim.lr=1e-3`) or the short
+aliases in ALIASES; values are parsed as YAML (`1e-3`, `true`, `[a, b]`, `null`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
+
+from mindvl.conventions import MODULES
+from mindvl.data.config import DataConfig
+from mindvl.typed import build as typed_build
+from mindvl.typed import check_keys
 
 # Everyday overrides have short names; everything else is reachable by its dotted path.
 ALIASES = {
@@ -34,7 +38,6 @@ ALIASES = {
 }
 
 PHASES = ("warmup", "pretrain", "multitask", "sft")
-MODULES = ("visual", "projector", "language_model")
 # What each paper phase trains (Table 1): the warm-up aligns the towers through the MLP adaptor alone. `pretrain` is
 # the extra phase of the paper's 4-phase ablation (Table 17: ViT + MLP adaptor, the LLM frozen).
 PHASE_TRAINABLE = {"warmup": ["projector"], "pretrain": ["visual", "projector"], "multitask": list(MODULES),
@@ -159,7 +162,7 @@ class Recipe:
     seed: int = 0  # model init (unless model.init_seed) and data order (unless data.seed)
     overwrite: bool = False  # a fresh run may replace a finished or partial run in output_dir
     model: ModelSection = field(default_factory=ModelSection)
-    data: dict[str, Any] = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
     phase: PhaseSection = field(default_factory=PhaseSection)
     batch: BatchSection = field(default_factory=BatchSection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -169,6 +172,8 @@ class Recipe:
     logging: LoggingSection = field(default_factory=LoggingSection)
     eval: EvalSection = field(default_factory=EvalSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    # the `data:` mapping as loaded (to_dict writes it back unchanged); None for a recipe built in code
+    _data_raw: ClassVar[dict[str, Any] | None] = None
 
     def validate(self) -> None:
         """Cross-field checks; each error names the key to fix."""
@@ -239,24 +244,31 @@ class Recipe:
         given = [k for k in ("init_from", "compose", "arch") if getattr(m, k)]
         _check(len(given) == 1, "model", f"give one of init_from, compose, arch (got {given})")
         if m.compose is not None:
-            for k in m.compose:
-                _check(k in ("vision", "language"), f"model.compose.{k}", "unknown key (known: language, vision)")
+            check_keys(m.compose, ("language", "vision"), "model.compose")
             _check(set(m.compose) == {"vision", "language"}, "model.compose", "needs both `vision` and `language`")
         if m.arch is not None:
-            for k in m.arch:
-                _check(k in ("text", "vision"), f"model.arch.{k}", "unknown key (known: text, vision)")
-        from mindvl.data import DataConfig  # validated here so a typo fails at load time, not at step 0
-
-        data = DataConfig.from_dict(self.data, "data")
-        _check(self.eval.every is None or data.eval_config() is not None or self.eval.benchmark is not None,
+            check_keys(m.arch, ("text", "vision"), "model.arch")
+        _check(self.eval.every is None or self.data.eval_config() is not None or self.eval.benchmark is not None,
                "eval.every", "needs held-out data (data.eval_sources or data.eval_fraction) or eval.benchmark")
+
+    @property
+    def data_keys_given(self) -> set[str]:
+        """The keys the recipe's `data:` section sets (all of them for a recipe built in code), e.g. to tell an
+        image resolution left at its default from one chosen."""
+        if self._data_raw is None:
+            return {f.name for f in dataclasses.fields(DataConfig)}
+        return set(self._data_raw)
 
     @property
     def trainable_modules(self) -> list[str]:
         return list(self.phase.trainable) if self.phase.trainable is not None else PHASE_TRAINABLE[self.phase.name]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The recipe as written to a run's recipe.json: `data` is the section as given (defaults left out, the
+        seed inherited from `seed`), so a recipe.json written before `data` was typed reads back the same."""
+        out = dataclasses.asdict(dataclasses.replace(self, data=DataConfig()))
+        out["data"] = dataclasses.asdict(self.data) if self._data_raw is None else copy.deepcopy(self._data_raw)
+        return out
 
 
 def _installed(module: str) -> bool:
@@ -275,69 +287,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ typed building
 
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check/convert a YAML value against a type hint; errors name the key."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, key)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[0] if errors else f"{key}: must not be null")
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, key)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{key}: expected a list, got {value!r}")
-        (inner,) = typing.get_args(tp)
-        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{key}: expected a mapping, got {value!r}")
-        _, inner = typing.get_args(tp)
-        return {k: _convert(v, inner, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ValueError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    raise TypeError(f"{key}: unsupported type {tp}")
-
-
-def build(cls: type, data: Any, where: str = "") -> Any:
-    """A dataclass from a mapping, rejecting unknown keys and wrong types by their dotted key."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or 'recipe'}: must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    prefix = f"{where}." if where else ""
-    for k in data:
-        if k not in names:
-            raise ValueError(f"{prefix}{k}: unknown key (known: {', '.join(names)})")
-    return cls(**{k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()})
+# The one mapping -> dataclass converter (mindvl.typed), re-exported under its historical name.
+build = typed_build
 
 
 # ------------------------------------------------------------------------------------------------- overrides
@@ -460,6 +411,10 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy through the same value space as a file
     for item in overrides or []:
         apply_override(raw, item)
+    data_raw = raw.get("data")
     recipe = build(Recipe, raw)
+    if not (isinstance(data_raw, dict) and "seed" in data_raw):  # data order follows `seed` unless pinned
+        recipe.data.seed = recipe.seed
+    recipe._data_raw = copy.deepcopy(data_raw)
     recipe.validate()
     return recipe

@@ -119,13 +119,13 @@ def write_benchmarks(out: Path, bench_items: int) -> dict[str, Path]:
 def save_untrained(out: Path, recipes: Path) -> Path:
     """The warm-up's initial weights (seeded random) as a model folder: the floor every score is compared with."""
     from mindvl.checkpoint import save_pretrained
-    from mindvl.data import DataConfig, load_tokenizer
+    from mindvl.data import load_tokenizer
     from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH
     from mindvl.train.materialize import build_model
     from mindvl.train.parallel import ParallelEnv
 
     recipe = load_recipe(recipes / "warmup.yaml", [f"output_dir={out / 'untrained'}"])
-    data = DataConfig.from_dict(recipe.data)
+    data = recipe.data
     tok = load_tokenizer(data.tokenizer)
     model = build_model(recipe, tok, ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo"))
     return save_pretrained(model, out / "untrained", overwrite=True,

@@ -36,7 +36,7 @@ from mindvl.data.image import (
     PATCH_SIZE,
     TEMPORAL_PATCH_SIZE,
 )
-from mindvl.data.tokenizer import QWEN2_VL_CHAT_TEMPLATE
+from mindvl.data.tokenizer import QWEN2_VL_CHAT_TEMPLATE, TextTokenizer
 from mindvl.models import MindVLConfig
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -243,3 +243,17 @@ def token_ids_for_config(folder: Path) -> dict[str, Any]:
         return {}
     gen = read_json(path)
     return {k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if gen.get(k) is not None}
+
+
+def tokenizer_mismatches(config: MindVLConfig, tok: TextTokenizer) -> list[str]:
+    """How `tok` disagrees with the model `config` (empty when it fits): vocabulary size, vision token ids. The
+    tokenizer is a side file of the model folder: training's preflight and chat both check it here."""
+    wrong = []
+    if tok.vocab_size > config.text.vocab_size:
+        wrong.append(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary holds {config.text.vocab_size}")
+    if config.vision is not None:
+        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
+                 "vision_end_token_id": tok.special.vision_end, "video_token_id": tok.special.video_pad}
+        wrong += [f"{k}: model {getattr(config, k)} vs tokenizer {v}" for k, v in pairs.items()
+                  if v is not None and getattr(config, k) != v]
+    return wrong

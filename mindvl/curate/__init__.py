@@ -9,7 +9,8 @@ re-clustering + variance-proportional sampling + SemDeDup), ocr (two engines int
 Engines (mindvl.curate.executors): inprocess, local worker processes, Ray Data.
 """
 
+from .io import iter_output
 from .pipeline import EngineConfig, PipelineConfig
-from .runner import RunResult, iter_output, run_pipeline
+from .runner import RunResult, run_pipeline
 
 __all__ = ["EngineConfig", "PipelineConfig", "RunResult", "iter_output", "run_pipeline"]

@@ -1,4 +1,5 @@
-"""Engines: the same `run_shard(job)` in this process, in local worker processes, or as a Ray Data map.
+"""Engines: the same `work(job)` (the runner's `run_shard`) in this process, in local worker processes, or as a Ray
+Data map. The runner hands `work` in, so this module does not import the runner that imports it.
 
 - `inprocess`: shards one after the other in the calling process.
 - `local`: a `ProcessPoolExecutor` of `workers` spawned processes (spawn, not fork: model libraries' thread pools
@@ -18,36 +19,36 @@ import os
 import socket
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from multiprocessing import get_context
 
 from .pipeline import EngineConfig
 
+Work = Callable[[dict], dict]  # one job -> its done record; a module-level function (spawned workers pickle it)
 
-def run_inprocess(jobs: list[dict]) -> list[dict]:
-    from .runner import run_shard
 
-    return [run_shard(j) for j in jobs]
+def run_inprocess(jobs: list[dict], work: Work) -> list[dict]:
+    return [work(j) for j in jobs]
 
 
 class LocalPool:
     """`workers` spawned processes kept for the whole run (every segment reuses them: spawning and importing the
     stages' libraries costs about a second a process)."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, work: Work):
         self.workers = workers
+        self.work = work
         self._pool: ProcessPoolExecutor | None = None
 
     def __call__(self, jobs: list[dict]) -> list[dict]:
-        from .runner import run_shard
-
         if self.workers == 1:
-            return run_inprocess(jobs)
+            return run_inprocess(jobs, self.work)
         if self._pool is None:
             # One core per worker (N workers use N cores, not N x cores threads): spawned children inherit the
             # environment, and BLAS/OpenMP read it when they load.
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"))
-        return list(self._pool.map(run_shard, jobs))
+        return list(self._pool.map(self.work, jobs))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -55,18 +56,16 @@ class LocalPool:
             self._pool = None
 
 
-def run_local(jobs: list[dict], workers: int) -> list[dict]:
-    pool = LocalPool(workers)
+def run_local(jobs: list[dict], workers: int, work: Work) -> list[dict]:
+    pool = LocalPool(workers, work)
     try:
         return pool(jobs)
     finally:
         pool.close()
 
 
-def _ray_row(row: dict) -> dict:
-    from .runner import run_shard
-
-    return {"done": json.dumps(run_shard(json.loads(row["job"])))}
+def _ray_row(work: Work, row: dict) -> dict:
+    return {"done": json.dumps(work(json.loads(row["job"])))}
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -83,7 +82,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
                          "(`ray start --head`) or remove engine.address to run a local Ray instance") from exc
 
 
-def run_ray(jobs: list[dict], workers: int, address: str | None) -> list[dict]:
+def run_ray(jobs: list[dict], workers: int, address: str | None, work: Work) -> list[dict]:
     try:
         import ray
         import ray.data
@@ -108,17 +107,18 @@ def run_ray(jobs: list[dict], workers: int, address: str | None) -> list[dict]:
     ds = ray.data.from_items([{"job": json.dumps(j)} for j in jobs], override_num_blocks=len(jobs))
     strategy = getattr(ray.data, "TaskPoolStrategy", None)
     if strategy is not None:  # `concurrency=` is deprecated since Ray 2.51
-        rows = ds.map(_ray_row, compute=strategy(size=workers), num_cpus=1).take_all()
+        rows = ds.map(partial(_ray_row, work), compute=strategy(size=workers), num_cpus=1).take_all()
     else:  # pragma: no cover - older Ray
-        rows = ds.map(_ray_row, concurrency=workers, num_cpus=1).take_all()
+        rows = ds.map(partial(_ray_row, work), concurrency=workers, num_cpus=1).take_all()
     return [json.loads(r["done"]) for r in rows]
 
 
-def make_executor(engine: EngineConfig) -> Callable[[list[dict]], list[dict]]:
+def make_executor(engine: EngineConfig, work: Work) -> Callable[[list[dict]], list[dict]]:
+    """The engine's `execute(jobs) -> done records`, running `work` on each job."""
     if engine.name == "inprocess":
-        return run_inprocess
+        return partial(run_inprocess, work=work)
     if engine.name == "local":
-        return LocalPool(engine.workers)
+        return LocalPool(engine.workers, work)
     if engine.name == "ray":
-        return lambda jobs: run_ray(jobs, engine.workers, engine.address)
+        return lambda jobs: run_ray(jobs, engine.workers, engine.address, work)
     raise ValueError(f"engine.name: unknown engine {engine.name!r}")

@@ -29,6 +29,8 @@ from mindvl.data.sources import RawItem, Unit, item_to_conversation, iter_jsonl,
 
 from .items import Item, image_extension
 
+SHARDS_DIR = "shards"  # OUT/shards/*.tar: a run's trainable output (the runner writes it, iter_output reads it)
+
 INPUT_FORMATS = ("auto", "jsonl", "tar", "parquet")
 
 
@@ -167,6 +169,14 @@ def iter_input(task: ShardTask) -> Iterator[Item | BadSample]:
             yield _jsonl_item(task, ordinal, raw)
         except BadSample as bad:
             yield bad
+
+
+def iter_output(out: str) -> Iterator[Item]:
+    """Every record of a finished run's output shards (OUT/shards/*.tar), in shard order."""
+    shards = os.path.join(os.path.abspath(out), SHARDS_DIR)
+    for name in sorted(os.listdir(shards)):
+        if name.endswith(".tar"):
+            yield from iter_shard(os.path.join(shards, name))
 
 
 def iter_shard(path: str, arrays_path: str | None = None) -> Iterator[Item]:

@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from mindvl.typed import build, check_keys
+
 from .io import INPUT_FORMATS
 from .stages import REGISTRY, Stage
 
@@ -60,9 +62,10 @@ class PipelineConfig:
     def from_dict(cls, d: Any, source: str = "<dict>") -> PipelineConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: the pipeline must be a mapping")
-        for key in d:
-            if key not in _TOP_KEYS:
-                raise ValueError(f"{source}: {key}: unknown key (known: {', '.join(_TOP_KEYS)})")
+        try:
+            check_keys(d, _TOP_KEYS, "")
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
         inputs = d.get("inputs")
         if isinstance(inputs, str):
             inputs = [inputs]
@@ -85,11 +88,11 @@ class PipelineConfig:
             eng = {"name": eng}
         if not isinstance(eng, dict):
             raise ValueError(f"{source}: engine: must be a mapping {{name, workers, address}}")
-        for key in eng:
-            if key not in ("name", "workers", "address"):
-                raise ValueError(f"{source}: engine.{key}: unknown key (known: address, name, workers)")
-        engine = EngineConfig(eng.get("name", "inprocess"), eng.get("workers", 1), eng.get("address"))
-        check_engine(engine, f"{source}: engine")
+        try:
+            engine = build(EngineConfig, eng, "engine")
+            check_engine(engine, "engine")
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
         raw_stages = d.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
             raise ValueError(f"{source}: stages: a non-empty list of {{stage_name: options}} is required")

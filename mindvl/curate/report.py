@@ -269,7 +269,7 @@ def _example_grid(out: str, clusters: list[dict], max_clusters: int = 12, thumb:
     """One row per cluster (the largest ones), its example records' first images."""
     from PIL import Image
 
-    from .runner import iter_output
+    from .io import iter_output
 
     wanted = {k: c["cluster"] for c in sorted(clusters, key=lambda c: -c["quota"])[:max_clusters]
               for k in c["examples"]}

@@ -27,7 +27,7 @@ from typing import Any
 
 from mindvl.data.schema import BadSample
 
-from .io import ShardTask, ShardWriter, input_tasks, iter_input, iter_shard, write_json_atomic
+from .io import SHARDS_DIR, ShardTask, ShardWriter, input_tasks, iter_input, iter_shard, write_json_atomic
 from .items import Item
 from .pipeline import PipelineConfig
 from .stages import GlobalStage, Stage
@@ -68,7 +68,7 @@ class Layout:
     def __init__(self, out: str):
         self.out = os.path.abspath(out)
         self.work = os.path.join(self.out, ".work")
-        self.shards = os.path.join(self.out, "shards")
+        self.shards = os.path.join(self.out, SHARDS_DIR)
 
     def seg_dir(self, k: int) -> str:
         return os.path.join(self.work, f"seg{k}")
@@ -266,7 +266,7 @@ def run_pipeline(cfg: PipelineConfig, execute: Callable[[list[dict]], list[dict]
     tasks = input_tasks(files, cfg.format, cfg.split)
     _check_fingerprint(layout, cfg)
     own_executor = execute is None
-    execute = execute or make_executor(cfg.engine)
+    execute = execute or make_executor(cfg.engine, run_shard)
     try:
         return _run_segments(cfg, layout, stages, tasks, execute, report, t0)
     finally:
@@ -335,9 +335,3 @@ def _ensure_plan(layout: Layout, seg: Segment, stages: list[Stage], tasks: list[
     return summary
 
 
-def iter_output(out: str) -> Iterator[Item]:
-    """Every record of a finished run's output shards, in shard order."""
-    shards = Layout(out).shards
-    for name in sorted(os.listdir(shards)):
-        if name.endswith(".tar"):
-            yield from iter_shard(os.path.join(shards, name))

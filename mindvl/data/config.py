@@ -1,14 +1,19 @@
 """Typed, validated configuration of the data pipeline (the `data:` section of a recipe).
 
 `DataConfig.from_dict(d)` rejects unknown keys and wrong types with an error that names the key
-(`data.sources[1].ratio: must be > 0`), so a typo in a recipe fails at load time, not hours into a run.
+(`data.sources[1].ratio: must be > 0`), so a typo in a recipe fails at load time, not hours into a run. The
+conversion is mindvl.typed's (the one the recipe uses); each class adds its shorthands (`_prepare_mapping`) and
+its checks (`_check_built`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from mindvl.typed import build
 
 from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, RESIZE_METHODS
 from .template import DEFAULT_SYSTEM
@@ -21,31 +26,9 @@ SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
 SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse")
 
 
-def _check_keys(d: Any, cls: type, where: str) -> dict:
-    if not isinstance(d, dict):
-        raise ValueError(f"{where}: must be a mapping, got {type(d).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in d:
-        if key not in known:
-            raise ValueError(f"{where}.{key}: unknown key (known: {', '.join(sorted(known))})")
-    return d
-
-
-def _typed(value: Any, types: tuple[type, ...], where: str, allow_none: bool = False) -> Any:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) and bool not in types:
-        raise ValueError(f"{where}: expected {'/'.join(t.__name__ for t in types)}, got a boolean")
-    if not isinstance(value, types):
-        raise ValueError(f"{where}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}")
-    return value
-
-
-def _positive(value: Any, where: str, allow_none: bool = False) -> int | None:
-    v = _typed(value, (int,), where, allow_none)
-    if v is not None and v <= 0:
-        raise ValueError(f"{where}: must be > 0, got {v}")
-    return v
+def _positive(value: int | None, where: str) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{where}: must be > 0, got {value}")
 
 
 @dataclass
@@ -57,18 +40,22 @@ class SynthConfig:
     seed: int = 0
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> SynthConfig:
-        _check_keys(d, cls, where)
-        tasks = d.get("tasks", list(SYNTH_TASKS))
-        if isinstance(tasks, str):
-            tasks = [t.strip() for t in tasks.split(",") if t.strip()]
-        if not isinstance(tasks, list) or not tasks:
+    def _prepare_mapping(cls, d: Any, where: str) -> Any:
+        if isinstance(d, dict) and isinstance(d.get("tasks"), str):  # `tasks: ocr,chart`
+            d = {**d, "tasks": [t.strip() for t in d["tasks"].split(",") if t.strip()]}
+        return d
+
+    def _check_built(self, where: str) -> None:
+        if not self.tasks:
             raise ValueError(f"{where}.tasks: must be a non-empty list of {list(SYNTH_KNOWN_TASKS)}")
-        for t in tasks:
+        for t in self.tasks:
             if t not in SYNTH_KNOWN_TASKS:
                 raise ValueError(f"{where}.tasks: unknown task {t!r} (known: {', '.join(SYNTH_KNOWN_TASKS)})")
-        return cls(tasks=list(tasks), n=_positive(d.get("n", 1000), f"{where}.n"),
-                   seed=_typed(d.get("seed", 0), (int,), f"{where}.seed"))
+        _positive(self.n, f"{where}.n")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SynthConfig:
+        return build(cls, d, where)
 
 
 @dataclass
@@ -86,23 +73,20 @@ class VideoConfig:
     # M-RoPE time scale; None: the model's own (the trainer fills it in). Set, it must equal the model's.
     tokens_per_second: int | None = None
 
-    @classmethod
-    def from_dict(cls, d: Any, where: str) -> VideoConfig:
-        _check_keys(d, cls, where)
-        fps = _typed(d.get("fps", 2.0), (int, float), f"{where}.fps")
-        if not fps > 0:
-            raise ValueError(f"{where}.fps: must be > 0, got {fps}")
-        cfg = cls(fps=float(fps), cap_pixels_per_frame=_typed(d.get("cap_pixels_per_frame", True), (bool,),
-                                                              f"{where}.cap_pixels_per_frame"))
+    def _check_built(self, where: str) -> None:
+        if not self.fps > 0:
+            raise ValueError(f"{where}.fps: must be > 0, got {self.fps}")
         for key in ("min_frames", "max_frames", "min_pixels", "max_pixels", "max_video_tokens", "max_decoded_frames",
                     "tokens_per_second"):
-            if key in d:
-                setattr(cfg, key, _positive(d[key], f"{where}.{key}"))
-        if cfg.min_pixels > cfg.max_pixels:
-            raise ValueError(f"{where}: min_pixels {cfg.min_pixels} is larger than max_pixels {cfg.max_pixels}")
-        if cfg.min_frames > cfg.max_frames:
-            raise ValueError(f"{where}: min_frames {cfg.min_frames} is larger than max_frames {cfg.max_frames}")
-        return cfg
+            _positive(getattr(self, key), f"{where}.{key}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"{where}: min_pixels {self.min_pixels} is larger than max_pixels {self.max_pixels}")
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"{where}: min_frames {self.min_frames} is larger than max_frames {self.max_frames}")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> VideoConfig:
+        return build(cls, d, where)
 
 
 @dataclass
@@ -125,8 +109,8 @@ class SourceConfig:
     caption_prompts: list[str] | str = "default"
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> SourceConfig:
-        if isinstance(d, str):
+    def _prepare_mapping(cls, d: Any, where: str) -> Any:
+        if isinstance(d, str):  # a bare path or glob
             d = {"paths": [d]}
         if not isinstance(d, dict):
             raise ValueError(f"{where}: must be a mapping or a path, got {type(d).__name__}")
@@ -135,42 +119,32 @@ class SourceConfig:
             if "paths" in d:
                 raise ValueError(f"{where}: give either `path` or `paths`, not both")
             d["paths"] = d.pop("path")
-        _check_keys(d, cls, where)
-        paths = d.get("paths", [])
-        if isinstance(paths, str):
-            paths = [paths]
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise ValueError(f"{where}.paths: must be a list of file paths or globs")
-        synth = SynthConfig.from_dict(d["synth"], f"{where}.synth") if d.get("synth") is not None else None
-        if bool(paths) == (synth is not None):
+        if isinstance(d.get("paths"), str):
+            d["paths"] = [d["paths"]]
+        return d
+
+    def _check_built(self, where: str) -> None:
+        if bool(self.paths) == (self.synth is not None):
             raise ValueError(f"{where}: give exactly one of `paths` (files/globs) or `synth`")
-        fmt = d.get("format", "auto")
-        if fmt not in ("auto", "jsonl", "tar"):
-            raise ValueError(f"{where}.format: must be auto, jsonl or tar, got {fmt!r}")
-        ratio = _typed(d.get("ratio", 1.0), (int, float), f"{where}.ratio")
-        if not ratio > 0:
-            raise ValueError(f"{where}.ratio: must be > 0, got {ratio}")
-        name = _typed(d.get("name", ""), (str,), f"{where}.name")
-        prompts = d.get("caption_prompts", "default")
+        if self.format not in ("auto", "jsonl", "tar"):
+            raise ValueError(f"{where}.format: must be auto, jsonl or tar, got {self.format!r}")
+        if not self.ratio > 0:
+            raise ValueError(f"{where}.ratio: must be > 0, got {self.ratio}")
+        prompts = self.caption_prompts
         if isinstance(prompts, str):
             if prompts not in ("default", "none"):
                 raise ValueError(f"{where}.caption_prompts: must be default, none or a list of instructions")
-        elif not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        elif not prompts or not all(prompts):
             raise ValueError(f"{where}.caption_prompts: must be default, none or a non-empty list of instructions")
         elif any("<image>" in p or "<video>" in p for p in prompts):
             raise ValueError(f"{where}.caption_prompts: an instruction must not contain <image>/<video> (the image "
                              "is placed before it)")
-        return cls(
-            category=_typed(d.get("category", ""), (str,), f"{where}.category"),
-            caption_prompts=prompts,
-            name=name,
-            paths=list(paths),
-            synth=synth,
-            format=fmt,
-            ratio=float(ratio),
-            min_pixels=_positive(d.get("min_pixels"), f"{where}.min_pixels", allow_none=True),
-            max_pixels=_positive(d.get("max_pixels"), f"{where}.max_pixels", allow_none=True),
-        )
+        _positive(self.min_pixels, f"{where}.min_pixels")
+        _positive(self.max_pixels, f"{where}.max_pixels")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SourceConfig:
+        return build(cls, d, where)
 
 
 @dataclass
@@ -209,52 +183,35 @@ class DataConfig:
     split: str = "train"  # train | eval: which side of eval_fraction this pipeline reads (set by the trainer)
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = "data") -> DataConfig:
-        _check_keys(d, cls, where)
-        raw_sources = d.get("sources")
-        if not isinstance(raw_sources, list) or not raw_sources:
-            raise ValueError(f"{where}.sources: must be a non-empty list of sources")
-        sources = [SourceConfig.from_dict(s, f"{where}.sources[{i}]") for i, s in enumerate(raw_sources)]
-        explicit = {s.name for s in sources if s.name}
-        for i, s in enumerate(sources):
+    def _prepare_mapping(cls, d: Any, where: str) -> Any:
+        if isinstance(d, dict):
+            raw_sources = d.get("sources")
+            if not isinstance(raw_sources, list) or not raw_sources:
+                raise ValueError(f"{where}.sources: must be a non-empty list of sources")
+        return d
+
+    def _check_built(self, where: str) -> None:
+        explicit = {s.name for s in self.sources if s.name}
+        for i, s in enumerate(self.sources):
             if not s.name:
                 name = f"synth{i}" if s.synth is not None else _default_name(s.paths[0], i)
                 s.name = name if name not in explicit else f"{name}_{i}"
                 explicit.add(s.name)
-        names = [s.name for s in sources]
+        names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.sources: source names must be unique, got {names}")
-        cfg = cls(
-            sources=sources,
-            seq_len=_positive(d.get("seq_len", 8192), f"{where}.seq_len"),
-            max_patches_per_pack=_positive(d.get("max_patches_per_pack"), f"{where}.max_patches_per_pack", True),
-            min_pixels=_positive(d.get("min_pixels", DEFAULT_MIN_PIXELS), f"{where}.min_pixels"),
-            max_pixels=_positive(d.get("max_pixels", DEFAULT_MAX_PIXELS), f"{where}.max_pixels"),
-            max_image_pixels=_positive(d.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
-                                       f"{where}.max_image_pixels"),
-            image_resize=_typed(d.get("image_resize", "torch"), (str,), f"{where}.image_resize"),
-            truncation=d.get("truncation", "truncate"),
-            max_record_bytes=_positive(d.get("max_record_bytes"), f"{where}.max_record_bytes", allow_none=True),
-            pack_buffer=_positive(d.get("pack_buffer", 256), f"{where}.pack_buffer"),
-            pad_to_seq_len=_typed(d.get("pad_to_seq_len", False), (bool,), f"{where}.pad_to_seq_len"),
-            seed=_typed(d.get("seed", 0), (int,), f"{where}.seed"),
-            strict=_typed(d.get("strict", False), (bool,), f"{where}.strict"),
-            num_workers=_typed(d.get("num_workers", 0), (int,), f"{where}.num_workers"),
-            tokenizer=_typed(d.get("tokenizer"), (str,), f"{where}.tokenizer", allow_none=True),
-            default_system=_typed(d.get("default_system", DEFAULT_SYSTEM), (str,), f"{where}.default_system", True),
-            train_on_prompt=_typed(d.get("train_on_prompt", False), (bool,), f"{where}.train_on_prompt"),
-            synth_cache=_typed(d.get("synth_cache"), (str,), f"{where}.synth_cache", allow_none=True),
-            video=VideoConfig.from_dict(d.get("video") or {}, f"{where}.video"),
-            box_format=_typed(d.get("box_format", "qwen2.5-vl"), (str,), f"{where}.box_format"),
-            eval_sources=[SourceConfig.from_dict(s, f"{where}.eval_sources[{i}]")
-                          for i, s in enumerate(_typed(d.get("eval_sources", []), (list,), f"{where}.eval_sources"))],
-            eval_fraction=float(_typed(d.get("eval_fraction", 0.0), (int, float), f"{where}.eval_fraction")),
-            split=d.get("split", "train"),
-        )
-        for i, s in enumerate(cfg.eval_sources):
+        for key in ("seq_len", "max_patches_per_pack", "min_pixels", "max_pixels", "max_image_pixels",
+                    "max_record_bytes", "pack_buffer"):
+            _positive(getattr(self, key), f"{where}.{key}")
+        for i, s in enumerate(self.eval_sources):
             s.name = s.name or f"eval{i}"
-        cfg.validate(where)
-        return cfg
+        self.validate(where)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "data") -> DataConfig:
+        """The validated config of a recipe's `data:` mapping (a DataConfig, e.g. a recipe's, comes back as a copy
+        the caller may fill in)."""
+        return copy.deepcopy(d) if isinstance(d, cls) else build(cls, d, where)
 
     def validate(self, where: str = "data") -> None:
         """Cross-field checks (also run on configs built in code)."""

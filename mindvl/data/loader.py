@@ -1,6 +1,6 @@
 """The loader a trainer iterates: one per data-parallel rank, with optional worker processes, exact resume.
 
-    loader = build_loader(DataConfig.from_dict(recipe["data"]), rank=r, world_size=w)
+    loader = build_loader(recipe.data, rank=r, world_size=w)     # a DataConfig (or its dict form)
     for pack in loader:                 # infinite stream of Packs (max_epochs=None)
         batch = pack.to_torch()         # input_ids, labels, position_ids, cu_seqlens, pixel_values, image_grid_thw
         ...

@@ -30,7 +30,7 @@ from .tokenizer import TextTokenizer
 from .video import VideoSettings, preprocess_video
 
 
-@dataclass
+@dataclass(kw_only=True)  # by name only: eight positional ints and strings were one swap away from a silent bug
 class ProcessConfig:
     seq_len: int
     min_pixels: int

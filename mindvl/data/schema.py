@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from mindvl.conventions import IGNORE_INDEX
+
 ROLES = ("system", "user", "assistant")
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"

@@ -50,10 +50,11 @@ class PackStream:
         self.epoch_valid = [[0, 0, 0, 0] for _ in cfg.sources]
         self.alloc_pixels = None  # optional [P] -> float32 [P, 1176] allocator for pack pixel rows (shared memory)
         self._process_cfgs = [
-            ProcessConfig(cfg.seq_len, *cfg.pixels_for(i), cfg.max_image_pixels, cfg.truncation,
-                          cfg.max_patches_per_pack, cfg.default_system, cfg.train_on_prompt,
-                          caption_prompts=cfg.sources[i].caption_prompts, seed=cfg.seed,
-                          video=video_settings(cfg.video),
+            ProcessConfig(seq_len=cfg.seq_len, min_pixels=cfg.pixels_for(i)[0], max_pixels=cfg.pixels_for(i)[1],
+                          max_image_pixels=cfg.max_image_pixels, truncation=cfg.truncation,
+                          max_patches=cfg.max_patches_per_pack, default_system=cfg.default_system,
+                          train_on_prompt=cfg.train_on_prompt, caption_prompts=cfg.sources[i].caption_prompts,
+                          seed=cfg.seed, video=video_settings(cfg.video),
                           tokens_per_second=cfg.video.tokens_per_second or 2,  # 2: Qwen2.5-VL, when no model says
                           box_format=cfg.box_format, image_resize=cfg.image_resize)
             for i in range(len(cfg.sources))

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from mindvl.checkpoint import load_model
+from mindvl.checkpoint.side_files import tokenizer_mismatches
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
 from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
@@ -32,7 +33,7 @@ from mindvl.data.video import (
     preprocess_video,
     settings_from_processor_config,
 )
-from mindvl.models import MindVL, MindVLConfig
+from mindvl.models import MindVL
 
 from .device import default_device, resolve_device  # noqa: F401  (default_device: public here before)
 from .generate import Prompt, check_sampling, generate
@@ -181,19 +182,6 @@ def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike
         return load_tokenizer(model_dir)
     raise FileNotFoundError(f"{model_dir} has no tokenizer.json; pass the tokenizer folder the model was trained "
                             "with (--tokenizer DIR)")
-
-
-def tokenizer_mismatches(config: MindVLConfig, tok: TextTokenizer) -> list[str]:
-    """How `tok` disagrees with the model `config` (empty when it fits): vocabulary size, vision token ids."""
-    wrong = []
-    if tok.vocab_size > config.text.vocab_size:
-        wrong.append(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary holds {config.text.vocab_size}")
-    if config.vision is not None:
-        pairs = {"image_token_id": tok.special.image_pad, "vision_start_token_id": tok.special.vision_start,
-                 "vision_end_token_id": tok.special.vision_end, "video_token_id": tok.special.video_pad}
-        wrong += [f"{k}: model {getattr(config, k)} vs tokenizer {v}" for k, v in pairs.items()
-                  if v is not None and getattr(config, k) != v]
-    return wrong
 
 
 def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:

@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mindvl.typed import check_keys, field_names
+
 T = TypeVar("T")
 
 
@@ -20,10 +22,10 @@ def _from_dict(cls: type[T], data: dict[str, Any], where: str, section: str = ""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: {section.rstrip('.') or 'the top level'} must be a JSON object, got "
                          f"{_kind(data)}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: {section}unknown key(s) {unknown}; known keys are {sorted(names)}")
+    try:  # mindvl.typed's wording, as for recipes: `config.json: text.foo: unknown key (known: ...)`
+        check_keys(data, field_names(cls), section.rstrip("."))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         if not _fits(value, hints[key]):

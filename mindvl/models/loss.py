@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100
+from mindvl.conventions import IGNORE_INDEX
 
 
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

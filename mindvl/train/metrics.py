@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mindvl.conventions import MODULES
 from mindvl.models.config import MindVLConfig, TextConfig
 
 PEAK_ENV = "MINDVL_PEAK_TFLOPS"
@@ -35,7 +36,7 @@ PEAK_TFLOPS_BF16 = {
 }
 
 # The towers in data-flow order: the gradient flows from the language model back to the first trainable module.
-MODULE_ORDER = ("visual", "projector", "language_model")
+MODULE_ORDER = MODULES
 
 
 def _seq_pairs(lengths: list[int], causal: bool) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mindvl.config import MODULES  # the recipe's names of MindVL's top-level modules, defined once
+from mindvl.conventions import MODULES  # the recipe's names of MindVL's top-level modules, defined once
 
 
 def apply_phase(model: nn.Module, trainable: list[str]) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """The planner's headline at the start of an accelerator run: estimated peak per rank against the device's capacity.
 
-`mindvl plan` runs in a child process (it needs its own fake process group, and takes a minute or more at full
-size), started before the model is built; the trainer prints its one-line headline when it is ready, and a plan
-that does not fit is printed as a warning. Nothing here stops or slows training.
+The planner (`python -m mindvl.plan`: what `mindvl plan --json` prints) runs in a child process (it needs its own
+fake process group, and takes a minute or more at full size), started before the model is built; the trainer prints
+its one-line headline when it is ready, and a plan that does not fit is printed as a warning. Nothing here stops
+or slows training.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class PlannerHeadline:
         out.mkdir(parents=True, exist_ok=True)
         path = out / "plan_recipe.yaml"
         path.write_text(yaml.safe_dump(recipe.to_dict()))
-        cmd = [sys.executable, "-c", "import sys; from mindvl.cli import main; sys.exit(main())", "plan", str(path),
-               "--world-size", str(env.world_size), "--device", device, "--json"]
+        # the planner's own entry point (mindvl.plan.__main__, the JSON of `mindvl plan --json`), not the CLI
+        cmd = [sys.executable, "-m", "mindvl.plan", str(path), "--world-size", str(env.world_size), "--device", device]
         self.log = (out / "plan.json").open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.DEVNULL,
                                      env={**_env(), "CUDA_VISIBLE_DEVICES": "", "ASCEND_RT_VISIBLE_DEVICES": ""})

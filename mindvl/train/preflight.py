@@ -17,12 +17,11 @@ from typing import Any
 
 from mindvl.checkpoint.hf import CONFIG_NAME, compose_token_ids, read_config
 from mindvl.checkpoint.safetensors_io import TensorFolder
-from mindvl.checkpoint.side_files import processor_pixels
+from mindvl.checkpoint.side_files import processor_pixels, tokenizer_mismatches
 from mindvl.config import Recipe
 from mindvl.data import DataConfig
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, TextTokenizer, load_tokenizer
-from mindvl.infer.chat import tokenizer_mismatches
 from mindvl.models import MindVLConfig
 
 
@@ -51,7 +50,7 @@ def start_folder(recipe: Recipe) -> Path | None:
 def tokenizer_source(recipe: Recipe) -> str | None:
     """`data.tokenizer` when set; else the folder the model comes from (init_from, or compose's language model)
     when it holds a tokenizer.json; else None (mindvl's built-in tokenizer, which `arch` models are built on)."""
-    given = recipe.data.get("tokenizer")
+    given = recipe.data.tokenizer
     if given:
         return str(given)
     m = recipe.model
@@ -99,7 +98,7 @@ def _check_pixels(recipe: Recipe, folder: Path) -> None:
         return
     defaults = {"min_pixels": DEFAULT_MIN_PIXELS, "max_pixels": DEFAULT_MAX_PIXELS}
     for key, value in zip(("min_pixels", "max_pixels"), trained, strict=True):
-        if key not in recipe.data and value != defaults[key]:
+        if key not in recipe.data_keys_given and value != defaults[key]:
             raise ValueError(
                 f"data.{key} is not set (default {defaults[key]}) but {folder / 'preprocessor_config.json'} has "
                 f"{key} {value}: set data.min_pixels and data.max_pixels in the recipe (the folder's values "

@@ -8,12 +8,14 @@ Synthetic sources keep their own `synth.seed` (it names the generated data set, 
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
 import torch
 
 from mindvl.config import Recipe
+from mindvl.data import DataConfig
 
 
 def seed_everything(seed: int) -> None:
@@ -22,6 +24,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def data_section(recipe: Recipe) -> dict:
-    """The recipe's `data:` with `seed` defaulting to the recipe's `seed`."""
-    return {"seed": recipe.seed, **recipe.data}
+def data_section(recipe: Recipe) -> DataConfig:
+    """The recipe's data config (`seed` defaulted to the recipe's `seed` at load), as a copy the caller may fill in
+    (the trainer sets `video.tokens_per_second` from the model)."""
+    return copy.deepcopy(recipe.data)

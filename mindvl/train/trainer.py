@@ -189,7 +189,7 @@ def train(recipe: Recipe) -> RunResult:
     env = init_distributed(recipe.parallel.device)
     lock = None
     try:
-        data_cfg = DataConfig.from_dict(data_section(recipe))
+        data_cfg = data_section(recipe)
         # data.tokenizer, else the init/compose model's own; checked against the model before anything is built
         # or written (the run folder included)
         checked = preflight(recipe, data_cfg)

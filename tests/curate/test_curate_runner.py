@@ -96,7 +96,7 @@ def test_unreachable_ray_cluster_is_a_one_line_error(tmp_path, corpus):
     from mindvl.curate.executors import run_ray
 
     with pytest.raises(ValueError, match=r"engine\.address: cannot reach the Ray cluster at '127\.0\.0\.1:1'"):
-        run_ray([{"job": 1}], 1, "127.0.0.1:1")
+        run_ray([{"job": 1}], 1, "127.0.0.1:1", work=print)
 
 
 @pytest.mark.slow

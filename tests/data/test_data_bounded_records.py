@@ -98,7 +98,8 @@ def test_record_byte_limit_config():
     assert DataConfig.from_dict(base).record_byte_limit() == RECORD_BYTES_FLOOR
     assert DataConfig.from_dict({**base, "seq_len": 8192}).record_byte_limit() == RECORD_BYTES_PER_TOKEN * 8192
     assert DataConfig.from_dict({**base, "max_record_bytes": 4096}).record_byte_limit() == 4096
-    for value, message in [(0, "data.max_record_bytes: must be > 0"), ("1MB", "data.max_record_bytes: expected int"),
+    for value, message in [(0, "data.max_record_bytes: must be > 0"),
+                           ("1MB", "data.max_record_bytes: expected an integer"),
                            (100, "data.max_record_bytes: 100 is below seq_len 512")]:
         with pytest.raises(ValueError, match=message):
             DataConfig.from_dict({**base, "max_record_bytes": value})

@@ -129,7 +129,7 @@ def test_state_mismatch_is_a_clear_error(synth_dir, tok):
     ({"sources": [{"path": "x.jsonl", "ratio": 0}]}, r"data.sources\[0\].ratio: must be > 0"),
     ({"sources": [{"path": "x.jsonl", "colour": 1}]}, r"data.sources\[0\].colour: unknown key"),
     ({"sources": [{"synth": {"tasks": ["maps"]}}]}, r"data.sources\[0\].synth.tasks: unknown task 'maps'"),
-    ({"sources": ["x.jsonl"], "seq_len": "long"}, "data.seq_len: expected int"),
+    ({"sources": ["x.jsonl"], "seq_len": "long"}, "data.seq_len: expected an integer"),
     ({"sources": ["x.jsonl"], "truncation": "cut"}, "data.truncation: must be truncate or drop"),
     ({"sources": [{"path": "x.jsonl", "min_pixels": 10**7}]}, r"data.sources\[0\]: min_pixels"),
     ({"sources": [{"path": "x.jsonl", "synth": {"n": 3}}]}, "exactly one of"),

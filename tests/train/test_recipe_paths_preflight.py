@@ -36,11 +36,16 @@ def test_relative_inputs_resolve_against_the_recipe_folder(tmp_path, monkeypatch
     monkeypatch.chdir(elsewhere)
     r = load_recipe(folder / "r.yaml", ["seed=3"])
     assert r.model.init_from == str(tmp_path / "project" / "models" / "start")
-    assert r.data["tokenizer"] == str(folder / "tok")
-    assert r.data["sources"][0]["paths"] == [str(folder / "data/a.jsonl"), "/abs/b.jsonl"]
-    assert r.data["sources"][1] == str(folder / "c/*.jsonl") and r.data["sources"][2]["path"] == str(folder / "d.tar")
+    assert r.data.tokenizer == str(folder / "tok")
+    assert r.data.sources[0].paths == [str(folder / "data/a.jsonl"), "/abs/b.jsonl"]
+    assert r.data.sources[1].paths == [str(folder / "c/*.jsonl")] and r.data.sources[2].paths == [str(folder / "d.tar")]
+    assert r.data.seed == 3  # data order follows the recipe's seed unless data.seed pins it
+    # recipe.json keeps the section as written (resolved paths, no defaults filled in)
+    written = r.to_dict()["data"]
+    assert written["sources"][1] == str(folder / "c/*.jsonl") and written["sources"][2]["path"] == str(folder / "d.tar")
+    assert "seed" not in written and written["tokenizer"] == str(folder / "tok")
     # Outputs and command-line overrides stay relative to the working directory.
-    assert (r.output_dir, r.data["synth_cache"]) == ("runs/o", "cache")
+    assert (r.output_dir, r.data.synth_cache) == ("runs/o", "cache")
     assert load_recipe(folder / "r.yaml", ["init_from=here/m"]).model.init_from == "here/m"
     # compose folders resolve too
     raw["model"] = {"compose": {"vision": "v", "language": "/l"}}

@@ -72,7 +72,7 @@ def test_warmup_freezes_all_but_the_projector(setup, tmp_path):
 
     raw = raw_recipe(tmp_path / "warm", tmp_path / "cache2", phase={"name": "warmup"}, budget={"max_steps": 3},
                      checkpoint={"every": None})
-    raw["data"] = dict(recipe.data)
+    raw["data"] = recipe.to_dict()["data"]
     warm = load_recipe(raw=raw)
     initial = {n: p.detach().clone() for n, p in build_model(warm, tok, ENV).state_dict().items()}
     result = train(warm)
