@@ -13,14 +13,16 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder or tokenizer.json (default: the model's)")
     p.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: text)")
     p.add_argument("--max-sequences", type=int, help="trace only the first N records")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ... (default: cpu)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from mindvl.infer.device import resolve_device
     from mindvl.moe_analysis.trace import trace_folder
 
+    device = resolve_device(args.device)  # before loading anything: `cuda` on a CPU build is one line
     path = trace_folder(args.model, args.corpus, args.tokenizer, args.out, text_key=args.text_key,
-                        max_sequences=args.max_sequences, device=args.device)
+                        max_sequences=args.max_sequences, device=device)
     print(f"wrote {path}")
     return 0

@@ -238,10 +238,9 @@ def load_moe_model(model_dir: str | os.PathLike, dtype: torch.dtype | None = Non
                    device: torch.device | str = "cpu") -> nn.Module:
     """A mindvl model folder (model_type mindvl) or a transformers causal-LM folder, in eval mode."""
     from mindvl.checkpoint.hf import read_config
-    from mindvl.infer.device import resolve_device
 
     model_dir = Path(model_dir)
-    device = resolve_device(device)
+    device = torch.device(device)  # the CLI checks a user's --device (mindvl.infer.device) before calling
     config = read_config(model_dir)  # errors name the file
     if config.get("model_type") == "mindvl":
         from mindvl.checkpoint import load_model
