@@ -13,7 +13,7 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder or tokenizer.json (default: the model's)")
     p.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: text)")
     p.add_argument("--max-sequences", type=int, help="trace only the first N records")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, ... (default cpu)")
     p.set_defaults(func=run)
 
 

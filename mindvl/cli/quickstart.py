@@ -3,6 +3,8 @@ resolution search, evaluation, report)."""
 
 from __future__ import annotations
 
+from .overrides import add_overrides
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("quickstart", help="the paper's pipeline end to end at toy scale on synthetic data")
@@ -10,7 +12,7 @@ def register(subparsers) -> None:
     p.add_argument("--recipes", default=None, help="folder with warmup/multitask/sft.yaml (default: the tiny ones)")
     p.add_argument("--bench-items", type=int, default=100, help="items per synthetic benchmark (default 100)")
     p.add_argument("--grid", default="4,16:16,64", help="resolution grid (see mindvl search-resolution --grid)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every phase (e.g. max_steps=10)")
+    add_overrides(p, "applied to every phase (e.g. max_steps=10)")
     p.set_defaults(func=run)
 
 
