@@ -60,24 +60,35 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
                       log=print) -> dict[str, Any]:
     """Scores {checkpoint: {benchmark: {setting: headline}}} plus the best settings; writes the files above."""
     from mindvl.infer.chat import load_for_chat
+    from mindvl.progress import Progress
 
     out = Path(out)
     scores: dict[str, dict[str, dict[str, float]]] = {}
     exact: dict[str, dict[str, dict[str, float]]] = {}
     headlines: dict[str, str] = {}
+    # Progress in evaluations (checkpoint x benchmark x setting), advanced by each evaluation's share of its items.
+    bar = Progress("resolution search", total=len(checkpoints) * len(benches) * len(grid), unit="evaluations")
+    bar.start()
+    finished = 0
     for label, folder in checkpoints.items():
         model, tok = load_for_chat(folder, tokenizer, device)
         for bench, path in benches.items():
             for lo, hi in grid:
                 name = setting_label(lo, hi)
                 run = replace(settings, min_pixels=lo, max_pixels=hi)
-                summary = evaluate_benchmark(model, tok, bench, path, run, out / label / bench / f"{name}.jsonl")
+                bar.update(finished, desc=f"search {label} {bench} {name}")
+                summary = evaluate_benchmark(model, tok, bench, path, run, out / label / bench / f"{name}.jsonl",
+                                             progress=lambda done, total, k=finished: bar.update(
+                                                 k + (done / total if total else 0)))
+                finished += 1
+                bar.update(finished)
                 headlines[bench] = summary["headline"]
                 scores.setdefault(label, {}).setdefault(bench, {})[name] = summary[summary["headline"]]
                 exact.setdefault(label, {}).setdefault(bench, {})[name] = summary["exact_match"]
                 log(f"{label} {bench} {name}: {summary['headline']} {summary[summary['headline']]:.4g}, "
                     f"exact {summary['exact_match']:.1%}")
         del model
+    bar.close()
     best = best_settings(scores)
     result = {"grid": [list(p) for p in grid], "headlines": headlines, "scores": scores, "exact_match": exact,
               "best": best}

@@ -168,13 +168,15 @@ def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | 
     """`mindvl eval`: every benchmark of `benches` for one model folder; writes OUT/<bench>/predictions.jsonl,
     OUT/summary.json and OUT/summary.md; returns {bench: summary}."""
     from mindvl.infer.chat import load_for_chat, pixel_limits
+    from mindvl.progress import Progress
 
     model, tok = load_for_chat(model_dir, tokenizer, device)
     out = Path(out)
     summaries = {}
     for name, path in benches.items():
-        summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
-                                     pixel_limits(model_dir))
+        with Progress(f"eval {name}", unit="items") as bar:
+            summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
+                                         pixel_limits(model_dir), progress=lambda done, total: bar.update(done, total))
         summaries[name] = summary
         log(f"{name}: {summary['headline']} = {summary[summary['headline']]:.4g}, exact match "
             f"{summary['exact_match']:.1%} over {summary['n']} items")
