@@ -227,6 +227,37 @@ def generate_data(out: Path, sets, log) -> None:
             ensure_synth(out / "synth", list(tasks), n, seed, progress=lambda i, b=base: bar.update(b + i))
 
 
+def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Path, items: list[str], extra_for,
+                bench_items: int, pairs: list[tuple[int, int]], log) -> dict[str, Any]:
+    """Data -> five training phases -> merge -> search; fills `summary` and returns the search's result."""
+    from mindvl.checkpoint.merge import merge_checkpoints
+    from mindvl.eval.resolution_search import search_resolution
+
+    plan.begin("data")
+    generate_data(out, synth_sets(out, recipes, items, extra_for), log)
+    plan.end("data")
+    summary["phases"] = train_phases(out, recipes, items, log, plan, extra_for)
+
+    plan.begin("merge")
+    t0 = time.perf_counter()
+    sft = [Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS]
+    merged = merge_checkpoints(sft, out / "merged", overwrite=True).out
+    summary["merge_seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"   merged: {len(sft)} SFT models -> {merged}")
+    benches = write_benchmarks(out / "bench", bench_items)
+    checkpoints = {"untrained": save_untrained(out, recipes),
+                   **{name: Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS}, "merged": merged}
+    plan.end("merge")
+
+    plan.begin("search")
+    t0 = time.perf_counter()
+    search = search_resolution(checkpoints, benches, pairs, out / "search", eval_settings(), device="cpu",
+                               log=lambda line: None)
+    plan.end("search")
+    summary["search_seconds"] = round(time.perf_counter() - t0, 1)
+    return search
+
+
 def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,
                bench_items: int = BENCH_ITEMS, grid: str = QUICK_GRID, log=print, steps: int | None = None,
                fast: bool = False, rerun: str | None = None) -> dict[str, Any]:
@@ -234,10 +265,10 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     command that continues an interrupted run (printed if a phase is stopped)."""
     from contextlib import nullcontext
 
-    from mindvl.checkpoint.merge import merge_checkpoints
-    from mindvl.eval.resolution_search import parse_grid, search_resolution
+    from mindvl.eval.resolution_search import parse_grid
     from mindvl.eval.runner import write_json
     from mindvl.train.preempt import rerun_command
+    from mindvl.train.stops import Preempted
 
     out = Path(out)
     recipes = Path(recipes) if recipes else recipe_dir()
@@ -260,29 +291,14 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
     plan.print_plan(f"quickstart into {out}")
     summary: dict[str, Any] = {}
-    with rerun_command(rerun) if rerun else nullcontext():
-        plan.begin("data")
-        generate_data(out, synth_sets(out, recipes, items, extra_for), log)
-        plan.end("data")
-        summary["phases"] = train_phases(out, recipes, items, log, plan, extra_for)
-
-    plan.begin("merge")
-    t0 = time.perf_counter()
-    sft = [Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS]
-    merged = merge_checkpoints(sft, out / "merged", overwrite=True).out
-    summary["merge_seconds"] = round(time.perf_counter() - t0, 1)
-    log(f"   merged: {len(sft)} SFT models -> {merged}")
-    benches = write_benchmarks(out / "bench", bench_items)
-    checkpoints = {"untrained": save_untrained(out, recipes),
-                   **{name: Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS}, "merged": merged}
-    plan.end("merge")
-
-    plan.begin("search")
-    t0 = time.perf_counter()
-    search = search_resolution(checkpoints, benches, pairs, out / "search", eval_settings(), device="cpu",
-                               log=lambda line: None)
-    plan.end("search")
-    summary["search_seconds"] = round(time.perf_counter() - t0, 1)
+    try:  # Ctrl-C (or a stop signal) anywhere: say how to continue, which is the same command again
+        with rerun_command(rerun) if rerun else nullcontext():
+            search = _run_stages(plan, summary, out, recipes, items, extra_for, bench_items, pairs, log)
+    except (KeyboardInterrupt, Preempted):
+        stage = plan.stages[plan.current].name if plan.current >= 0 else "start-up"
+        again = rerun or "the same quickstart command"
+        raise Preempted(f"quickstart interrupted in stage {stage}; to continue, run it again: {again}   (finished "
+                        "stages are reused, a stopped training phase resumes from its checkpoint)") from None
     summary["evaluation"] = {label: {bench: {"score": per[DEFAULT_SETTING],
                                              "exact_match": search["exact_match"][label][bench][DEFAULT_SETTING]}
                                      for bench, per in benches_scores.items()}

@@ -25,9 +25,15 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    import shlex
+    import sys
+
     from mindvl.ablate import parse_ablations, run_ablation
+    from mindvl.train.preempt import rerun_command
 
     claims = parse_ablations(args.ablation)
-    run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
-                 verdicts=not args.no_verdict, report_only=args.report_only)
+    # A stopped training run advises this very command: a rerun reuses finished runs and resumes the stopped one.
+    with rerun_command(shlex.join(["mindvl", *sys.argv[1:]])):
+        run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
+                     verdicts=not args.no_verdict, report_only=args.report_only)
     return 0
