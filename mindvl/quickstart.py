@@ -27,7 +27,7 @@ import torch
 from mindvl.config import load_recipe
 from mindvl.eval.runner import EvalSettings
 from mindvl.progress import format_duration
-from mindvl.quickstart_plan import QUICKSTART_COST, Stage, StagePlan, speed_probe
+from mindvl.quickstart_plan import QUICKSTART_COST, Stage, StagePlan, step_probe, synth_probe
 from mindvl.train.trainer import train
 
 PX = 28 * 28
@@ -189,14 +189,15 @@ def build_plan(out: Path, recipes: Path, overrides: list[str], extra_for, bench_
     missing = [k for k in synth_sets(out, recipes, overrides, extra_for)
                if not synth_path(out / "synth", *k).is_file()]
     samples = sum(n for _, n, _ in missing)
-    data_cost = sum(n * statistics.mean(cost["synth"].get(t, 0.1) for t in tasks) for tasks, n, _ in missing)
+    rate = synth_probe(sorted({t for tasks, _, _ in missing for t in tasks}))  # seconds per sample, measured now
+    data_cost = sum(n * statistics.mean(rate[t] for t in tasks) for tasks, n, _ in missing) / probe_s
     stages = [Stage("data", f"{samples:,} synthetic samples in {len(missing)} sets" if missing
                     else "synthetic sets already generated", data_cost, "" if missing else "cached")]
     for name, recipe, _, extra in phase_specs(recipes):
         cfg = load_recipe(recipe, [*extra_for(recipe), *extra, *overrides])
         seq_len = DataConfig.from_dict(cfg.data).seq_len
         steps = cfg.budget.max_steps
-        per_step = cost["step"].get(name, cost["step"]["default"]) * seq_len / 1024
+        per_step = cost["step"][name] if name in cost["step"] else cost["step"]["default"] * seq_len / 1024
         reused = (out / name / PHASE_SUMMARY).is_file()
         detail = f"{steps} steps of {seq_len} tokens, trains {', '.join(cfg.trainable_modules)}" if steps else \
             f"{cfg.budget.max_tokens:,} tokens of {seq_len}"
@@ -287,7 +288,7 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
         return cached_caps[recipe]
 
     pairs = parse_grid(grid)
-    probe_s = speed_probe()
+    probe_s = step_probe(load_recipe(recipes / "multitask.yaml", [*extra_for(recipes / "multitask.yaml"), *items]))
     plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
     plan.print_plan(f"quickstart into {out}")
     summary: dict[str, Any] = {}

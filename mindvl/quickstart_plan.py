@@ -1,11 +1,11 @@
 """The quickstart's plan and its progress across stages: what it will run (stages, their work, an estimated time)
 printed before anything starts, then at every stage boundary how far the whole is, with an ETA.
 
-Estimates come from a speed probe timed at start: a fixed small torch workload (about 0.1 s on an idle 2-core CPU)
-whose time, on the machine and load of the moment, sets the unit. Each kind of work has a measured cost in probe
-units (the quickstart's own stage times divided by the probe time of the same run, `QUICKSTART_COST` below), so
-a busy machine's slower probe gives proportionally longer estimates. Once stages have finished, the ETA uses the
-rate measured on them instead.
+Estimates come from a step rate measured at start: a few real training steps of the multitask model on a random
+1,024-token pack (`step_probe`), whose time on the machine and load of the moment sets the unit. Each kind of work
+has a measured cost in those units (the quickstart's own stage times divided by the probe of the same run,
+`QUICKSTART_COST` below), so a busy machine's slower steps give proportionally longer estimates. Once stages have
+finished, the ETA uses the rate measured on them instead.
 """
 
 from __future__ import annotations
@@ -17,37 +17,66 @@ from dataclasses import dataclass, field
 
 from mindvl.progress import format_duration
 
-# Costs in probe units, measured on this pipeline (benchmarks/RESULTS.md, "Quickstart"): per synthetic sample of a
-# task, per training step at data.seq_len 1024 (others scale linearly with the length), per phase for start-up and
-# the final export, per evaluated benchmark item, and the merge + benchmark files + untrained model + report.
+# Costs in probe units (one measured training step of 1,024 tokens, `step_probe`), from the quickstart's own stage
+# times divided by the probe of the same run (benchmarks/RESULTS.md, "Quickstart"): per training step of a phase
+# (others scale with data.seq_len / 1024), per phase for start-up, checkpoints and the final export, per evaluated
+# benchmark item, per checkpoint loaded by the search, and the merge + benchmark files + untrained model.
+# Synthetic data is drawn with Pillow, not torch, so its rate is measured on its own (`synth_probe`).
 QUICKSTART_COST = {
-    "synth": {"digits": 0.025, "chart": 0.12, "doc": 0.09, "ocr": 0.05, "grounding": 0.08, "reverse": 0.002},
-    "step": {"warmup": 1.4, "default": 2.0},
-    "phase_start": 25.0,
-    "eval_item": 0.35,
-    "checkpoint_load": 3.0,
-    "merge": 20.0,
+    "step": {"warmup": 1.2, "multitask": 1.7, "sft-512": 1.3, "sft-1024": 1.9, "sft-2048": 2.5, "default": 1.7},
+    "phase_start": 2.0,
+    "eval_item": 0.04,
+    "checkpoint_load": 0.3,
+    "merge": 0.6,
 }
 
 
-def speed_probe(rounds: int = 5) -> float:
-    """Seconds of a fixed forward + backward workload the size of the tiny model's layers (median of `rounds`)."""
+def synth_probe(tasks, samples: int = 3) -> dict[str, float]:
+    """Seconds per synthetic sample of each task (drawn and PNG-encoded in memory; the median of `samples`)."""
+    import io
+
+    from mindvl.data.synth import make_record
+
+    rates = {}
+    for task in tasks:
+        times = []
+        for i in range(samples):
+            t0 = time.perf_counter()
+            _, img, _ = make_record(i, 0, [task])
+            if img is not None:
+                img.save(io.BytesIO(), format="PNG")
+            times.append(time.perf_counter() - t0)
+        rates[task] = statistics.median(times)
+    return rates
+
+
+def step_probe(recipe, steps: int = 3, budget_s: float = 3.0) -> float:
+    """Seconds of one real training step of `recipe`'s model (seeded random weights, a 1,024-token text pack of four
+    samples, forward + backward + AdamW): the median of up to `steps` after one untimed step, fewer once `budget_s`
+    is spent. The rate of this machine at its current load, in about a second on an idle one."""
     import torch
 
+    from mindvl.data import DataConfig, load_tokenizer
+    from mindvl.train.materialize import build_model
+    from mindvl.train.parallel import ParallelEnv
+
+    tok = load_tokenizer(DataConfig.from_dict(recipe.data).tokenizer)
+    model = build_model(recipe, tok, ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 128, generator=g)
-    w1 = torch.randn(128, 384, generator=g, requires_grad=True)
-    w2 = torch.randn(384, 128, generator=g, requires_grad=True)
-    times = []
-    for _ in range(rounds):
+    ids = torch.randint(0, 256, (1024,), generator=g)  # ordinary tokens (special ids, image pads, come later)
+    cu = torch.tensor([0, 256, 512, 768, 1024], dtype=torch.int32)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < steps + 1 and not (len(times) >= 2 and time.perf_counter() - start > budget_s):
         t0 = time.perf_counter()
-        for _ in range(4):
-            h = x
-            for _ in range(4):
-                h = torch.nn.functional.silu(h @ w1) @ w2 / 20
-            h.square().mean().backward()
+        loss_sum, count = model(input_ids=ids, labels=ids, cu_seqlens=cu)
+        (loss_sum / count).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 @dataclass
@@ -65,7 +94,7 @@ class StagePlan:
     stages: list[Stage]
     probe_s: float
     log: Callable[[str], None] = print
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=lambda: time.perf_counter())
     done_cost: float = 0.0
     done_seconds: float = 0.0  # wall time of the finished stages that had a cost (the measured rate's base)
     current: int = -1
@@ -88,7 +117,7 @@ class StagePlan:
     def print_plan(self, header: str) -> None:
         width = max(len(s.name) for s in self.stages)
         self.log(f"{header}: {len(self.stages)} stages, about {format_duration(self.estimate(self.total_cost))} "
-                 f"here (speed probe {1000 * self.probe_s:.0f} ms; about 100 ms on an idle 2-core CPU)")
+                 f"here (measured: {1000 * self.probe_s:.0f} ms per training step of 1,024 tokens)")
         for i, s in enumerate(self.stages, start=1):
             est = s.note or f"~{format_duration(self.estimate(s.cost))}"
             self.log(f"  {i}/{len(self.stages)} {s.name:<{width}}  {s.detail}  [{est}]")
