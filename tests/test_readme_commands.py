@@ -40,7 +40,7 @@ RUN: dict[str, str] = {
     "mindvl export runs/a --out models/a": "exported models/a",
     PLAN_TINY: "fits:",
     DEMO_CORPUS: "",
-    "mindvl curate recipes/curation/demo.yaml --workers 2": "report: curated/demo/report.md",
+    "mindvl curate recipes/curation/demo.yaml --workers 2": "curated/demo/report.md",
 }
 # Needs the `curate` extra (CI installs it; without it these are skipped).
 NEEDS = {"mindvl curate recipes/curation/demo.yaml --workers 2": ("faiss", "imagehash")}
@@ -155,8 +155,10 @@ def test_readme_commands_run(checkout):
         missing = [m for m in NEEDS.get(command, ()) if not _importable(m)]
         if missing:
             continue  # its extra is not installed (CI installs it)
+        t0 = time.perf_counter()
         done = subprocess.run(["bash", "-c", command], cwd=checkout, env=env, capture_output=True, text=True,
                               timeout=600)
+        print(f"{time.perf_counter() - t0:6.1f} s  {command}")  # what each costs CI (pytest -s shows it)
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{output[-3000:]}"
         assert expected in output, f"`{command}` did not print {expected!r}:\n{output[-3000:]}"

@@ -12,8 +12,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/quickstart, with --fast "
                    "runs/quickstart-fast); a rerun into it reuses finished phases and resumes a stopped one")
     p.add_argument("--recipes", default=None, help="folder with warmup/multitask/sft.yaml (default: the tiny ones)")
-    p.add_argument("--fast", action="store_true", help="a smoke run of every stage in about a minute: 10 steps per "
-                   "phase, synthetic sets capped at 200 samples, 10 items per benchmark, a 1 x 2 resolution grid")
+    p.add_argument("--fast", action="store_true", help="a smoke run of every stage: 10 steps per phase, synthetic "
+                   "sets capped at 200 samples, 10 items per benchmark, a 1 x 2 resolution grid")
     p.add_argument("--steps", type=int, default=None, help="training steps of every phase (max_steps=N)")
     p.add_argument("--bench-items", type=int, default=None, help="items per synthetic benchmark (default 100; "
                    "--fast: 10)")
