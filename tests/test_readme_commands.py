@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PLAN_TINY = ("mindvl plan recipes/tiny/multitask.yaml --world-size 2 --device custom:mem_gb=24,tflops=165,hbm_gbs=1000,"
+PLAN_TINY = ("mindvl plan recipes/tiny/warmup.yaml --world-size 2 --device custom:mem_gb=24,tflops=165,hbm_gbs=1000,"
              "intra_gbs=32,inter_gbs=12 --sample-data batch.global_batch_size=2")
 DEMO_CORPUS = ("python -c \"from mindvl.curate.synth import pairs_corpus; "
                "pairs_corpus('data/demo-pairs', 200, n_files=4)\"")
