@@ -23,11 +23,11 @@ from mindvl.progress import format_duration
 # benchmark item, per checkpoint loaded by the search, and the merge + benchmark files + untrained model.
 # Synthetic data is drawn with Pillow, not torch, so its rate is measured on its own (`synth_probe`).
 QUICKSTART_COST = {
-    "step": {"warmup": 1.2, "multitask": 1.7, "sft-512": 1.3, "sft-1024": 1.9, "sft-2048": 2.5, "default": 1.7},
+    "step": {"warmup": 1.2, "multitask": 1.5, "sft-512": 1.1, "sft-1024": 1.5, "sft-2048": 1.9, "default": 1.5},
     "phase_start": 2.0,
     "eval_item": 0.04,
     "checkpoint_load": 0.3,
-    "merge": 0.6,
+    "merge": 0.4,
 }
 
 
