@@ -90,9 +90,6 @@ def sft_overrides(seq_len: int, max_px: int) -> list[str]:
     return [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"]
 
 
-PHASES = ("warmup", "multitask", *SFT_VARIANTS)
-
-
 def phase_specs(recipes: Path) -> list[tuple[str, Path, str | None, list[str]]]:
     """(name, recipe, parent phase, extra overrides) in training order: warm-up -> multitask -> three SFT variants,
     all three from the multitask model."""
