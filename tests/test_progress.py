@@ -64,3 +64,29 @@ def test_turned_off(monkeypatch):
 def test_format_duration():
     assert [format_duration(s) for s in (0, 59.6, 61, 3600 + 125, float("inf"))] == \
         ["0m00s", "1m00s", "1m01s", "1h02m", "?"]
+
+
+def test_planner_trace_moves_through_the_blocks(monkeypatch):
+    """The planner's trace: each micro-batch moves half a unit over its blocks' forward, never back on a recompute."""
+    import torch
+
+    from mindvl.plan.simulate import TraceProgress
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
+    monkeypatch.setenv("MINDVL_PROGRESS", "0")  # the counts, without lines
+    bar = TraceProgress(total=2, desc="plan")
+    hooks = bar.hook_blocks(model)
+    seen = []
+    bar.step = "plan: step 1/1"
+    for _ in range(2):
+        bar.micro_batch()
+        x = torch.ones(1, 2)
+        for block in model[0]:
+            x = block(x)
+            seen.append(bar.done)
+        model[0][0](torch.ones(1, 2))  # a recomputation of the first block (activation checkpointing)
+        seen.append(bar.done)
+    assert seen == [0.25, 0.5, 0.5, 1.25, 1.5, 1.5]
+    assert bar.desc == "plan: step 1/1, micro-batch 2: forward block 1/2"
+    for h in hooks:
+        h.remove()
