@@ -16,7 +16,9 @@ also what `mindvl ablate` composes, so the ablation measures this very pipeline.
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ import torch
 
 from mindvl.config import load_recipe
 from mindvl.eval.runner import EvalSettings
+from mindvl.progress import format_duration
+from mindvl.quickstart_plan import QUICKSTART_COST, Stage, StagePlan, step_probe, synth_probe
 from mindvl.train.trainer import train
 
 PX = 28 * 28
@@ -86,20 +90,30 @@ def sft_overrides(seq_len: int, max_px: int) -> list[str]:
     return [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"]
 
 
-def train_phases(out: Path, recipes: Path, overrides: list[str], log=print) -> dict[str, Any]:
+def phase_specs(recipes: Path) -> list[tuple[str, Path, str | None, list[str]]]:
+    """(name, recipe, parent phase, extra overrides) in training order: warm-up -> multitask -> three SFT variants,
+    all three from the multitask model."""
+    specs: list[tuple[str, Path, str | None, list[str]]] = [("warmup", recipes / "warmup.yaml", None, []),
+                                                            ("multitask", recipes / "multitask.yaml", "warmup", [])]
+    specs += [(name, recipes / "sft.yaml", "multitask", sft_overrides(seq_len, max_px))
+              for name, (seq_len, max_px) in SFT_VARIANTS.items()]
+    return specs
+
+
+def train_phases(out: Path, recipes: Path, overrides: list[str], log=print, plan: StagePlan | None = None,
+                 extra_for: Callable[[Path], list[str]] | None = None) -> dict[str, Any]:
     """Warm-up -> multitask -> three SFT variants; returns {phase: summary} with each phase's `final` folder.
-    Finished phases under OUT are reused."""
+    Finished phases under OUT are reused. `extra_for(recipe)`: overrides of that recipe before `overrides`."""
     cache = out / "synth"
     phases: dict[str, Any] = {}
-
-    def run(name: str, recipe: str, parent: Path | None, extra: list[str]) -> Path:
-        phases[name] = run_phase(name, recipes / recipe, out, cache, parent, [*extra, *overrides], log)
-        return Path(phases[name]["final"])
-
-    warm = run("warmup", "warmup.yaml", None, [])
-    multi = run("multitask", "multitask.yaml", warm, [])
-    for name, (seq_len, max_px) in SFT_VARIANTS.items():
-        run(name, "sft.yaml", multi, sft_overrides(seq_len, max_px))
+    for name, recipe, parent, extra in phase_specs(recipes):
+        init = Path(phases[parent]["final"]) if parent else None
+        items = [*(extra_for(recipe) if extra_for else []), *extra, *overrides]
+        if plan is not None:
+            plan.begin(name)
+        phases[name] = run_phase(name, recipe, out, cache, init, items, log)
+        if plan is not None:
+            plan.end(name)
     return phases
 
 
@@ -133,30 +147,156 @@ def save_untrained(out: Path, recipes: Path) -> Path:
                            pixels=(data.min_pixels, data.max_pixels))
 
 
-def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,
-               bench_items: int = BENCH_ITEMS, grid: str = QUICK_GRID, log=print) -> dict[str, Any]:
+# A smoke run (`--fast`): a few steps per phase, synthetic sets capped, a few benchmark items, a 1 x 2 grid.
+FAST = {"steps": 10, "synth_cap": 200, "bench_items": 10, "grid": "4:16,64"}
+
+
+def capped_sources(recipe: Path, cap: int) -> list[str]:
+    """An override giving `recipe`'s synthetic sources at most `cap` samples each (the same tasks and seeds)."""
+    import yaml
+
+    sources = [dict(s) for s in load_recipe(recipe).data.get("sources") or []]
+    for s in sources:
+        if isinstance(s.get("synth"), dict):
+            s["synth"] = {**s["synth"], "n": min(int(s["synth"]["n"]), cap)}
+    return [f"data.sources={yaml.safe_dump(sources, default_flow_style=True, width=10**9).strip()}"]
+
+
+def synth_sets(out: Path, recipes: Path, overrides: list[str], extra_for) -> list[tuple[tuple[str, ...], int, int]]:
+    """The distinct synthetic sets (tasks, n, seed) every phase will read, in first-use order."""
+    from mindvl.data import DataConfig
+
+    sets: list[tuple[tuple[str, ...], int, int]] = []
+    for _, recipe, _, extra in phase_specs(recipes):
+        cfg = load_recipe(recipe, [*extra_for(recipe), *extra, *overrides])
+        for s in DataConfig.from_dict(cfg.data).sources:
+            key = (tuple(s.synth.tasks), s.synth.n, s.synth.seed) if s.synth is not None else None
+            if key is not None and key not in sets:
+                sets.append(key)
+    return sets
+
+
+def build_plan(out: Path, recipes: Path, overrides: list[str], extra_for, bench_items: int, n_settings: int,
+               probe_s: float, log) -> StagePlan:
+    """The stages with their work and cost (QUICKSTART_COST); finished phases and cached data cost nothing."""
+    from mindvl.data import DataConfig
+    from mindvl.data.synth import synth_path
+
+    cost = QUICKSTART_COST
+    missing = [k for k in synth_sets(out, recipes, overrides, extra_for)
+               if not synth_path(out / "synth", *k).is_file()]
+    samples = sum(n for _, n, _ in missing)
+    rate = synth_probe(sorted({t for tasks, _, _ in missing for t in tasks}))  # seconds per sample, measured now
+    data_cost = sum(n * statistics.mean(rate[t] for t in tasks) for tasks, n, _ in missing) / probe_s
+    stages = [Stage("data", f"{samples:,} synthetic samples in {len(missing)} sets" if missing
+                    else "synthetic sets already generated", data_cost, "" if missing else "cached")]
+    for name, recipe, _, extra in phase_specs(recipes):
+        cfg = load_recipe(recipe, [*extra_for(recipe), *extra, *overrides])
+        seq_len = DataConfig.from_dict(cfg.data).seq_len
+        steps = cfg.budget.max_steps
+        per_step = cost["step"][name] if name in cost["step"] else cost["step"]["default"] * seq_len / 1024
+        reused = (out / name / PHASE_SUMMARY).is_file()
+        detail = f"{steps} steps of {seq_len} tokens, trains {', '.join(cfg.trainable_modules)}" if steps else \
+            f"{cfg.budget.max_tokens:,} tokens of {seq_len}"
+        work = 0.0 if reused else cost["phase_start"] + per_step * (steps or 0)
+        stages.append(Stage(name, detail, work, "reused" if reused else ""))
+    n_ckpt = 2 + len(SFT_VARIANTS)  # the untrained floor, the SFT models and the merged one
+    evals = n_ckpt * 3 * n_settings
+    stages.append(Stage("merge", f"average of the {len(SFT_VARIANTS)} SFT models, benchmark files, untrained floor",
+                        cost["merge"]))
+    stages.append(Stage("search", f"{n_ckpt} checkpoints x 3 benchmarks x {n_settings} resolution settings x "
+                                  f"{bench_items} items ({evals} evaluations)",
+                        n_ckpt * cost["checkpoint_load"] + evals * bench_items * cost["eval_item"]))
+    return StagePlan(stages, probe_s, log)
+
+
+def generate_data(out: Path, sets, log) -> None:
+    """Every synthetic set the phases read, generated once into OUT/synth, with a progress bar."""
+    from mindvl.data.synth import ensure_synth, synth_path
+    from mindvl.progress import Progress
+
+    missing = [k for k in sets if not synth_path(out / "synth", *k).is_file()]
+    if not missing:
+        return
+    with Progress("synthetic data", total=sum(n for _, n, _ in missing), unit="samples") as bar:
+        for tasks, n, seed in missing:
+            base = bar.done
+            bar.update(base, desc=f"synthetic data ({'-'.join(tasks)}, seed {seed})")
+            ensure_synth(out / "synth", list(tasks), n, seed, progress=lambda i, b=base: bar.update(b + i))
+
+
+def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Path, items: list[str], extra_for,
+                bench_items: int, pairs: list[tuple[int, int]], log) -> dict[str, Any]:
+    """Data -> five training phases -> merge -> search; fills `summary` and returns the search's result."""
     from mindvl.checkpoint.merge import merge_checkpoints
-    from mindvl.eval.resolution_search import parse_grid, search_resolution
-    from mindvl.eval.runner import write_json
+    from mindvl.eval.resolution_search import search_resolution
 
-    out = Path(out)
-    recipes = Path(recipes) if recipes else recipe_dir()
-    start = time.perf_counter()
-    summary: dict[str, Any] = {"phases": train_phases(out, recipes, list(overrides or []), log)}
+    plan.begin("data")
+    generate_data(out, synth_sets(out, recipes, items, extra_for), log)
+    plan.end("data")
+    summary["phases"] = train_phases(out, recipes, items, log, plan, extra_for)
 
+    plan.begin("merge")
     t0 = time.perf_counter()
     sft = [Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS]
     merged = merge_checkpoints(sft, out / "merged", overwrite=True).out
     summary["merge_seconds"] = round(time.perf_counter() - t0, 1)
     log(f"   merged: {len(sft)} SFT models -> {merged}")
-
-    t0 = time.perf_counter()
     benches = write_benchmarks(out / "bench", bench_items)
     checkpoints = {"untrained": save_untrained(out, recipes),
                    **{name: Path(summary["phases"][name]["final"]) for name in SFT_VARIANTS}, "merged": merged}
-    search = search_resolution(checkpoints, benches, parse_grid(grid), out / "search", eval_settings(), device="cpu",
+    plan.end("merge")
+
+    plan.begin("search")
+    t0 = time.perf_counter()
+    search = search_resolution(checkpoints, benches, pairs, out / "search", eval_settings(), device="cpu",
                                log=lambda line: None)
+    plan.end("search")
     summary["search_seconds"] = round(time.perf_counter() - t0, 1)
+    return search
+
+
+def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,
+               bench_items: int = BENCH_ITEMS, grid: str = QUICK_GRID, log=print, steps: int | None = None,
+               fast: bool = False, rerun: str | None = None) -> dict[str, Any]:
+    """The whole pipeline into OUT. `steps`: max_steps of every phase; `fast`: a smoke run (FAST); `rerun`: the
+    command that continues an interrupted run (printed if a phase is stopped)."""
+    from contextlib import nullcontext
+
+    from mindvl.eval.resolution_search import parse_grid
+    from mindvl.eval.runner import write_json
+    from mindvl.train.preempt import rerun_command
+    from mindvl.train.stops import Preempted
+
+    out = Path(out)
+    recipes = Path(recipes) if recipes else recipe_dir()
+    start = time.perf_counter()
+    if fast:
+        steps = steps or FAST["steps"]
+    items = [*([f"max_steps={steps}"] if steps else []), *(overrides or [])]
+    cap = FAST["synth_cap"] if fast else None
+    cached_caps: dict[Path, list[str]] = {}
+
+    def extra_for(recipe: Path) -> list[str]:
+        if cap is None:
+            return []
+        if recipe not in cached_caps:
+            cached_caps[recipe] = capped_sources(recipe, cap)
+        return cached_caps[recipe]
+
+    pairs = parse_grid(grid)
+    probe_s = step_probe(load_recipe(recipes / "multitask.yaml", [*extra_for(recipes / "multitask.yaml"), *items]))
+    plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
+    plan.print_plan(f"quickstart into {out}")
+    summary: dict[str, Any] = {}
+    try:  # Ctrl-C (or a stop signal) anywhere: say how to continue, which is the same command again
+        with rerun_command(rerun) if rerun else nullcontext():
+            search = _run_stages(plan, summary, out, recipes, items, extra_for, bench_items, pairs, log)
+    except (KeyboardInterrupt, Preempted):
+        stage = plan.stages[plan.current].name if plan.current >= 0 else "start-up"
+        again = rerun or "the same quickstart command"
+        raise Preempted(f"quickstart interrupted in stage {stage}; to continue, run it again: {again}   (finished "
+                        "stages are reused, a stopped training phase resumes from its checkpoint)") from None
     summary["evaluation"] = {label: {bench: {"score": per[DEFAULT_SETTING],
                                              "exact_match": search["exact_match"][label][bench][DEFAULT_SETTING]}
                                      for bench, per in benches_scores.items()}
@@ -164,12 +304,17 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     summary["best"] = search["best"]
     summary["headlines"] = search["headlines"]
     summary["seconds"] = round(time.perf_counter() - start, 1)
+    # What the estimates are calibrated from (QUICKSTART_COST): each stage's work in probe units and its seconds.
+    summary["timing"] = {"probe_s": round(probe_s, 4),
+                         "stages": {s.name: {"cost": round(s.cost, 1), "seconds": plan.seconds.get(s.name)}
+                                    for s in plan.stages}}
     write_json(out / "quickstart.json", summary)
     report = write_report(out, summary)
     ocr = summary["evaluation"]["merged"]["ocrbench"]["exact_match"]
     floor = summary["evaluation"]["untrained"]["ocrbench"]["exact_match"]
     log(f"OCR exact match on {bench_items} held-out images: merged model {ocr:.1%} (untrained {floor:.1%})")
-    log(f"quickstart done in {summary['seconds']} s; report: {report}")
+    log(f"quickstart done in {format_duration(summary['seconds'])} (estimated at start: "
+        f"{format_duration(plan.total_cost * probe_s)}); report: {report}")
     return summary
 
 

@@ -20,10 +20,16 @@ COMMAND_MODULES = ("quickstart", "train", "plan", "export", "convert", "merge", 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mindvl import __version__
+
+    from .overrides import CommandParser
+
     parser = argparse.ArgumentParser(prog="mindvl", description="Train multimodal LLMs the MindVL way.")
+    parser.add_argument("--version", action="version", version=f"mindvl {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of every error (also MINDVL_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # CommandParser: recipe `key=value` overrides are accepted anywhere after a command's positionals.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name in COMMAND_MODULES:
         importlib.import_module(f"mindvl.cli.{name}").register(sub)
     return parser

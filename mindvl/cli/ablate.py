@@ -3,6 +3,8 @@ re-check the paper's claims at toy scale with seeds, spreads, confidence interva
 
 from __future__ import annotations
 
+from .overrides import add_overrides
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("ablate", help="re-check the paper's claims at toy scale, with seeds and verdicts")
@@ -17,15 +19,21 @@ def register(subparsers) -> None:
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
     p.add_argument("--report-only", action="store_true", help="train nothing: report the claims the seeds under "
                    "--out have finished so far (e.g. while the ablation runs in another process)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every training run (e.g. "
-                   "optim.lr=5e-4); they are part of each run's recipe, so a rerun with other ones needs a new --out")
+    add_overrides(p, "applied to every training run (e.g. optim.lr=5e-4); they are part of each run's recipe, so a "
+                     "rerun with other ones needs a new --out")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import shlex
+    import sys
+
     from mindvl.ablate import parse_ablations, run_ablation
+    from mindvl.train.preempt import rerun_command
 
     claims = parse_ablations(args.ablation)
-    run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
-                 verdicts=not args.no_verdict, report_only=args.report_only)
+    # A stopped training run advises this very command: a rerun reuses finished runs and resumes the stopped one.
+    with rerun_command(shlex.join(["mindvl", *sys.argv[1:]])):
+        run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
+                     verdicts=not args.no_verdict, report_only=args.report_only)
     return 0

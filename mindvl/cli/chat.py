@@ -19,9 +19,9 @@ def register(subparsers) -> None:
     p.add_argument("--video-fps", type=float, help="frames sampled per second of video (default: the folder's "
                    "video_preprocessor_config.json, else 2)")
     p.add_argument("--prompt", help="the question; omit it for an interactive chat (or to read stdin)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible answers)")
     p.add_argument("--min-pixels", type=int, help="smallest resized image area (default: the folder's "

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from mindvl.checkpoint import compose, convert_from_hf
-from mindvl.checkpoint.hf_export import export_to_hf
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -30,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: every `mindvl` command (even --version) would otherwise import torch.
+    from mindvl.checkpoint import compose, convert_from_hf
+    from mindvl.checkpoint.hf_export import export_to_hf
+
     shard = int(args.max_shard_gb * 1024**3)
     modes = [bool(args.from_hf), bool(args.to_hf), bool(args.vision_from or args.language_from)]
     if sum(modes) > 1:

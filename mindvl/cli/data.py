@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .overrides import add_overrides
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("data", help="synthetic data and dataset statistics")
@@ -14,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth = sub.add_parser("synth", help="write synthetic OCR/chart/grounding/doc samples (JSONL + PNG)")
     synth.add_argument("--out", required=True, help="output folder (data.jsonl and images/ are written there)")
     synth.add_argument("--n", type=int, required=True, help="number of samples")
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     synth.add_argument("--tasks", default="ocr,chart,grounding,doc",
                        help="comma-separated tasks: ocr, chart, grounding, doc, digits, reverse (text only)")
     synth.set_defaults(func=_synth)
@@ -23,18 +25,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.add_argument(
         "sources", nargs="+", metavar="SOURCE", help="JSONL files, tar shards or globs (one source each)",
     )
-    stats.add_argument("--seq-len", type=int, required=True)
+    stats.add_argument("--seq-len", type=int, required=True, help="pack length in tokens (e.g. 4096)")
     stats.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: mindvl's small tokenizer)")
-    stats.add_argument("--min-pixels", type=int, default=None)
-    stats.add_argument("--max-pixels", type=int, default=None)
-    stats.add_argument("--pack-buffer", type=int, default=256)
-    stats.add_argument("--max-patches-per-pack", type=int, default=None)
+    stats.add_argument("--min-pixels", type=int, default=None, help="image resize floor in pixels (default 3136)")
+    stats.add_argument("--max-pixels", type=int, default=None, help="image resize ceiling in pixels (default 1003520)")
+    stats.add_argument("--pack-buffer", type=int, default=256, help="samples the packer looks ahead over (default 256)")
+    stats.add_argument("--max-patches-per-pack", type=int, default=None,
+                       help="vision-patch budget per pack (default: none)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_stats)
 
     plan = sub.add_parser("plan", help="tokens, vision share and epochs per source and category over a recipe's "
                           "budget, and the differences from the paper's data tables")
     plan.add_argument("recipe", help="a recipe YAML file (its data: section, phase.name and budget.max_tokens)")
+    add_overrides(plan, "recipe overrides, as for `mindvl train` (e.g. budget.max_tokens=1e9)")
     plan.add_argument("--probe", type=int, default=200,
                       help="records read per local source to measure tokens per sample (default 200)")
     plan.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: the recipe's, else mindvl's)")
@@ -75,7 +79,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from mindvl.config import yaml_problem
+    from mindvl.config import apply_override, yaml_problem
     from mindvl.data.plan import format_plan, plan_json, plan_recipe
 
     path = Path(args.recipe)
@@ -87,6 +91,8 @@ def _plan(args: argparse.Namespace) -> int:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ValueError(f"recipe {path}: invalid YAML ({yaml_problem(exc)})") from None
+    for item in args.overrides:
+        apply_override(raw, item)
     plan = plan_recipe(raw, str(path), args.probe, args.tokenizer)
     print(plan_json(plan) if args.json else format_plan(plan), end="" if not args.json else "\n")
     return 0

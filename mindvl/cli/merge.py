@@ -17,7 +17,7 @@ def register(subparsers) -> None:
                         "Qwen3/Qwen2 transformers folder); vision tower and projector are copied")
     p.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep",
                    help="dtype of the written floating-point tensors (default: the inputs')")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.set_defaults(func=run)
 
 

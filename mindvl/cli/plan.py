@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from .overrides import add_overrides
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="will a recipe fit? trace its real training step on a simulated cluster")
     p.add_argument("recipe", help="recipe YAML, e.g. recipes/mindvl-8b/sft-8k.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, as for `mindvl train`")
+    add_overrides(p, "recipe overrides, as for `mindvl train`")
     p.add_argument("--world-size", type=int, required=True, help="number of accelerators (FSDP ranks)")
     p.add_argument("--device", required=True, help="h100-80g, h200, a100-80g, 910b1, 910b2-64g or custom:...")
     p.add_argument("--preset", help="model shape preset (default: the recipe's model folders or model.preset)")

@@ -5,6 +5,8 @@ rerun with resume=auto)."""
 
 from __future__ import annotations
 
+from .overrides import add_overrides
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="run one training phase from a recipe (warm-up, multitask or SFT)",
@@ -12,9 +14,8 @@ def register(subparsers) -> None:
                                      "bad steps, 75 preempted (a checkpoint was written: rerun with resume=auto)")
     p.add_argument("recipe", nargs="?", help="a recipe YAML file, or a packaged recipe by name (tiny/warmup); "
                    "relative input paths in the file resolve against its folder")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="override any field by dotted path (optim.lr=1e-4) or alias: output_dir=, max_steps=, "
-                        "max_tokens=, checkpoint_every=, resume=auto, lr=, seed=, init_from=, overwrite=true")
+    add_overrides(p, "override any field by dotted path (optim.lr=1e-4) or alias: output_dir=, max_steps=, "
+                     "max_tokens=, checkpoint_every=, resume=auto, lr=, seed=, init_from=, overwrite=true")
     p.add_argument("--list", action="store_true", help="list the packaged recipes and exit")
     p.set_defaults(func=run)
 

@@ -39,6 +39,36 @@ ENGINES = ("inprocess", "local", "ray")
 _TOP_KEYS = ("inputs", "format", "split", "output", "seed", "batch_size", "engine", "stages")
 
 
+# Stage options that name local files or folders (model folders, score heads, OCR vocabularies).
+STAGE_PATH_KEYS = ("model", "head", "classifier", "vocabulary")
+EMBED_BUILTINS = ("thumbnail",)  # `embed: {model: thumbnail}` is a built-in, not a folder
+
+
+def resolve_file_paths(d: dict, base: str) -> None:
+    """The same rule as training recipes: relative input paths written in a pipeline file (`inputs`, stage model
+    folders, heads, vocabularies) resolve against the file's folder `base`; `output` and command-line paths
+    (--inputs, --output) against the working directory."""
+
+    def resolve(value: Any) -> Any:
+        if not isinstance(value, str) or not value or os.path.isabs(os.path.expanduser(value)) \
+                or value in EMBED_BUILTINS:
+            return value
+        return os.path.normpath(os.path.join(base, value))
+
+    inputs = d.get("inputs")
+    if isinstance(inputs, str):
+        d["inputs"] = resolve(inputs)
+    elif isinstance(inputs, list):
+        d["inputs"] = [resolve(p) for p in inputs]
+    for entry in d.get("stages") or []:
+        if isinstance(entry, dict) and len(entry) == 1:
+            (opts,) = entry.values()
+            if isinstance(opts, dict):
+                for key in STAGE_PATH_KEYS:
+                    if key in opts:
+                        opts[key] = resolve(opts[key])
+
+
 @dataclass
 class EngineConfig:
     name: str = "inprocess"
@@ -125,10 +155,10 @@ class PipelineConfig:
                 raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
         if not isinstance(d, dict):
             raise ValueError(f"{path}: the pipeline must be a mapping of inputs, output, stages ...")
-        for key, value in (overrides or {}).items():
+        resolve_file_paths(d, os.path.dirname(os.path.abspath(path)))
+        for key, value in (overrides or {}).items():  # command-line values: relative to the working directory
             if value is not None:
                 d[key] = value
-        # Relative paths (inputs, output, model folders) are relative to the working directory, as in recipes.
         return cls.from_dict(d, path)
 
     def build_stages(self) -> list[Stage]:

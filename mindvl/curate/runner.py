@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindvl.data.schema import BadSample
+from mindvl.progress import Progress
 
 from .io import SHARDS_DIR, ShardTask, ShardWriter, input_tasks, iter_input, iter_shard, write_json_atomic
 from .items import Item
@@ -282,8 +283,14 @@ def _run_segments(cfg: PipelineConfig, layout: Layout, stages: list[Stage], task
     plans: dict[str, dict] = {}
     shards_run = 0
     seg_seconds = []
+    # Progress in shard-passes (every input shard through every segment of stages), advanced per segment.
+    bar = Progress("curate", total=len(segs) * len(tasks), unit="shard-passes")
+    bar.start()
     for seg in segs:
         ts = time.perf_counter()
+        work = [i for i in (seg.apply, *seg.maps, seg.annotate) if i is not None]
+        names = ", ".join(stages[i].name for i in work)
+        bar.update(bar.done, desc=f"curate segment {seg.index + 1}/{len(segs)}" + (f" ({names})" if names else ""))
         if seg.apply is not None:
             plans[stage_label(seg.apply, stages[seg.apply])] = _ensure_plan(layout, seg, stages, tasks)
         os.makedirs(layout.seg_dir(seg.index), exist_ok=True)
@@ -302,6 +309,8 @@ def _run_segments(cfg: PipelineConfig, layout: Layout, stages: list[Stage], task
             shards_run += len(todo)
         all_done.append([done[t.name] for t in tasks])
         seg_seconds.append(time.perf_counter() - ts)
+        bar.advance(len(tasks))
+    bar.close()
     result = RunResult(layout.out, all_done, plans, shards_run, time.perf_counter() - t0, seg_seconds)
     if report:
         from .report import write_report

@@ -49,14 +49,20 @@ def default_synth_cache() -> Path:
 
 def resolve_sources(cfg: DataConfig) -> list[list[tuple[str, str]]]:
     """[(path, format)] per source; synthetic sources are generated into the cache first (once)."""
-    from .synth import ensure_synth  # Pillow drawing code, only needed for synthetic sources
+    from mindvl.progress import Progress
+
+    from .synth import ensure_synth, synth_path  # Pillow drawing code, only needed for synthetic sources
 
     out = []
     for i, s in enumerate(cfg.sources):
         where = f"data.sources[{i}] ({s.name})"
         if s.synth is not None:
             cache = Path(cfg.synth_cache) if cfg.synth_cache else default_synth_cache()
-            jsonl = ensure_synth(cache, s.synth.tasks, s.synth.n, s.synth.seed)
+            # Generating a large set takes a while (20,000 digit images: about a minute): show it.
+            fresh = not synth_path(cache, s.synth.tasks, s.synth.n, s.synth.seed).is_file()
+            with Progress(f"generating synthetic set {s.name}", total=s.synth.n, unit="samples",
+                          enabled=fresh and os.environ.get("RANK", "0") == "0") as bar:
+                jsonl = ensure_synth(cache, s.synth.tasks, s.synth.n, s.synth.seed, progress=bar.update)
             out.append(resolve_files([str(jsonl)], "jsonl", where))
         else:
             out.append(resolve_files(s.paths, s.format, where))

@@ -79,6 +79,7 @@ def format_stats(s: dict) -> str:
         f"samples            {s['samples']}",
         f"images             {s['images']}",
         f"tokens             {s['tokens']}  (mean {s['tokens'] / max(1, s['samples']):.1f} per sample)",
+        f"trained tokens     {_trained_total(s)}",
         f"vision patches     {s['patches']}",
         f"packs @ {s['seq_len']:<10} {s['packs']}",
         f"packing efficiency {100 * s['packing_efficiency']:.2f}% (real tokens / token slots)",
@@ -90,7 +91,22 @@ def format_stats(s: dict) -> str:
         "patches per sample:",
         *[f"  {k:>8}  {v}" for k, v in s["patch_histogram"].items()],
         "per source:",
-        *[f"  {name}: {row['samples']} samples, {row['tokens']} tokens, {row['images']} images"
+        *[f"  {name}: {row['samples']} samples, {row['tokens']} tokens ({_trained(row)}), {row['images']} images"
           for name, row in s["sources"].items()],
     ]
     return "\n".join(lines)
+
+
+def _trained(row: dict) -> str:
+    """The labelled share of a source's tokens: what the loss sees (assistant turns, document text)."""
+    if "trained_tokens" not in row:
+        return "trained tokens not counted"
+    return f"{row['trained_tokens']} trained, {100 * row['trained_tokens'] / max(1, row['tokens']):.1f}%"
+
+
+def _trained_total(s: dict) -> str:
+    rows = list(s["sources"].values())
+    if not rows or any("trained_tokens" not in r for r in rows):
+        return "not counted"
+    trained = sum(r["trained_tokens"] for r in rows)
+    return f"{trained}  ({100 * trained / max(1, s['tokens']):.1f}% of tokens: the labelled ones the loss sees)"

@@ -220,8 +220,10 @@ def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Im
     return record, img, task
 
 
-def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[str] = TASKS) -> Path:
-    """Write n samples to out_dir/data.jsonl and out_dir/images/; returns the JSONL path."""
+def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[str] = TASKS,
+             progress: Callable[[int], None] | None = None) -> Path:
+    """Write n samples to out_dir/data.jsonl and out_dir/images/; returns the JSONL path. `progress(i)` is called
+    after each sample when given."""
     for t in tasks:
         if t not in GENERATORS and t not in TEXT_GENERATORS:
             raise ValueError(f"unknown synth task {t!r} (known: {', '.join([*GENERATORS, *TEXT_GENERATORS])})")
@@ -238,19 +240,27 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int = 0, tasks: Sequence[
                 img.save(out / name, format="PNG")
                 record["images"] = [name]
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if progress is not None:
+                progress(i + 1)
     return jsonl
 
 
-def ensure_synth(cache: str | os.PathLike, tasks: Sequence[str], n: int, seed: int) -> Path:
+def synth_path(cache: str | os.PathLike, tasks: Sequence[str], n: int, seed: int) -> Path:
+    """Where `ensure_synth` keeps a synthetic set's JSONL (it exists once generated)."""
+    return Path(cache) / f"{'-'.join(tasks)}_n{n}_s{seed}_v{SYNTH_VERSION}" / "data.jsonl"
+
+
+def ensure_synth(cache: str | os.PathLike, tasks: Sequence[str], n: int, seed: int,
+                 progress: Callable[[int], None] | None = None) -> Path:
     """The JSONL of a cached synthetic set, generated on first use (atomically: safe with several ranks)."""
     cache = Path(cache)
-    final = cache / f"{'-'.join(tasks)}_n{n}_s{seed}_v{SYNTH_VERSION}"
+    final = synth_path(cache, tasks, n, seed).parent
     if (final / "data.jsonl").is_file():
         return final / "data.jsonl"
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".synth-", dir=cache))
     try:
-        generate(tmp, n, seed, tasks)
+        generate(tmp, n, seed, tasks, progress)
         try:
             os.rename(tmp, final)  # atomic; if another process won the race its copy is identical
         except OSError:

@@ -62,11 +62,16 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
     """Scores {checkpoint: {benchmark: {setting: headline}}} plus the best settings; writes the files above.
     `system_from_model`: each checkpoint with the system turn it was trained with (`runner.with_system`)."""
     from mindvl.infer.chat import load_for_chat
+    from mindvl.progress import Progress
 
     out = Path(out)
     scores: dict[str, dict[str, dict[str, float]]] = {}
     exact: dict[str, dict[str, dict[str, float]]] = {}
     headlines: dict[str, str] = {}
+    # Progress in evaluations (checkpoint x benchmark x setting), advanced by each evaluation's share of its items.
+    bar = Progress("resolution search", total=len(checkpoints) * len(benches) * len(grid), unit="evaluations")
+    bar.start()
+    finished = 0
     for label, folder in checkpoints.items():
         model, tok = load_for_chat(folder, tokenizer, device)
         own = with_system(settings, folder, system_from_model, log)
@@ -74,13 +79,19 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
             for lo, hi in grid:
                 name = setting_label(lo, hi)
                 run = replace(own, min_pixels=lo, max_pixels=hi)
-                summary = evaluate_benchmark(model, tok, bench, path, run, out / label / bench / f"{name}.jsonl")
+                bar.update(finished, desc=f"search {label} {bench} {name}")
+                summary = evaluate_benchmark(model, tok, bench, path, run, out / label / bench / f"{name}.jsonl",
+                                             progress=lambda done, total, k=finished: bar.update(
+                                                 k + (done / total if total else 0)))
+                finished += 1
+                bar.update(finished)
                 headlines[bench] = summary["headline"]
                 scores.setdefault(label, {}).setdefault(bench, {})[name] = summary[summary["headline"]]
                 exact.setdefault(label, {}).setdefault(bench, {})[name] = summary["exact_match"]
                 log(f"{label} {bench} {name}: {summary['headline']} {summary[summary['headline']]:.4g}, "
                     f"exact {summary['exact_match']:.1%}")
         del model
+    bar.close()
     best = best_settings(scores)
     result = {"grid": [list(p) for p in grid], "headlines": headlines, "scores": scores, "exact_match": exact,
               "best": best}

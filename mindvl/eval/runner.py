@@ -201,14 +201,16 @@ def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | 
     OUT/summary.json and OUT/summary.md; returns {bench: summary}. `system_from_model`: use the system turn the
     model was trained with (its run's recipe or its chat template) instead of `settings.system`."""
     from mindvl.infer.chat import load_for_chat, pixel_limits
+    from mindvl.progress import Progress
 
     settings = with_system(settings, model_dir, system_from_model, log)
     model, tok = load_for_chat(model_dir, tokenizer, device)
     out = Path(out)
     summaries = {}
     for name, path in benches.items():
-        summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
-                                     pixel_limits(model_dir))
+        with Progress(f"eval {name}", unit="items") as bar:
+            summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
+                                         pixel_limits(model_dir), progress=lambda done, total: bar.update(done, total))
         summaries[name] = summary
         empty = f" ({summary['empty_answers']} of them answered with nothing)" if summary["empty_answers"] else ""
         log(f"{name}: {summary['headline']} = {summary[summary['headline']]:.4g}, exact match "

@@ -29,6 +29,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from mindvl.config import Recipe
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models import loss as loss_module
+from mindvl.progress import Progress
 from mindvl.train.optim import build_optimizer
 from mindvl.train.parallel import ParallelEnv, parallelize
 from mindvl.train.phases import apply_phase
@@ -134,13 +135,15 @@ class TrackedStream(MicroBatchStream):
     """The trainer's stream; the tracker's module stats are reset before each micro-batch (they hold one
     forward/backward at a time; the peak is kept across resets)."""
 
-    def __init__(self, fetch, count, device, window, tracker: PlanTracker):
+    def __init__(self, fetch, count, device, window, tracker: PlanTracker, on_batch=None):
         super().__init__(fetch, count, device, window)
-        self.tracker = tracker
+        self.tracker, self.on_batch = tracker, on_batch
 
     def __iter__(self):
         for batch in super().__iter__():
             self.tracker.reset_mod_stats()
+            if self.on_batch is not None:
+                self.on_batch()
             yield batch
 
 
@@ -161,6 +164,8 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
     t0 = time.perf_counter()
     pcfg = plan_parallel(recipe)
     env = ParallelEnv(0, world_size, 0, torch.device("cpu"), "fake")
+    # Minutes at 8B on a CPU: progress in micro-batches, each advanced by the forward through its blocks.
+    bar = TraceProgress(sum(micro_batches), f"plan: building the model on a fake {world_size}-rank world")
     with fake_world(world_size) as world:
         with torch.device("meta"):
             model = MindVL(config)
@@ -171,6 +176,7 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
         model.train()
         optimizer = build_optimizer(model, recipe.optim)
         tracker = PlanTracker(model, optimizer)
+        hooks = bar.hook_blocks(model)
         order = iter(range(10**9))
 
         def fetch() -> dict:
@@ -179,14 +185,47 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
             return batch
 
         with world.mode, tracker, loss_region(tracker), fused_attention_memory(), MetadataGateway():
-            for n in micro_batches:
-                stream = TrackedStream(fetch, n, torch.device("cpu"), window, tracker)
+            for step, n in enumerate(micro_batches, start=1):
+                bar.step = f"plan: step {step}/{len(micro_batches)}"
+                stream = TrackedStream(fetch, n, torch.device("cpu"), window, tracker, bar.micro_batch)
                 optimizer_step(model, optimizer, stream, env, config, recipe.trainable_modules,
                                recipe.optim.grad_clip, pcfg.grad_accumulation)
+                bar.update(bar.started, desc=f"{bar.step} traced")
+        for h in hooks:
+            h.remove()
+    bar.close()
     peak, breakdown = peak_breakdown(tracker)
     sharded = sum(v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()
                   if k in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT))
     return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded)
+
+
+class TraceProgress(Progress):
+    """The trace's progress in micro-batches: each one moves through half a unit over the forward of its blocks
+    (vision blocks, decoder layers; a recomputation under activation checkpointing never moves it back), the
+    backward is the other half."""
+
+    def __init__(self, total: int, desc: str):
+        super().__init__(desc, total=total, unit="micro-batches traced")
+        self.step, self.started = "plan", 0
+        self.start()
+
+    def micro_batch(self) -> None:
+        self.started += 1
+        self.update(self.started - 1, desc=f"{self.step}, micro-batch {self.started}")
+
+    def hook_blocks(self, model: torch.nn.Module) -> list:
+        blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m
+                  if not isinstance(b, torch.nn.ModuleList) and any(True for _ in b.parameters())]
+
+        def hook(index: int):
+            def pre(module, args):
+                done = max(self.done, self.started - 1 + 0.5 * (index + 1) / len(blocks))
+                self.update(done, desc=f"{self.step}, micro-batch {self.started}: forward block "
+                                       f"{index + 1}/{len(blocks)}")
+            return pre
+
+        return [b.register_forward_pre_hook(hook(i)) for i, b in enumerate(blocks)]
 
 
 def peak_breakdown(tracker: PlanTracker) -> tuple[int, dict[str, int]]:

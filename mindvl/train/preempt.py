@@ -28,6 +28,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -99,7 +101,25 @@ class StepVotes:
         return Votes(bool(v[0] > 0), bool(v[1] > 0), bool(v[2] > 0), bool(v[3] == 0))
 
 
+# The command that reruns a multi-phase driver (the quickstart, the ablation) as a whole: its phases resume on a
+# rerun, so that (not `mindvl train RECIPE resume=auto`, one phase only) is what a stopped phase must advise.
+_RERUN: list[str] = []
+
+
+@contextmanager
+def rerun_command(command: str) -> Iterator[None]:
+    """While inside, a stopped run advises `command` (finished phases reused, this one resumed) instead of
+    `mindvl train ... resume=auto`."""
+    _RERUN.append(command)
+    try:
+        yield
+    finally:
+        _RERUN.pop()
+
+
 def resume_hint(output_dir: str) -> str:
+    if _RERUN:
+        return f"{_RERUN[-1]}   (the same command: finished phases are reused, {output_dir} resumes)"
     argv = [a for a in sys.argv[1:] if not a.startswith("resume=")] if sys.argv else []
     cmd = "mindvl " + " ".join(argv) if argv and argv[0] == "train" else "mindvl train RECIPE"
     return f"{cmd} resume=auto   (output_dir {output_dir})"

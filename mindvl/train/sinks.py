@@ -76,10 +76,9 @@ class MetricSinks:
         # The bar only on a terminal: elsewhere rich prints nothing per step, so plain lines are used instead.
         if not (self.env.is_main and self.recipe.logging.progress and sys.stdout.isatty()):
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress
 
-        self.progress = Progress(TextColumn(f"[bold]{self.recipe.phase.name}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+        self.progress = Progress(*bar_columns(self.recipe.phase.name, total))
         self.task = self.progress.add_task("train", total=total, completed=step, stats="")
         self.progress.start()
 
@@ -145,6 +144,19 @@ class MetricSinks:
 
 
 TB_KEYS = ("loss", "lr", "tokens_per_s", "mfu", "grad_norm", "moe_max_violation", "bad_steps")
+
+
+def bar_columns(name: str, total: int) -> list:
+    """The training bar's columns: phase, bar, step/total, ETA, then the stats. On a narrow terminal rich crops the
+    last column, so the stats (the longest, least needed) come last and the step count and ETA never get cut."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.table import Column
+
+    return [TextColumn(f"[bold]{name}", table_column=Column(no_wrap=True, min_width=len(name))),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(total)) + 1)),
+            TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
+            TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis"))]
 
 
 def format_duration(seconds: float) -> str:

@@ -63,9 +63,14 @@ def test_stats_cli_json(tmp_path, synth_dir, capsys):
     assert 0.5 < out["packing_efficiency"] <= 1.0
     assert out["tokens"] == sum(row["tokens"] for row in out["sources"].values())
     assert sum(out["token_histogram"].values()) == 61
-    assert main(["data", "stats", str(synth_dir / "data.jsonl"), "--seq-len", "1024"]) == 0
+    trained = {name: row["trained_tokens"] for name, row in out["sources"].items()}
+    assert main(["data", "stats", str(synth_dir / "data.jsonl"), str(bad), "--seq-len", "2048"]) == 0
     text = capsys.readouterr().out
     assert "packing efficiency" in text and "tokens per sample" in text
+    # The text report carries the trained (labelled) tokens the JSON has: in total and per source.
+    assert f"trained tokens     {sum(trained.values())}  (" in text
+    for name, n in trained.items():
+        assert f"{name}: " in text and f"({n} trained, " in text
 
 
 def test_stats_cli_missing_file_is_one_line_error(tmp_path, capsys):

@@ -1,0 +1,92 @@
+"""What long work shows: the training bar keeps its step count and ETA on a narrow terminal; the shared Progress
+prints lines (with the count, elapsed time and ETA) off a terminal and nothing when turned off."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+from rich.progress import Progress as RichProgress
+
+from mindvl.progress import Progress, format_duration
+from mindvl.train.sinks import bar_columns
+
+
+def render_bar(width: int) -> str:
+    console = Console(width=width, color_system=None)
+    bar = RichProgress(*bar_columns("multitask", 2000), console=console)
+    bar.add_task("train", total=2000, completed=830, stats="loss 3.4567 lr 1.00e-03 6619 tok/s mfu 30.6%")
+    with console.capture() as cap:
+        console.print(bar.make_tasks_table(bar.tasks))
+    return cap.get().rstrip("\n")
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_training_bar_never_cuts_the_step_count(width):
+    line = render_bar(width)
+    assert len(line) <= width
+    assert "multitask" in line and " 830/2000 " in line and "-:--:--" in line  # the ETA column (unknown yet)
+    if width >= 80:
+        assert "loss 3.4567" in line
+
+
+def test_lines_off_a_terminal(monkeypatch):
+    clock = iter([0.0, 0.0, 5.0, 12.0, 30.0, 40.0, 40.0, 40.0])
+    monkeypatch.setattr("mindvl.progress.time.perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    with Progress("eval ocrbench", total=100, unit="items", every_s=10, stream=out, bar=False) as p:
+        p.update(10)  # t=5: too soon for a line
+        p.update(40)  # t=12: a line; 40 items in 12 s -> 60 left at 0.3 s each = 18 s
+        p.update(100)  # t=30: a line (18 s since the last)
+    lines = out.getvalue().splitlines()
+    assert lines == ["eval ocrbench: 40/100 items (40%), 0m12s elapsed, eta 0m18s",
+                     "eval ocrbench: 100/100 items (100%), done in 0m30s"]
+
+
+def test_final_line_when_no_line_was_due(monkeypatch):
+    out = io.StringIO()
+    with Progress("search", total=3, stream=out, bar=False) as p:
+        for _ in range(3):
+            p.advance()
+    assert out.getvalue().startswith("search: 3/3 (100%), done in ")
+
+
+def test_turned_off(monkeypatch):
+    monkeypatch.setenv("MINDVL_PROGRESS", "0")
+    out = io.StringIO()
+    with Progress("x", total=2, stream=out, bar=False, every_s=0) as p:
+        p.advance(2)
+        p.log("hello")
+    assert out.getvalue() == ""
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0, 59.6, 61, 3600 + 125, float("inf"))] == \
+        ["0m00s", "1m00s", "1m01s", "1h02m", "?"]
+
+
+def test_planner_trace_moves_through_the_blocks(monkeypatch):
+    """The planner's trace: each micro-batch moves half a unit over its blocks' forward, never back on a recompute."""
+    import torch
+
+    from mindvl.plan.simulate import TraceProgress
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
+    monkeypatch.setenv("MINDVL_PROGRESS", "0")  # the counts, without lines
+    bar = TraceProgress(total=2, desc="plan")
+    hooks = bar.hook_blocks(model)
+    seen = []
+    bar.step = "plan: step 1/1"
+    for _ in range(2):
+        bar.micro_batch()
+        x = torch.ones(1, 2)
+        for block in model[0]:
+            x = block(x)
+            seen.append(bar.done)
+        model[0][0](torch.ones(1, 2))  # a recomputation of the first block (activation checkpointing)
+        seen.append(bar.done)
+    assert seen == [0.25, 0.5, 0.5, 1.25, 1.5, 1.5]
+    assert bar.desc == "plan: step 1/1, micro-batch 2: forward block 1/2"
+    for h in hooks:
+        h.remove()
