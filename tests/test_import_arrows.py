@@ -22,11 +22,12 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "mindvl"
 ROOMS = {
     "config": "config", "models": "models", "checkpoint": "checkpoint", "data": "data", "train": "train",
     "infer": "infer", "eval": "eval", "plan": "plan", "curate": "curate", "moe_analysis": "moe_analysis",
-    "quickstart": "workflows", "ablate": "workflows", "cli": "cli",
+    "quickstart": "workflows", "quickstart_plan": "workflows", "ablate": "workflows", "cli": "cli",
     # Leaf modules that import nothing of mindvl, so every room may use them (a plan change: see LEAVES).
-    "typed": "leaf", "conventions": "leaf",
+    "typed": "leaf", "conventions": "leaf", "progress": "leaf",
 }
-LEAVES = {"leaf"}  # mindvl.typed (the one mapping -> dataclass converter), mindvl.conventions (shared constants)
+LEAVES = {"leaf"}  # mindvl.typed (the one mapping -> dataclass converter), mindvl.conventions (shared constants),
+# mindvl.progress (the progress display of long work: eval, search, planner trace, curation, synthetic data)
 ROOT = "root"  # mindvl/__init__.py (the version string)
 
 # The "may import" column of ARCHITECTURE.md §2 (stdlib and third-party imports are not checked here).

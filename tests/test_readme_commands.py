@@ -57,6 +57,8 @@ EXCLUDED: dict[str, str] = {
                     "benchmarks/quickstart-fast-transcript.txt shows a whole `./quickstart --fast`",
     "./quickstart --fast": "as ./quickstart; its transcript is benchmarks/quickstart-fast-transcript.txt",
     ".ci/run": "CI itself (a fresh venv and the whole suite)",
+    "#!/bin/bash": "the SLURM batch script (needs SLURM); tests/train/test_requeue.py runs its loop, with `scontrol "
+                   "requeue` as a rerun, on 2 torchrun processes",
     "python3 -m venv .venv && . .venv/bin/activate": "environment set-up",
     "pip install torch==2.13.0": "installs packages (network)",
     'pip install -e ".[test,curate,ray]"': "installs packages (network)",
@@ -101,6 +103,9 @@ def readme_commands(text: str | None = None) -> list[str]:
     text = (ROOT / "README.md").read_text() if text is None else text
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        if block.startswith("#!"):  # a whole script (the SLURM batch script): one entry, named by its first line
+            commands.append(block.splitlines()[0])
+            continue
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             line = _strip_comment(line).strip()
             if line:
@@ -123,6 +128,7 @@ def _strip_comment(line: str) -> str:
 def test_comment_stripping():
     assert readme_commands("```bash\nmindvl a x=1   # why\nmindvl b \\\n   --c 'd # e'\n```\n") == \
         ["mindvl a x=1", "mindvl b --c 'd # e'"]
+    assert readme_commands("```bash\n#!/bin/bash\nOUT=x\nrm -f y\n```\n") == ["#!/bin/bash"]
 
 
 def test_every_readme_command_is_listed():
