@@ -3,7 +3,7 @@ old training step against the new one.
 
     python benchmarks/bench_plan_8b.py [--phases sft-8k multitask ...] [--worlds 8 16] [--before]
 
-Each (phase, world size) is one `mindvl.plan.plan` trace (the real model, parallelize and step on fake tensors);
+Each (phase, world size) is one `mindvl.plan.plan` trace (the real model, prepare_model and step on fake tensors);
 verdicts for every device come from that trace (devices differ in capacity and reserve, not in what is resident).
 The smallest fitting world size is extrapolated from the trace (sharded parts scale as 1/N; see
 `planner.extrapolate_peak`) and marked as such unless it was traced.

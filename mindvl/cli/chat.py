@@ -56,11 +56,11 @@ def run(args) -> int:
             raise ValueError(f"--video-fps must be > 0, got {args.video_fps}")
     model, tok = load_for_chat(args.model, args.tokenizer, device=args.device)
     min_pixels, max_pixels = pixel_limits(args.model)
+    source = None
     if args.no_system or args.system is not None:
         system = None if args.no_system else args.system
-    else:  # the system turn the model saw in training, said once so a user can override it
+    else:  # the system turn the model saw in training, said once (below) so a user can override it
         system, source = training_system(args.model)
-        print(f"(system prompt {describe_system(system)}: {source}; --system/--no-system to change)", file=sys.stderr)
     session = ChatSession(
         model, tok, args.image, system=system,
         min_pixels=min_pixels if args.min_pixels is None else args.min_pixels,
@@ -68,6 +68,8 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, videos=args.video, video_settings=video_settings(args.model, args.video_fps),
     )
+    if source is not None:  # after every input was read: a bad image or config stays a one-line error
+        print(f"(system prompt {describe_system(system)}: {source}; --system/--no-system to change)", file=sys.stderr)
     if args.prompt is not None:
         _answer(session, args.prompt)
     elif not sys.stdin.isatty():

@@ -65,12 +65,14 @@ def pack_flops(config: MindVLConfig, shape: PackShape, trainable) -> tuple[float
     return total, vit
 
 
-def comm_bytes(counts: Counts, world: int, micro: int, accumulation: str, ep: int = 1) -> dict[str, float]:
-    """Bytes each rank sends per optimizer step, by collective (`ep`: parallel.expert_parallel)."""
+def comm_bytes(counts: Counts, layout, micro: int, accumulation: str) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step, by collective, under `layout` (train.parallel.ParallelLayout): FSDP
+    gathers and reduces over the data-parallel ranks, an EP slice over its expert replicas."""
+    world, ep = layout.dp_size, layout.ep
     if world <= 1:
         return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     ring = (world - 1) / world
-    replicas = world // ep
+    replicas = layout.expert_replicas
     expert_ring = (replicas - 1) / replicas  # an EP slice is gathered/reduced over its W/N replicas only
     experts = counts.expert_params if ep > 1 else 0
     trainable_experts = counts.trainable_expert_params if ep > 1 else 0

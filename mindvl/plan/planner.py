@@ -23,7 +23,8 @@ import torch
 
 from mindvl.config import Recipe
 from mindvl.data import DataConfig
-from mindvl.models import MindVL, MindVLConfig
+from mindvl.models import MindVLConfig
+from mindvl.train.parallel import ParallelLayout
 
 from . import estimate
 from .devices import GIB, Device
@@ -144,19 +145,21 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     recipe = copy.deepcopy(recipe)
+    layout = ParallelLayout.from_config(recipe.parallel, world_size)  # the trainer's, for --world-size ranks
     config, source = model_config(recipe, preset)
     data_cfg = DataConfig.from_dict(recipe.data)
     gb = recipe.batch.global_batch_size
-    if gb % world_size:
-        raise ValueError(f"batch.global_batch_size ({gb}) must be a multiple of --world-size ({world_size})")
-    accum = gb // world_size
+    if gb % layout.dp_size:
+        raise ValueError(f"batch.global_batch_size ({gb}) must be a multiple of the data-parallel size "
+                         f"({layout.dp_size} of --world-size {world_size})")
+    accum = gb // layout.dp_size
     trainable = recipe.trainable_modules
     notes = []
     if sample_data:
         from mindvl.data import load_tokenizer
         from mindvl.train.preflight import tokenizer_source
 
-        shards = recipe.batch.data_shards or world_size
+        shards = recipe.batch.data_shards or layout.dp_size
         packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(tokenizer_source(recipe)), shards=shards)
         notes.append(f"pack shapes: the first {len(packs)} packs of the recipe's sources")
     else:
@@ -165,34 +168,27 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     # The trace: peak over one step of 1 micro-batch and one of 2 (whatever the real accumulation: the resident
     # set of a micro-batch loop does not grow with its length once the window is full).
     traced = trace_step(recipe, config, world_size, packs, micro_batches=(1, 2) if accum > 1 else (1, 1))
-
-    with torch.device("meta"):
-        meta = MindVL(config)
-    from mindvl.train.phases import apply_phase
-
-    apply_phase(meta, trainable)
-    counts = estimate.param_counts(meta)
+    counts = traced.counts  # of the model prepare_model made (its phase, its checkpointing)
     per_pack = [estimate.pack_flops(config, p, trainable) for p in packs]
     mean_flops = sum(f for f, _ in per_pack) / len(per_pack)
     mean_vit = sum(v for _, v in per_pack) / len(per_pack)
     flops_step = mean_flops * gb
     grad_acc = recipe.parallel.grad_accumulation
-    comm = estimate.comm_bytes(counts, world_size, accum, grad_acc, recipe.parallel.expert_parallel)
-    if recipe.parallel.expert_parallel > 1:  # token dispatch/combine of expert parallelism
+    comm = estimate.comm_bytes(counts, layout, accum, grad_acc)
+    if layout.ep > 1:  # token dispatch/combine of expert parallelism
         comm["all_to_all"] = estimate.expert_all_to_all_bytes(
-            config, sum(p.tokens for p in packs) / len(packs), recipe.parallel.expert_parallel, accum,
-            recipe.parallel.activation_checkpointing not in (False, "off", "none"))
+            config, sum(p.tokens for p in packs) / len(packs), layout.ep, accum,
+            traced.prepared.checkpointing != "off")
     timing = estimate.step_time(device, world_size, flops_step / world_size, comm,
                                 counts.trainable_params / world_size)
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
-    vload = estimate.vision_load(config, packs, world_size, accum, trainable) if config.vision else None
-    from mindvl.train.parallel import checkpointing_mode
+    vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
 
     skew = routing_skew(config, max(p.tokens for p in packs), recipe.parallel.expert_parallel,
                         checkpointing_mode(recipe.parallel), routing_skew_factor)
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
-        grad_accumulation=grad_acc, activation_checkpointing=checkpointing_mode(recipe.parallel),
+        grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,
         peak_bytes_per_rank=traced.peak_bytes, breakdown=traced.breakdown, capacity_bytes=device.memory_bytes,
         reserve_bytes=reserve_bytes(device), flops_per_step=flops_step,
         flops_by_part={"vit": mean_vit * gb, "projector_and_llm": (mean_flops - mean_vit) * gb},

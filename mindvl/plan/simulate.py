@@ -2,14 +2,14 @@
 
     traced = trace_step(recipe, config, world_size, packs)
 
-What runs is what training runs: `MindVL` built on the meta device, `phases.apply_phase`, `parallel.parallelize`
-(activation checkpointing, FSDP2 over a DeviceMesh of `world_size` ranks on torch's fake backend), AdamW from
-`optim.build_optimizer`, and `step.optimizer_step` (streamed micro-batches, loss normalisation, clipping, AdamW) on
-fake packs. Parameters and activations are fake CPU tensors in the accelerator's dtypes (fp32 master weights and
-optimizer state, bf16 compute under FSDP's policy, fp32 gradient reductions); attention is torch's SDPA with V padded
-to Q's head size when they differ (`fused_attention_memory`), whose memory (outputs + logsumexp) is that of the flash
-kernels used on accelerators. FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker) records the
-rank's peak and what was alive at that moment.
+What runs is what training runs: `MindVL` built on the meta device, `parallel.prepare_model` (the phase, activation
+checkpointing, expert parallelism, FSDP2 over the layout's meshes of `world_size` ranks on torch's fake backend),
+AdamW from `optim.build_optimizer`, and `step.optimizer_step` (streamed micro-batches, loss normalisation,
+clipping, AdamW) on fake packs. Parameters and activations are fake CPU tensors in the accelerator's dtypes (fp32
+master weights and optimizer state, bf16 compute under FSDP's policy, fp32 gradient reductions); attention is
+torch's SDPA with V padded to Q's head size when they differ (`fused_attention_memory`), whose memory (outputs +
+logsumexp) is that of the flash kernels used on accelerators. FSDP2's memory tracker
+(torch.distributed._tools.fsdp2_mem_tracker) records the rank's peak and what was alive at that moment.
 
 Two optimizer steps run: the first with one micro-batch (it allocates AdamW's state), the second with two (so
 accumulation across micro-batches is part of the trace); the peak is the maximum over both.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,10 +32,10 @@ from mindvl.models import MindVL, MindVLConfig
 from mindvl.models import loss as loss_module
 from mindvl.progress import Progress
 from mindvl.train.optim import build_optimizer
-from mindvl.train.parallel import ParallelEnv, parallelize
-from mindvl.train.phases import apply_phase
+from mindvl.train.parallel import ParallelEnv, ParallelLayout, Prepared, prepare_model
 from mindvl.train.step import MicroBatchStream, optimizer_step
 
+from .estimate import Counts, param_counts
 from .fake import MetadataGateway, fake_world
 from .packs import PackShape, fake_pack
 
@@ -63,6 +64,8 @@ class Traced:
     micro_batches_traced: int
     sharded_bytes: int = 0  # of the peak: sharded parameters, gradients and optimizer state (they scale as 1/N)
     notes: list[str] = field(default_factory=list)
+    counts: Counts | None = None  # parameters of the prepared model (global shapes: what the estimates count)
+    prepared: Prepared | None = None  # what prepare_model did (the phase's trainable counts, checkpointing mode)
 
 
 class PlanTracker(FSDPMemTracker):
@@ -163,15 +166,16 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
     """Peak memory of rank 0 of `world_size` over optimizer steps of `micro_batches` micro-batches each."""
     t0 = time.perf_counter()
     pcfg = plan_parallel(recipe)
-    env = ParallelEnv(0, world_size, 0, torch.device("cpu"), "fake")
+    env = ParallelEnv(0, world_size, 0, torch.device("cpu"), "fake", ParallelLayout.from_config(pcfg, world_size))
+    prepared = Prepared()
     # Minutes at 8B on a CPU: progress in micro-batches, each advanced by the forward through its blocks.
     bar = TraceProgress(sum(micro_batches), f"plan: building the model on a fake {world_size}-rank world")
     with fake_world(world_size) as world:
         with torch.device("meta"):
             model = MindVL(config)
         model.set_attention_backend("sdpa")
-        apply_phase(model, recipe.trainable_modules)
-        model = parallelize(model, env, pcfg)
+        model = prepare_model(model, dataclasses.replace(recipe, parallel=pcfg), env, prepared)
+        counts = param_counts(model)  # DTensor parameters count their global shapes
         world.materialize(model)
         model.train()
         optimizer = build_optimizer(model, recipe.optim)
@@ -197,7 +201,8 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
     peak, breakdown = peak_breakdown(tracker)
     sharded = sum(v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()
                   if k in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT))
-    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded)
+    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded, counts=counts,
+                  prepared=prepared)
 
 
 class TraceProgress(Progress):

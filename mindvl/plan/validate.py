@@ -2,10 +2,11 @@
 
     python -m mindvl.plan.validate RECIPE.yaml [key=value ...]     # under torchrun for several processes
 
-Each process builds the recipe's model as the trainer does (meta device, phase, parallelize, filled shards), reads
-its own data shard, runs the same optimizer steps as `simulate.trace_step` (one of 1 micro-batch, one of 2) under
-FSDP2's memory tracker, and rank 0 prints one JSON line: the tracker's peak and breakdown, and the process's
-peak-RSS increase over the step (`ru_maxrss` after building the model vs after the steps).
+Each process builds the recipe's model as the trainer does (meta device, `prepare_model`, filled shards), reads
+its own data shard (the trainer's data config: `data.seed` defaults to the recipe's seed), runs the same optimizer
+steps as `simulate.trace_step` (one of 1 micro-batch, one of 2) under FSDP2's memory tracker, and rank 0 prints one
+JSON line: the tracker's peak and breakdown, and the process's peak-RSS increase over the step (`ru_maxrss` after
+building the model vs after the steps).
 """
 
 from __future__ import annotations
@@ -18,31 +19,29 @@ import torch
 
 
 def measure_real_step(recipe, micro_batches: tuple[int, ...] = (1, 2)) -> dict:
+    import dataclasses
+
     from mindvl.data import DataConfig, load_tokenizer
     from mindvl.train.materialize import build_model
     from mindvl.train.optim import build_optimizer
-    from mindvl.train.parallel import destroy, init_distributed, parallelize
-    from mindvl.train.phases import apply_phase
+    from mindvl.train.parallel import destroy, init_distributed, prepare_model
     from mindvl.train.preflight import tokenizer_source
+    from mindvl.train.seeding import data_section
     from mindvl.train.step import optimizer_step
     from mindvl.train.trainer import ShardedBatches
 
     from .simulate import PlanTracker, TrackedStream, loss_region, peak_breakdown, plan_parallel
 
-    env = init_distributed("cpu")
+    pcfg = plan_parallel(recipe)
+    env = init_distributed("cpu", pcfg)
     try:
-        pcfg = plan_parallel(recipe)
-        data_cfg = DataConfig.from_dict(recipe.data)
+        data_cfg = DataConfig.from_dict(data_section(recipe))  # as the trainer builds it (the same data seed)
         tok = load_tokenizer(tokenizer_source(recipe))  # the trainer's choice (train.preflight)
-
-        def prepare(meta):
-            apply_phase(meta, recipe.trainable_modules)
-            return parallelize(meta, env, pcfg)
-
-        model = build_model(recipe, tok, env, prepare)
+        planned = dataclasses.replace(recipe, parallel=pcfg)
+        model = build_model(recipe, tok, env, lambda meta: prepare_model(meta, planned, env))
         model.set_attention_backend("sdpa")
         optimizer = build_optimizer(model, recipe.optim)
-        batches = ShardedBatches(data_cfg, tok, env, recipe.batch.data_shards or env.world_size)
+        batches = ShardedBatches(data_cfg, tok, env, recipe.batch.data_shards or env.layout.dp_size)
         tracker = PlanTracker(model, optimizer)
 
         def fetch():

@@ -1,9 +1,10 @@
 """Evaluation during training: validation loss on held-out data, and optionally a small benchmark run.
 
-Validation loss: every rank runs the same number of packs (`eval.batches`) of its share of the held-out stream,
-read from the start each time (the same packs at every evaluation, so the curve compares like with like); the
-(loss sum, labelled targets) pair is summed over ranks: the mean loss per labelled token, as in training. The model
-is switched to eval mode for it, which also keeps MoE routers from counting these tokens as training load.
+Validation loss: every rank runs the same number of packs (`eval.batches`) of its data-parallel share of the
+held-out stream, read from the start each time (the same packs at every evaluation, so the curve compares like with
+like); the (loss sum, labelled targets) pair is summed over ranks: the mean loss per labelled token, as in
+training. The model is switched to eval mode for it, which also keeps MoE routers from counting these tokens as
+training load.
 
 Benchmark: the full weights are gathered (collective) and rank 0 runs `mindvl.eval.runner.evaluate_benchmark` on the
 first `eval.limit` items; predictions go to OUTPUT_DIR/eval/step_N/.
@@ -48,7 +49,7 @@ class Evaluator:
     @torch.no_grad()
     def validation_loss(self, model) -> float:
         env = self.env
-        loader = build_loader(self.eval_cfg, self.tok, rank=env.rank, world_size=env.world_size)
+        loader = build_loader(self.eval_cfg, self.tok, rank=env.layout.dp_rank, world_size=env.layout.dp_size)
         was_training = model.training
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64)

@@ -14,7 +14,8 @@ Tokens: every rank routes its own tokens with its (replicated) router, sorts the
 as grouped GEMMs on what it received, and sends the outputs back the same way. The backward runs the transposed
 exchanges.
 
-Gradient scale: the trainer multiplies the loss by W because FSDP averages over the ranks of its mesh. Expert
+Gradient scale: the step multiplies the loss by the data-parallel size (W: EP borrows its ranks from the data
+shards) because FSDP averages over the ranks of its mesh. Expert
 slices are reduced over "efsdp" only (W / N ranks), but their gradient already sums the tokens of all N EP ranks
 (the all-to-all backward brings them), so the dispatcher scales the experts' local gradient by 1/N (exact for powers
 of two) and every parameter's gradient is the same global-token average as on one process. (FSDP's
@@ -35,12 +36,12 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mindvl.models.moe import LocalTokenDispatch, RoutedExperts
 
-EP_KEY = "parallel.expert_parallel"
+from .parallel import EP_KEY, ParallelLayout
 
 
 def routed_experts(model: nn.Module) -> list[RoutedExperts]:
@@ -63,8 +64,9 @@ def check_expert_parallel(size: int, world_size: int, model: nn.Module) -> None:
 
 
 def expert_mesh(device_type: str, world_size: int, size: int) -> DeviceMesh:
-    """The 2-D ("efsdp", "ep") mesh; `mesh["ep"]` is this rank's EP group, `mesh["efsdp"]` its expert replicas."""
-    return init_device_mesh(device_type, (world_size // size, size), mesh_dim_names=("efsdp", "ep"))
+    """The 2-D ("efsdp", "ep") mesh of a `size`-way EP layout of the world (built by `ParallelLayout`);
+    `mesh["ep"]` is this rank's EP group, `mesh["efsdp"]` its expert replicas."""
+    return ParallelLayout(world_size, dist.get_rank(), ep=size).meshes(device_type).expert
 
 
 class AllToAllTokenDispatch(LocalTokenDispatch):
@@ -143,21 +145,15 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[RoutedExpe
     return modules
 
 
-def shard_experts(model: nn.Module, size: int, world_size: int, device_type: str, mp_policy) -> DeviceMesh | None:
-    """`parallelize`'s hook, called before FSDP wraps the blocks: with `size` > 1, shard the experts over EP and FSDP
-    each expert slice over its replicas; returns the 1-D world mesh (flattened from the 2-D one) for the rest of
-    the model, or None without EP."""
-    check_expert_parallel(size, world_size, model)
-    if size == 1:
-        return None
+def shard_experts(model: nn.Module, mesh: DeviceMesh, mp_policy) -> None:
+    """`prepare_model`'s expert-parallel step, before FSDP wraps the blocks: shard the experts over `mesh["ep"]`
+    (the layout's ("efsdp", "ep") mesh) and FSDP each expert slice over its replicas, `mesh["efsdp"]`."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = expert_mesh(device_type, world_size, size)
     replicas = mesh["efsdp"].size()
     for m in apply_expert_parallel(model, mesh):
         fully_shard(m, mesh=mesh["efsdp"], mp_policy=mp_policy,
                     shard_placement_fn=lambda p: Shard(replica_shard_dim(p.to_local().shape, replicas)))
-    return mesh._flatten("dp")
 
 
 def replica_shard_dim(local_shape: torch.Size, replicas: int) -> int:

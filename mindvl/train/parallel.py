@@ -1,5 +1,13 @@
-"""Devices, process groups and parallelism, applied to the model from outside (torchrun's environment).
+"""Devices, process groups, the parallel layout, and `prepare_model`: parallelism applied to the model from outside.
 
+- `ParallelEnv` is this process (rank, world size, device, backend); its `layout` (`ParallelLayout`) says how the
+  world's ranks split into parallel dimensions and owns their device meshes: the data-parallel size and rank (loss
+  normalisation, data shards, evaluation, the planner's communication estimate) come from it, never from the world
+  size.
+- `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
+  freeze (the phase) -> activation checkpointing -> compile -> expert parallelism -> FSDP2 (`TRANSFORMS`, in that
+  order). The trainer, the planner's simulation, its real-step validation and the planner's counts all run it, so a
+  transform added to `TRANSFORMS` is seen by the planner with no other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
@@ -15,7 +23,9 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,14 +33,113 @@ from torch import nn
 
 from mindvl.config import ParallelSection
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mindvl.config import Recipe
+
+EP_KEY = "parallel.expert_parallel"
+
+
+@dataclass
+class Meshes:
+    """The device meshes of a layout (built once per process group)."""
+
+    dp: DeviceMesh  # every data shard: FSDP of everything but EP-sharded experts (1-D, "dp")
+    expert: DeviceMesh | None = None  # ("efsdp", "ep") under expert parallelism: mesh["ep"] splits the experts,
+    #                                   mesh["efsdp"] are the ranks holding the same experts (FSDP of their slices)
+
+
+@dataclass
+class ParallelLayout:
+    """How the ranks of the world split into parallel dimensions (torchtitan's ParallelDims is the model).
+
+    Dimensions, outermost first: data shards (FSDP; each reads its own data) x context x tensor, whose product is
+    the world size. Expert parallelism borrows its ranks from the data shards: an EP group of N ranks holds E/N of
+    each MoE layer's experts but still reads N different data shards, so N must divide `dp_shard` and the
+    data-parallel size is `dp_shard` with or without EP. Tensor and context parallelism are not implemented: their
+    sizes are 1, and the dimensions are here so that every user of the data-parallel size and rank already asks
+    the layout, not the world size.
+    """
+
+    world_size: int
+    rank: int = 0
+    dp_shard: int = 0  # 0: what the other dimensions leave (world / (context x tensor))
+    ep: int = 1
+    tp: int = 1
+    cp: int = 1
+    _meshes: tuple[Any, str, Meshes] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dp_shard == 0:
+            self.dp_shard = self.world_size // (self.tp * self.cp)
+        if self.tp != 1 or self.cp != 1:
+            raise ValueError(f"parallel: tensor ({self.tp}) and context ({self.cp}) parallelism are not implemented; "
+                             "their sizes must be 1")
+        if self.dp_shard * self.cp * self.tp != self.world_size:
+            raise ValueError(f"parallel: data shards {self.dp_shard} x context {self.cp} x tensor {self.tp} must "
+                             f"equal the world size {self.world_size}")
+        if self.ep > 1 and self.world_size == 1:
+            raise ValueError(f"{EP_KEY}: expert parallelism needs more than one process")
+        if self.ep < 1:
+            raise ValueError(f"{EP_KEY}: must be >= 1, got {self.ep}")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"{EP_KEY}: {self.ep} must divide the world size {self.world_size}")
+
+    @classmethod
+    def from_config(cls, cfg: ParallelSection, world_size: int, rank: int = 0) -> ParallelLayout:
+        return cls(world_size, rank, ep=cfg.expert_parallel)
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different data (FSDP averages gradients over them; the loader deals shards to them)."""
+        return self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (context and tensor ranks of one index share data)."""
+        return self.rank // (self.cp * self.tp)
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts under expert parallelism (over which FSDP shards an expert slice)."""
+        return self.dp_shard // self.ep
+
+    def meshes(self, device_type: str) -> Meshes:
+        """The layout's device meshes (collective: every rank builds them); built once per process group and
+        forgotten by `destroy` (a mesh keeps its process groups alive)."""
+        key = (dist.group.WORLD, device_type)
+        if self._meshes is None or self._meshes[:2] != key:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if self.ep > 1:
+                expert = init_device_mesh(device_type, (self.expert_replicas, self.ep),
+                                          mesh_dim_names=("efsdp", "ep"))
+                built = Meshes(expert._flatten("dp"), expert)  # the rest of the model: over both dimensions
+            else:
+                built = Meshes(init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp",)))
+            self._meshes = (*key, built)
+        return self._meshes[2]
+
+    def forget_meshes(self) -> None:
+        self._meshes = None
+
 
 @dataclass
 class ParallelEnv:
+    """This process: its rank in the world, its device and process-group backend, and the parallel layout (pure
+    data parallelism over the world unless given, e.g. by `init_distributed` from the recipe's section)."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str
+    layout: ParallelLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = ParallelLayout(self.world_size, self.rank)
 
     @property
     def distributed(self) -> bool:
@@ -67,15 +176,17 @@ def detect_device(preference: str = "auto", local_rank: int = 0) -> tuple[torch.
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(preference: str = "auto") -> ParallelEnv:
-    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK; start the process group when there is more than one process."""
+def init_distributed(preference: str = "auto", parallel: ParallelSection | None = None) -> ParallelEnv:
+    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK; start the process group when there is more than one process.
+    The layout is built (and validated) from `parallel` before any process group exists."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
+    layout = ParallelLayout.from_config(parallel or ParallelSection(), world, rank)
     device, backend = detect_device(preference, local)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if device.type != "cpu" else None)
-    return ParallelEnv(rank, world, local, device, backend)
+    return ParallelEnv(rank, world, local, device, backend, layout)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -157,33 +268,128 @@ def uses_fsdp(cfg: ParallelSection, env: ParallelEnv) -> bool:
     return param_dtype(cfg, env.device) != torch.float32
 
 
-def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.Module:
-    """Activation checkpointing, compile and FSDP2, in that order (AC inside compile inside FSDP)."""
-    apply_activation_checkpointing(model, checkpointing_mode(cfg))
-    if cfg.compile:
+@dataclass
+class Prepared:
+    """What `prepare_model` did: the trainer logs it, the planner reports it."""
+
+    trainable: dict[str, int] = field(default_factory=dict)  # trainable parameters per top-level module (the phase)
+    checkpointing: str = "off"  # off | full | selective
+    fsdp: bool = False
+    steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
+
+
+@dataclass
+class PrepareContext:
+    """What a transform may read: the phase's trainable modules (None: leave requires_grad alone), the parallel
+    section, this process, its layout; `done` is where it records what it did."""
+
+    trainable: list[str] | None
+    parallel: ParallelSection
+    env: ParallelEnv
+    layout: ParallelLayout
+    done: Prepared
+
+    def mp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=param_dtype(self.parallel, self.env.device), reduce_dtype=torch.float32)
+
+
+Transform = Callable[[nn.Module, PrepareContext], nn.Module]
+
+
+def _freeze(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    if ctx.trainable is not None:
+        from .phases import apply_phase
+
+        ctx.done.trainable = apply_phase(model, ctx.trainable)
+    return model
+
+
+def _checkpointing(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    ctx.done.checkpointing = checkpointing_mode(ctx.parallel)
+    apply_activation_checkpointing(model, ctx.done.checkpointing)
+    return model
+
+
+def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    if ctx.parallel.compile:
         for b in blocks(model):
             b.compile()
-    if cfg.expert_parallel > 1 and not env.distributed:
-        raise ValueError("parallel.expert_parallel: expert parallelism needs more than one process")
-    if uses_fsdp(cfg, env):
-        if not env.distributed:
-            _single_process_group(env)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from .expert_parallel import shard_experts
-
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype(cfg, env.device), reduce_dtype=torch.float32)
-        # experts first (EP over their own mesh dimension), then the rest over the whole world
-        mesh = shard_experts(model, cfg.expert_parallel, env.world_size, env.device.type, mp)
-        mesh = mesh if mesh is not None else init_device_mesh(env.device.type, (env.world_size,))
-        for b in blocks(model):
-            fully_shard(b, mesh=mesh, mp_policy=mp)
-        embedding = own_embedding_group(model)
-        if embedding is not None:
-            fully_shard(embedding, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def _expert_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Experts first (EP over their own mesh dimension, each slice FSDP-sharded over its replicas); FSDP then
+    shards the rest over every data shard. Under FSDP only (EP needs more than one process, so FSDP is on unless
+    `parallel.fsdp: off`)."""
+    if not uses_fsdp(ctx.parallel, ctx.env):
+        return model
+    from .expert_parallel import check_expert_parallel, shard_experts
+
+    check_expert_parallel(ctx.layout.ep, ctx.layout.dp_shard, model)
+    if ctx.layout.ep > 1:
+        shard_experts(model, ctx.layout.meshes(ctx.env.device.type).expert, ctx.mp_policy())
+    return model
+
+
+def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    if not uses_fsdp(ctx.parallel, ctx.env):
+        return model
+    if not ctx.env.distributed:
+        _single_process_group(ctx.env)
+    from torch.distributed.fsdp import fully_shard
+
+    mp = ctx.mp_policy()
+    mesh = ctx.layout.meshes(ctx.env.device.type).dp
+    for b in blocks(model):
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    embedding = own_embedding_group(model)
+    if embedding is not None:
+        fully_shard(embedding, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    ctx.done.fsdp = True
+    return model
+
+
+# The preparation, in order (activation checkpointing inside compile inside FSDP; experts sharded before FSDP wraps
+# the blocks that hold them). Add a transform here and the trainer, the planner and its validation all run it.
+TRANSFORMS: list[tuple[str, Transform]] = [
+    ("freeze", _freeze),
+    ("activation_checkpointing", _checkpointing),
+    ("compile", _compile),
+    ("expert_parallel", _expert_parallel),
+    ("fsdp", _fsdp),
+]
+
+
+def layout_for(env: ParallelEnv, cfg: ParallelSection) -> ParallelLayout:
+    """The env's layout (built once by `init_distributed` from the recipe's section); a section that asks for
+    another layout than the env carries (an env made by hand: tools, tests) gets its own."""
+    if env.layout.ep == cfg.expert_parallel:
+        return env.layout
+    return ParallelLayout.from_config(cfg, env.world_size, env.rank)
+
+
+def _run_transforms(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    for name, transform in TRANSFORMS:
+        model = transform(model, ctx)
+        ctx.done.steps.append(name)
+    return model
+
+
+def prepare_model(model: nn.Module, recipe: Recipe, env: ParallelEnv, report: Prepared | None = None) -> nn.Module:
+    """The built (meta-device) model made trainable for `recipe` on `env`: every step of `TRANSFORMS`, in order.
+    `report` (optional) receives what was done (trainable counts, checkpointing mode, the steps)."""
+    ctx = PrepareContext(list(recipe.trainable_modules), recipe.parallel, env, layout_for(env, recipe.parallel),
+                         report if report is not None else Prepared())
+    return _run_transforms(model, ctx)
+
+
+def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.Module:
+    """`prepare_model` without a phase (every parameter keeps its requires_grad): activation checkpointing,
+    compile, expert parallelism and FSDP2, in that order, for tools and tests that hold a section, not a recipe."""
+    return _run_transforms(model, PrepareContext(None, cfg, env, layout_for(env, cfg), Prepared()))
 
 
 def own_embedding_group(model: nn.Module) -> nn.Module | None:
@@ -219,6 +425,7 @@ def destroy(env: ParallelEnv) -> None:
     a finished model may only be freed by the garbage collector at interpreter exit; gloo's worker threads torn down
     that late can abort the process (SIGABRT, "terminate called without an active exception"; pytorch#179291). Collect
     the cycles while the interpreter is fully alive, before and after destroying the groups."""
+    env.layout.forget_meshes()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,11 +10,12 @@ overlaps the previous micro-batch's compute) only `window - 1` micro-batches ahe
 keeps 2 packs resident, not 128.
 
 Loss normalisation (paper: the mean over every labelled token of the global batch) without holding the step's packs:
-each micro-batch backpropagates `loss_sum * world_size` (FSDP averages over ranks; the factor turns that average back
-into a sum), the labelled-target counts of the packs (their metadata, counted once as each pack arrives) are
-all-reduced once after the last forward, and the accumulated gradients are multiplied by 1 / N_global before
-clipping. By linearity this is exactly d(sum of every loss_sum)/N_global, whatever the split of tokens between
-micro-batches and ranks (the reference test compares it with one joined batch).
+each micro-batch backpropagates `loss_sum * dp_size` (the layout's data-parallel size: FSDP averages over the
+data-parallel ranks; the factor turns that average back into a sum), the labelled-target counts of the packs
+(their metadata, counted once as each pack arrives) are all-reduced once after the last forward, and the
+accumulated gradients are multiplied by 1 / N_global before clipping. By linearity this is exactly d(sum of every
+loss_sum)/N_global, whatever the split of tokens between micro-batches and ranks (the reference test compares it
+with one joined batch).
 
 Gradient accumulation under FSDP (`parallel.grad_accumulation`):
 - `sharded` (default): every micro-batch's backward reduce-scatters its gradients into the sharded float32
@@ -161,7 +162,7 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
         ta = time.perf_counter()
         loss_sum, _ = model(**batch)
         tb = time.perf_counter()
-        (loss_sum * env.world_size).backward()
+        (loss_sum * env.layout.dp_size).backward()
         t_fwd += tb - ta
         t_bwd += time.perf_counter() - tb
         loss_total += loss_sum.detach().double()

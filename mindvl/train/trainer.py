@@ -3,9 +3,10 @@
     step:  mindvl.train.step.optimizer_step (streamed micro-batches, global loss normalisation, clipping, AdamW;
            the planner runs the same function) -> bad-step vote -> LR schedule; log; evaluate; checkpoint.
 
-Data shards: the stream is split into `batch.data_shards` shards (default: the world size); rank r reads shards
-r, r + world, ... round-robin over its micro-batches. With data_shards=2 one process consumes exactly the global batch
-that two ranks would, which is how the distributed test compares 1 vs 2 processes.
+Data shards: the stream is split into `batch.data_shards` shards (default: the parallel layout's data-parallel size
+D); data-parallel rank r reads shards r, r + D, ... round-robin over its micro-batches. With data_shards=2 one
+process consumes exactly the global batch that two ranks would, which is how the distributed test compares 1 vs 2
+processes.
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import (
     ParallelEnv,
+    Prepared,
     all_reduce_sum,
     barrier,
     destroy,
     init_distributed,
-    parallelize,
     param_dtype,
+    prepare_model,
 )
-from .phases import apply_phase
 from .plan_headline import PlannerHeadline
 from .preempt import StepVotes, StopSignals, clear_marker, resume_hint, write_marker
 from .preflight import preflight
@@ -84,7 +85,7 @@ class ShardedBatches:
 
     def __init__(self, data_cfg: DataConfig, tok, env: ParallelEnv, shards: int):
         self.rank, self.n_shards, self.data_cfg = env.rank, shards, data_cfg
-        self.shard_ids = list(range(env.rank, shards, env.world_size))
+        self.shard_ids = list(range(env.layout.dp_rank, shards, env.layout.dp_size))
         self.loaders = [build_loader(data_cfg, tok, rank=s, world_size=shards) for s in self.shard_ids]
         self._iters: list[Any] = [None] * len(self.loaders)
         self.turn = 0
@@ -186,7 +187,7 @@ def plan_steps(recipe: Recipe, seq_len: int) -> int:
 def train(recipe: Recipe) -> RunResult:
     """Run one phase. Raises stops.Preempted after a stop signal (a checkpoint was written) and
     stops.TooManyBadSteps after `optim.max_bad_steps` consecutive non-finite steps, on every rank."""
-    env = init_distributed(recipe.parallel.device)
+    env = init_distributed(recipe.parallel.device, recipe.parallel)
     lock = None
     try:
         data_cfg = data_section(recipe)
@@ -211,25 +212,22 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
     seed_everything(recipe.seed + env.rank)
     tok, tokenizer_dir, side_files = checked
 
-    shards = recipe.batch.data_shards or env.world_size
+    dp = env.layout.dp_size
+    shards = recipe.batch.data_shards or dp
     gb = recipe.batch.global_batch_size
-    if shards % env.world_size or gb % shards:
+    if shards % dp or gb % shards:
         raise ValueError(f"batch: global_batch_size ({gb}) must be a multiple of data_shards ({shards}), which must be "
-                         f"a multiple of the world size ({env.world_size})")
-    accum = gb // env.world_size
+                         f"a multiple of the data-parallel size ({dp})")
+    accum = gb // dp
     if recipe.batch.gradient_accumulation not in (None, accum):
         raise ValueError(f"batch.gradient_accumulation: {recipe.batch.gradient_accumulation} does not match "
-                         f"global_batch_size / world size = {accum}")
+                         f"global_batch_size / data-parallel size = {accum}")
     total_steps = plan_steps(recipe, data_cfg.seq_len)
 
-    trainable: dict[str, int] = {}
-
-    def prepare(meta_model):  # on the meta device: freeze, then checkpointing/compile/FSDP, before any allocation
-        trainable.update(apply_phase(meta_model, recipe.trainable_modules))
-        return parallelize(meta_model, env, recipe.parallel)
-
+    prepared = Prepared()  # prepare_model on the meta device (freeze, checkpointing, compile, EP, FSDP): no allocation
     headline = PlannerHeadline(recipe, env, out)  # accelerators: `mindvl plan` in a child process, printed when ready
-    model = build_model(recipe, tok, env, prepare)
+    model = build_model(recipe, tok, env, lambda meta: prepare_model(meta, recipe, env, prepared))
+    trainable = prepared.trainable
     config = model.config
     if data_cfg.video.tokens_per_second is None:
         data_cfg.video.tokens_per_second = config.tokens_per_second
