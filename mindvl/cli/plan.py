@@ -13,6 +13,10 @@ def register(subparsers) -> None:
     p.add_argument("--device", required=True, help="h100-80g, h200, a100-80g, 910b1, 910b2-64g or custom:...")
     p.add_argument("--preset", help="model shape preset (default: the recipe's model folders or model.preset)")
     p.add_argument("--sample-data", action="store_true", help="pack shapes from the recipe's own sources")
+    p.add_argument("--routing-skew", type=float, default=1.0, metavar="F",
+                   help="MoE under expert parallelism: the busiest rank receives F x its balanced share of routed "
+                        "rows (1 = balanced; a run's MaxVio bounds it: F <= 1 + MaxVio); the report also prints the "
+                        "headroom at 1.25-3 and the largest F that fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -25,6 +29,6 @@ def run(args) -> int:
 
     device = get_device(args.device)  # an unknown device fails before any work
     result = plan(load_recipe(args.recipe, args.overrides), args.world_size, device, preset=args.preset,
-                  sample_data=args.sample_data, recipe_name=args.recipe)
+                  sample_data=args.sample_data, recipe_name=args.recipe, routing_skew_factor=args.routing_skew)
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_report(result))
     return 0

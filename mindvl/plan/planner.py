@@ -184,8 +184,8 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
 
-    skew = routing_skew(config, max(p.tokens for p in packs), recipe.parallel.expert_parallel,
-                        checkpointing_mode(recipe.parallel), routing_skew_factor)
+    skew = routing_skew(config, max(p.tokens for p in packs), layout.ep,
+                        traced.prepared.checkpointing, routing_skew_factor)
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,
