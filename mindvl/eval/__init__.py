@@ -9,5 +9,6 @@ Modules (imported on demand; this package imports nothing heavy itself):
     synth_bench  `write_synthetic_benchmarks(out_dir, n, seed)`: held-out OCRBench/ChartQA/DocVQA parquet files made
                  from `mindvl.data.synth`'s generators, for the quickstart
 
-The rules are those written down in /work/shared/reference/eval-scoring.md (cited as "§N" in docstrings).
+The rules are those written down in docs/eval-scoring.md (cited as "§N" and "eval-scoring.md" in docstrings): the
+team's reading of the toolkits' scoring code, with the commits read and golden vectors (§9).
 """
