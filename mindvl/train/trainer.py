@@ -377,8 +377,8 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
 
 def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv,
                  side_files: dict | None = None) -> Path | None:
-    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a `mindvl.checkpoint.load_model` folder, with the
-    side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0."""
+    """Collective: gather the full weights and write `OUTPUT_DIR/final` (a `mindvl.checkpoint.load_model` folder, with
+    the side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0."""
     from mindvl.checkpoint import save_pretrained
 
     state = full_model_state(model)
