@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("export", help="write a training checkpoint as a model folder (for load_model, chat, eval)")
+    p = subparsers.add_parser("export", help="write a training checkpoint as a model folder (load_model, chat, eval)")
     p.add_argument("checkpoint", help="a checkpoint folder (step_N), a checkpoints/ folder or a run's output_dir")
     p.add_argument("--out", required=True, help="model folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
