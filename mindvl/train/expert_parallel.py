@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mindvl.models.moe import LocalTokenDispatch, RoutedExperts
 
-from .parallel import EP_KEY, ParallelLayout
+EP_KEY = "parallel.expert_parallel"  # the recipe key named in every expert-parallel error (train.parallel too)
 
 
 def routed_experts(model: nn.Module) -> list[RoutedExperts]:
@@ -61,12 +61,6 @@ def check_expert_parallel(size: int, world_size: int, model: nn.Module) -> None:
     e = experts[0].num_experts
     if e % size:
         raise ValueError(f"{EP_KEY}: {size} must divide the number of routed experts {e}")
-
-
-def expert_mesh(device_type: str, world_size: int, size: int) -> DeviceMesh:
-    """The 2-D ("efsdp", "ep") mesh of a `size`-way EP layout of the world (built by `ParallelLayout`);
-    `mesh["ep"]` is this rank's EP group, `mesh["efsdp"]` its expert replicas."""
-    return ParallelLayout(world_size, dist.get_rank(), ep=size).meshes(device_type).expert
 
 
 class AllToAllTokenDispatch(LocalTokenDispatch):

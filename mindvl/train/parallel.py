@@ -33,12 +33,13 @@ from torch import nn
 
 from mindvl.config import ParallelSection
 
+from .expert_parallel import EP_KEY
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from mindvl.config import Recipe
 
-EP_KEY = "parallel.expert_parallel"
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mindvl.models.moe import RoutedExperts
-from mindvl.train.expert_parallel import apply_expert_parallel, expert_mesh
+from mindvl.train.expert_parallel import apply_expert_parallel
+from mindvl.train.parallel import ParallelLayout
 
 E, H, I, K, T = 16, 16, 16, 2, 12
 
@@ -38,7 +39,7 @@ def main() -> None:
     for p in reference.parameters():
         p.data = torch.randn(p.shape, generator=g) * 0.2
     model = copy.deepcopy(reference)
-    apply_expert_parallel(model, expert_mesh("cpu", world, world))
+    apply_expert_parallel(model, ParallelLayout(world, dist.get_rank(), ep=world).meshes("cpu").expert)
     assert isinstance(model.gate_proj, DTensor) and model.gate_proj.to_local().shape[0] == E // world
 
     x, ids, w, up = routing(rank, world)

@@ -133,13 +133,14 @@ def test_ep_dispatch_under_fake_tensors_assumes_balanced_routing():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from mindvl.models.moe import RoutedExperts
-    from mindvl.train.expert_parallel import apply_expert_parallel, expert_mesh
+    from mindvl.train.expert_parallel import apply_expert_parallel
+    from mindvl.train.parallel import ParallelLayout
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         with torch.device("meta"):
             experts = RoutedExperts(16, 32, 16, "silu")
-        apply_expert_parallel(experts, expert_mesh("cpu", 8, 4))
+        apply_expert_parallel(experts, ParallelLayout(8, dist.get_rank(), ep=4).meshes("cpu").expert)
         with FakeTensorMode(allow_non_fake_inputs=True):
             experts.to_empty(device="cpu").to(torch.bfloat16)
             x = torch.randn(10, 32, dtype=torch.bfloat16, requires_grad=True)
