@@ -155,7 +155,7 @@ def capped_sources(recipe: Path, cap: int) -> list[str]:
     """An override giving `recipe`'s synthetic sources at most `cap` samples each (the same tasks and seeds)."""
     import yaml
 
-    sources = [dict(s) for s in load_recipe(recipe).data.get("sources") or []]
+    sources = [dict(s) for s in load_recipe(recipe).to_dict()["data"].get("sources") or []]  # as written
     for s in sources:
         if isinstance(s.get("synth"), dict):
             s["synth"] = {**s["synth"], "n": min(int(s["synth"]["n"]), cap)}

@@ -58,5 +58,5 @@ def test_train_follows_the_same_rule(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe = load_recipe(file, ["data.tokenizer=tok"])
     assert recipe.output_dir == "runs/x"
-    assert recipe.data["sources"][0]["paths"] == [str(tmp_path / "corpus" / "*.jsonl")]
-    assert recipe.data["tokenizer"] == "tok"  # a command-line override: the working directory's
+    assert recipe.data.sources[0].paths == [str(tmp_path / "corpus" / "*.jsonl")]
+    assert recipe.data.tokenizer == "tok"  # a command-line override: the working directory's
