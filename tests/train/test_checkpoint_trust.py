@@ -54,6 +54,12 @@ class _RunsCode:
         return (exec, (self.code,))
 
 
+@pytest.fixture(autouse=True)
+def _no_progress_lines(monkeypatch):
+    """These tests count stderr lines (one line per error): the synthetic-data progress line would be one more."""
+    monkeypatch.setenv("MINDVL_PROGRESS", "0")
+
+
 def _train(tmp: Path, name: str = "run", **sections) -> Path:
     out = tmp / name
     train(load_recipe(raw=raw_recipe(out, tmp / "cache", **sections)))
