@@ -34,7 +34,7 @@ from mindvl.models.projector import Projector
 from .conv import conv3d_to_matmul
 from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
-from .side_files import Pixels, added_token_ids, write_side_files
+from .side_files import Pixels, added_token_ids, read_json, write_side_files
 
 CONFIG_NAME = "config.json"
 SPECIAL_TOKENS = {
@@ -135,13 +135,7 @@ def read_config(folder: str | os.PathLike) -> dict:
     path = Path(folder) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model folder needs its config.json")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: the top level must be a JSON object, got {type(config).__name__}")
-    return config
+    return read_json(path)
 
 
 def _rope(text: dict) -> tuple[float, list[int] | None]:

@@ -55,13 +55,14 @@ Pixels = tuple[int, int]
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path, fix: str = "") -> dict[str, Any]:
+    """A JSON object from a model folder's file; one-line errors naming the file (`fix`: what to do, appended)."""
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}){fix}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+        raise ValueError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
     return data
 
 

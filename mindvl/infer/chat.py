@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from mindvl.checkpoint import load_model
-from mindvl.checkpoint.side_files import tokenizer_mismatches
+from mindvl.checkpoint.side_files import read_json, tokenizer_mismatches
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
 from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
@@ -206,12 +206,7 @@ def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> Vi
     path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
     if not path.is_file():
         return settings_from_processor_config({}, fps)
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc}); fix or delete it (then Qwen2-VL's defaults apply)") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: the top level must be a JSON object")
+    config = read_json(path, fix="; fix or delete it (then Qwen2-VL's defaults apply)")
     return settings_from_processor_config(config, fps)
 
 
