@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -17,26 +18,15 @@ import pytest
 import torch
 from test_accelerator_device import tiny_batch
 from tiny_mindvl import tiny_model
+from train.train_helpers import BASE
 
 from mindvl.config import ParallelSection, load_recipe
 from mindvl.train.parallel import ParallelEnv, parallelize
 
-RECIPE = {
-    "seed": 0,
-    "model": {"arch": {"text": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                                "mrope_section": [1, 1, 2]},
-                       "vision": {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
-                                  "fullatt_block_indexes": [1]}}},
-    "data": {"sources": [{"synth": {"tasks": ["ocr", "chart"], "n": 24, "seed": 5}}], "seq_len": 192,
-             "max_pixels": 16 * 28 * 28, "min_pixels": 4 * 28 * 28, "pack_buffer": 8, "default_system": None},
-    "phase": {"name": "multitask"},
-    "batch": {"global_batch_size": 2},
-    "optim": {"lr": 1e-3, "min_lr": 1e-4, "grad_clip": 1.0, "weight_decay": 0.01},
-    "budget": {"max_steps": 3},
-    "checkpoint": {"every": None},
-    "logging": {"progress": False, "tensorboard": False, "plot": False},
-}
+# The tiny recipe of tests/train (train_helpers.BASE), shorter: 24 samples, 3 steps, no checkpoints.
+RECIPE = copy.deepcopy(BASE)
+RECIPE["data"]["sources"][0]["synth"]["n"] = 24
+RECIPE.update(budget={"max_steps": 3}, checkpoint={"every": None})
 
 
 def run_tiny(tmp_path, name: str, parallel: dict) -> list[dict]:
