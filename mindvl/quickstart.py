@@ -127,7 +127,8 @@ def write_benchmarks(out: Path, bench_items: int) -> dict[str, Path]:
     """The held-out synthetic OCRBench (digit strips) / ChartQA / DocVQA files under OUT."""
     from mindvl.eval.synth_bench import write_synthetic_benchmarks
 
-    return write_synthetic_benchmarks(out, n=bench_items, seed=BENCH_SEED, ocr_task="digits")
+    return write_synthetic_benchmarks(out, n=bench_items, seed=BENCH_SEED, ocr_task="digits", chart_task="minichart",
+                                      doc_task="minidoc")
 
 
 def save_untrained(out: Path, recipes: Path) -> Path:
@@ -303,6 +304,7 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
                              for label, benches_scores in search["scores"].items()}
     summary["best"] = search["best"]
     summary["headlines"] = search["headlines"]
+    summary["merge_vs_sft"] = merge_vs_sft(out / "search", list(summary["evaluation"]["merged"]))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     # What the estimates are calibrated from (QUICKSTART_COST): each stage's work in probe units and its seconds.
     summary["timing"] = {"probe_s": round(probe_s, 4),
@@ -319,6 +321,44 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
 
 
 # ------------------------------------------------------------------------------------------------------ report
+
+
+def merge_vs_sft(search: Path, benches: list[str]) -> dict[str, Any]:
+    """Per benchmark, at the training resolution: the merged model's exact match, the three SFT models' (their mean,
+    std and range: the spread the merge is to beat), and merged minus each SFT model with a 95% interval over items
+    (paired bootstrap on the same held-out items: how much of the gap one test set alone could make)."""
+    from mindvl.ablate.runner import item_scores
+    from mindvl.ablate.stats import bootstrap_ci
+
+    out: dict[str, Any] = {}
+    for bench in benches:
+        items = {label: item_scores(search / label / bench / f"{DEFAULT_SETTING}.jsonl")
+                 for label in [*SFT_VARIANTS, "merged"]}
+        sft = [sum(items[n]) / len(items[n]) for n in SFT_VARIANTS]
+        out[bench] = {"merged": sum(items["merged"]) / len(items["merged"]),
+                      "sft": dict(zip(SFT_VARIANTS, sft, strict=True)),
+                      "sft_mean": statistics.mean(sft), "sft_std": statistics.stdev(sft),
+                      "sft_range": [min(sft), max(sft)],
+                      "diff": {n: bootstrap_ci([items["merged"]], [items[n]]).to_dict() for n in SFT_VARIANTS}}
+    return out
+
+
+def merge_section(rows: dict[str, Any]) -> list[str]:
+    names = list(SFT_VARIANTS)
+    lines = ["## Merged vs the three SFT models", "",
+             "Exact match in % at the training resolution: the merged model against the three SFT models it averages "
+             "(their mean ± std and range), and merged minus each with a 95% interval over the held-out items. One "
+             "run: seed-to-seed spread is not in these intervals (`mindvl ablate merge --seeds N` measures it).", "",
+             "| benchmark | merged | " + " | ".join(names) + " | SFT mean ± std [range] | "
+             + " | ".join(f"merged - {n}" for n in names) + " |", "|" + " --- |" * (3 + 2 * len(names))]
+    for bench, r in rows.items():
+        diffs = [r["diff"][n] for n in names]
+        lines.append(f"| {bench} | {100 * r['merged']:.1f} | " + " | ".join(f"{100 * r['sft'][n]:.1f}" for n in names)
+                     + f" | {100 * r['sft_mean']:.1f} ± {100 * r['sft_std']:.1f} [{100 * r['sft_range'][0]:.1f}, "
+                     f"{100 * r['sft_range'][1]:.1f}] | "
+                     + " | ".join(f"{100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]"
+                                  for d in diffs) + " |")
+    return [*lines, ""]
 
 
 def write_report(out: Path, summary: dict[str, Any]) -> Path:
@@ -341,9 +381,11 @@ def write_report(out: Path, summary: dict[str, Any]) -> Path:
         cells = [f"{per[b]['score']:.4g} | {per[b]['exact_match']:.1%}" for b in benches]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Scores are each toolkit's headline metric as lmms-eval reports it; OCRBench's is hits / 1000 "
-              "whatever the item count, so the exact-match column is the accuracy to read.",
-              "", "## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | "
-              "max_pixels | score |", "| --- | --- | --- | --- | --- |"]
+              "whatever the item count, so the exact-match column is the accuracy to read.", ""]
+    if summary.get("merge_vs_sft"):
+        lines += merge_section(summary["merge_vs_sft"])
+    lines += ["## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | max_pixels | "
+              "score |", "| --- | --- | --- | --- | --- |"]
     for bench, b in summary["best"]["overall"].items():
         if b["setting"] is None:  # every setting scores the same: naming one would mislead
             lines.append(f"| {bench} | {b['checkpoint'] or 'none'} | - | - | {b['score']:.4g} ({b['no_best']}) |")

@@ -30,7 +30,8 @@ def test_quickstart_pipeline_smoke(tmp_path):
     for key, value in merged.items():
         torch.testing.assert_close(value, sum(f[key] for f in finals) / 3, rtol=1e-6, atol=1e-7, msg=key)
     report = (out / "report.md").read_text()
-    for heading in ("## Training", "## Evaluation", "## Best test-time resolution"):
+    for heading in ("## Training", "## Evaluation", "## Merged vs the three SFT models",
+                    "## Best test-time resolution"):
         assert heading in report
     for png in ("loss_curves.png", "scores.png", "search/boxplot_ocrbench.png", "search/boxplot_docvqa.png"):
         assert (out / png).stat().st_size > 0, png

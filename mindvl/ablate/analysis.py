@@ -13,13 +13,29 @@ from typing import Any
 import numpy as np
 
 from .plan import CLAIMS, GRID_STATS, Claim, Comparison
-from .stats import bootstrap_ci, claim_verdict, comparison_verdict, mean_std, paired_ci
+from .stats import (
+    bootstrap_ci,
+    claim_verdict,
+    comparison_verdict,
+    detectable_difference,
+    half_width,
+    item_noise,
+    mean_std,
+    paired_ci,
+    seeds_for,
+)
 
-METRICS = ("ocrbench", "chartqa", "docvqa", "text")  # exact match on each synthetic benchmark, and the text probe
+BENCHES = ("ocrbench", "chartqa", "docvqa")
+# Exact match on each synthetic benchmark, their mean (`overall`: the paper's Overall column, over equal item counts
+# the mean of the three), and the text probe.
+METRICS = (*BENCHES, "overall", "text")
+POWER_TARGET = 0.03  # the half-width (3 points) the seed-count suggestion aims at (issue 29)
 _STAT = {"min": np.min, "median": np.median, "max": np.max}
 
 
 def item_vector(score: dict[str, Any], metric: str) -> list[float]:
+    if metric == "overall":  # the three benchmarks' items one after the other: its mean weighs each by its items
+        return [x for b in BENCHES for x in score["items"][b]]
     return score["text"] if metric == "text" else score["items"][metric]
 
 
@@ -41,14 +57,36 @@ def compare(claim: Claim, cmp: Comparison, per_seed: list[dict[str, Any]], verdi
     a = [value(s["scores"][better], metric, cmp.stat) for s in per_seed]
     b = [value(s["scores"][other], metric, cmp.stat) for s in per_seed]
     seed_ci = paired_ci(a, b)
-    item_ci = None
+    item_ci, item_se = None, None
     if cmp.stat is None:  # a min/median/max over settings has no per-item form
         ia = np.array([item_vector(s["scores"][better], metric) for s in per_seed])
         ib = np.array([item_vector(s["scores"][other], metric) for s in per_seed])
         item_ci = bootstrap_ci(ia, ib).to_dict()
+        item_se = item_noise(ia, ib) if ia.shape[1] > 1 else None
     return {"comparison": cmp.label(claim.metric), "better": cmp.better, "other": cmp.other, "metric": metric,
             "stat": cmp.stat, "relation": cmp.relation, "margin": cmp.margin, "seed_ci": seed_ci.to_dict(),
-            "item_ci": item_ci, "verdict": comparison_verdict(seed_ci, cmp.relation, cmp.margin) if verdicts else None}
+            "item_ci": item_ci, "verdict": comparison_verdict(seed_ci, cmp.relation, cmp.margin) if verdicts else None,
+            "power": power(a, b, item_se, cmp.paper)}
+
+
+def power(a: list[float], b: list[float], item_se: float | None, paper: float | None) -> dict[str, Any]:
+    """What the run could resolve for one comparison: the per-seed differences' sd (`seed_sd`), the part of it the
+    finite test set alone makes (`item_se`: within-seed standard error over items), the interval's half-width, the
+    smallest true difference detected with 80% power (`detectable`), and the seeds a 3-point half-width needs at
+    this sd (`seeds_for_target`) and with 4x the items (`seeds_for_target_4x_items`: only the item part shrinks)."""
+    n = len(a)
+    out: dict[str, Any] = {"n": n, "paper": paper, "item_se": item_se, "seed_sd": None, "half_width": None,
+                           "detectable": None, "seeds_for_target": None, "seeds_for_target_4x_items": None,
+                           "target": POWER_TARGET}
+    if n < 2:
+        return out
+    sd = float(np.std(np.asarray(a) - np.asarray(b), ddof=1))
+    out.update(seed_sd=sd, half_width=half_width(sd, n), detectable=detectable_difference(sd, n),
+               seeds_for_target=seeds_for(sd, POWER_TARGET))
+    if item_se is not None:
+        model_var = max(0.0, sd ** 2 - item_se ** 2)  # what another seed changes beyond the test set's noise
+        out["seeds_for_target_4x_items"] = seeds_for(float(np.sqrt(model_var + item_se ** 2 / 4)), POWER_TARGET)
+    return out
 
 
 def analyse_claim(claim: Claim, per_seed: list[dict[str, Any]], verdicts: bool) -> dict[str, Any]:
@@ -69,7 +107,7 @@ def analyse_claim(claim: Claim, per_seed: list[dict[str, Any]], verdicts: bool) 
     verdict = claim_verdict([c["verdict"] for c in comparisons]) if verdicts else None
     return {"statement": claim.statement, "seeds": [s["seed"] for s in per_seed], "metric": claim.metric,
             "grid": claim.grid, "variants": variants,
-            "comparisons": comparisons, "secondary": secondary, "verdict": verdict}
+            "comparisons": comparisons, "secondary": secondary, "verdict": verdict, "paper_source": claim.paper_source}
 
 
 def analyse(claims: list[str], per_seed: list[dict[str, Any]], verdicts: bool = True) -> dict[str, Any]:

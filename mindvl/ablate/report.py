@@ -53,7 +53,39 @@ def claim_section(name: str, claim: dict[str, Any], plots: list[Path], out: Path
         lines.append(f"| {c['comparison']}{margin} | {_ci(c['seed_ci'])} | {_ci(c['item_ci'])} | "
                      f"{(c['verdict'] or '—')}{extra} |")
     lines.append("")
+    lines += power_section(claim)
     lines += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
+    return [*lines, ""]
+
+
+def _pts(x: float | None, sign: bool = False) -> str:
+    return "—" if x is None else (f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}")
+
+
+def _n(x: int | None) -> str:
+    return "> 100" if x is None else str(x)
+
+
+def power_section(claim: dict[str, Any]) -> list[str]:
+    """Per comparison: the smallest difference this run could detect next to the paper's, and the seeds a 3-point
+    interval would take (issue 29)."""
+    rows = [*claim["comparisons"], *claim["secondary"]]
+    if not rows or rows[0]["power"]["seed_sd"] is None:
+        return ["Power: needs 2 or more seeds.", ""]
+    target = 100 * rows[0]["power"]["target"]
+    lines = [f"Power (points): *detectable* is the smallest true difference this run finds with 80% power (paired t "
+             f"over {rows[0]['power']['n']} seeds, two-sided 5%), from the per-seed differences' sd; *item se* is the "
+             "part of one seed's difference the finite test set alone makes. The paper's difference: "
+             f"{claim.get('paper_source') or 'not given'}. Seeds for a ±{target:.0f}-point interval at this sd, and "
+             "with 4x the items (only the item part shrinks):", "",
+             "| comparison | paper | this run | seed sd | item se | ± now | detectable | seeds for "
+             f"±{target:.0f} | with 4x items |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in rows:
+        p = c["power"]
+        lines.append(f"| {c['comparison']} | {_pts(p['paper'], True)} | {_pts(c['seed_ci']['mean'], True)} | "
+                     f"{_pts(p['seed_sd'])} | {_pts(p['item_se'])} | {_pts(p['half_width'])} | "
+                     f"{_pts(p['detectable'])} | {_n(p['seeds_for_target'])} | "
+                     f"{'—' if p['item_se'] is None else _n(p['seeds_for_target_4x_items'])} |")
     return [*lines, ""]
 
 

@@ -22,6 +22,10 @@ CONFIDENCE = 0.95
 # Two-sided 95% Student t quantiles t_{0.975, df} for df = 1..30; above 30 the normal 1.96 is within 2%.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+# One-sided 80% Student t quantiles t_{0.80, df} for df = 1..30 (power 0.8); above 30 the normal 0.842.
+_T80 = (1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873, 0.870, 0.868, 0.866,
+        0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854)
+POWER = 0.80
 BOOTSTRAP_RESAMPLES = 2000
 
 SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE = "supported", "not supported", "inconclusive"
@@ -51,6 +55,42 @@ def t_quantile(df: int) -> float:
     if df < 1:
         raise ValueError(f"a t interval needs at least 2 paired values (df >= 1), got df={df}")
     return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def t80_quantile(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"a t quantile needs df >= 1, got df={df}")
+    return _T80[df - 1] if df <= len(_T80) else 0.842
+
+
+def half_width(sd: float, n: int) -> float:
+    """Half-width of the 95% t interval of a mean of n paired differences with sample sd `sd`."""
+    return t_quantile(n - 1) * sd / math.sqrt(n)
+
+
+def detectable_difference(sd: float, n: int) -> float:
+    """The smallest true mean difference a paired t test over n seeds (two-sided 5%) finds with 80% power, for the
+    per-seed differences' sd `sd`: (t_{0.975} + t_{0.80}) * sd / sqrt(n), with n - 1 degrees of freedom."""
+    return (t_quantile(n - 1) + t80_quantile(n - 1)) * sd / math.sqrt(n)
+
+
+def seeds_for(sd: float, target: float, max_seeds: int = 100) -> int | None:
+    """The fewest seeds (>= 2) whose 95% interval's half-width is <= `target` at per-seed sd `sd`; None if more than
+    `max_seeds` would be needed."""
+    for n in range(2, max_seeds + 1):
+        if half_width(sd, n) <= target:
+            return n
+    return None
+
+
+def item_noise(a: np.ndarray, b: np.ndarray) -> float:
+    """The part of one seed's difference that the finite test set alone makes: the standard error of mean(a - b)
+    over items within a seed (per-item differences' variance / items), averaged over seeds as a variance.
+    a, b: [seeds, items] per-item scores on the same items."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    if d.ndim != 2 or d.shape[1] < 2:
+        raise ValueError(f"item_noise needs [seeds, items>=2] arrays, got shape {d.shape}")
+    return float(math.sqrt(np.mean(d.var(axis=1, ddof=1) / d.shape[1])))
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float | None]:

@@ -188,6 +188,71 @@ def _doc(rng: random.Random) -> tuple[Image.Image, str, str]:
     return img, f"According to the document, what is the {key.lower()}?", fields[key]
 
 
+# The testbed's tasks (issue 29): small images a ~1.2M-parameter model learns to read in the tiny recipes' budget, so
+# the ablation's chart and document benchmarks sit between floor and ceiling. Glyphs are 16-20 px, the size the
+# digit strips show is readable by the tiny vision tower (one merged token is 28 x 28 pixels).
+SIZED_SHAPES = ((28, 112), (56, 140), (56, 168), (56, 196), (56, 224))  # (h, w): the canonical strip and enlargements
+MINI_LABELS = ("A", "B", "C", "D", "E", "F", "G", "H")
+MINI_FIELDS = ("Total", "Items", "Code", "Room", "Year", "Page")
+
+
+def _digits_sized(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A `digits` strip, half the time enlarged (bicubic, as the processor upscales) to one of SIZED_SHAPES: real
+    training images come at many sizes, so a model trained on these reads a strip that test-time min_pixels enlarges
+    (the resolution grid's upscaled settings) instead of failing on every one of them."""
+    img, q, text = _digits(rng)
+    if rng.random() < 0.5:
+        h, w = rng.choice(SIZED_SHAPES[1:])
+        img = img.resize((w, h), Image.BICUBIC)
+    return img, q, text
+
+
+def _minichart(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A 224 x 112 bar chart (32 merged tokens): 3-4 lettered bars with their values (10-99) printed above them.
+    Asks for one bar's value (read the number above the named letter) or for the highest bar's letter (compare
+    heights, read its label). Below 32 tokens of max_pixels the image is downscaled: what separates the SFT variants
+    trained at 16/48/64 tokens."""
+    w, h = 224, 112
+    img = Image.new("RGB", (w, h), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    n = rng.randint(3, 4)
+    labels = sorted(rng.sample(MINI_LABELS, n))
+    vals = rng.sample(range(10, 100), n)  # distinct: the highest bar is unambiguous
+    font = ImageFont.load_default(size=rng.randint(16, 18))
+    colour = rng.choice(list(COLOURS.values())[:6])
+    base, top_room = h - 22, 22  # bars stand on y=base; values need top_room above the tallest
+    step = (w - 8) / n
+    draw.line([(4, base), (w - 4, base)], fill=(0, 0, 0), width=1)
+    for i, (lab, v) in enumerate(zip(labels, vals, strict=True)):
+        cx = 4 + step * (i + 0.5)
+        top = base - (base - top_room) * v / 100
+        draw.rectangle([cx - step * 0.25, top, cx + step * 0.25, base], fill=colour)
+        draw.text((cx, top - 2), str(v), fill=(0, 0, 0), font=font, anchor="mb")
+        draw.text((cx, base + 2), lab, fill=(0, 0, 0), font=font, anchor="mt")
+    if rng.random() < 0.6:
+        i = rng.randrange(n)
+        return img, f"What is the value of bar {labels[i]}?", str(vals[i])
+    return img, "Which bar is the highest?", labels[max(range(n), key=vals.__getitem__)]
+
+
+def _minidoc(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A 224 x 112 form (32 merged tokens): a title line ("Invoice 482") and three "Key: value" lines, 28 px apart.
+    Asks for one field's value (find the key, read its number) or for the title."""
+    w, h = 224, 112
+    img = Image.new("RGB", (w, h), (252, 252, 248))
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default(size=rng.randint(17, 19))
+    title = f"{rng.choice(('Invoice', 'Receipt', 'Order', 'Report'))} {rng.randint(10, 999)}"
+    fields = {k: str(rng.randint(10, 999)) for k in rng.sample(MINI_FIELDS, 3)}
+    lines = [title, *(f"{k}: {v}" for k, v in fields.items())]
+    for row, line in enumerate(lines):
+        draw.text((6, 14 + 28 * row), line, fill=(10, 10, 10), font=font, anchor="lm")
+    if rng.random() < 0.25:
+        return img, "What is the title of this form?", title
+    key = rng.choice(list(fields))
+    return img, f"What is the {key.lower()} on this form?", fields[key]
+
+
 def _reverse(rng: random.Random) -> tuple[str, str]:
     """Text only: write a 3-6 digit number backwards. A skill a tiny language model learns in a few hundred steps and
     that vision-language training on images alone erodes: the ablation's text-ability probe (claim 4)."""
@@ -198,6 +263,7 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[Image.Image, str, str]]] = {
     "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc, "digits": _digits,
+    "digits_sized": _digits_sized, "minichart": _minichart, "minidoc": _minidoc,
 }
 # Text-only tasks: (question, answer) with no image.
 TEXT_GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"reverse": _reverse}

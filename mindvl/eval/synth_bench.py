@@ -66,14 +66,14 @@ def _ocrbench_row(i: int, seed: int, ocr_task: str = "ocr") -> dict[str, Any]:
             "image": _image_cell("ocrbench", i, image)}
 
 
-def _chartqa_row(i: int, seed: int) -> dict[str, Any]:
-    image, question, answer = synth.GENERATORS["chart"](_rng("chartqa", seed, i))
+def _chartqa_row(i: int, seed: int, task: str = "chart") -> dict[str, Any]:
+    image, question, answer = synth.GENERATORS[task](_rng("chartqa", seed, i))
     return {"type": "augmented_test", "question": question, "answer": answer,
             "image": _image_cell("chartqa", i, image)}
 
 
-def _docvqa_row(i: int, seed: int) -> dict[str, Any]:
-    image, question, answer = synth.GENERATORS["doc"](_rng("docvqa", seed, i))
+def _docvqa_row(i: int, seed: int, task: str = "doc") -> dict[str, Any]:
+    image, question, answer = synth.GENERATORS[task](_rng("docvqa", seed, i))
     return {"questionId": str(i), "question": question, "question_types": ["form"],
             "image": _image_cell("docvqa", i, image), "docId": i, "ucsf_document_id": f"synth{seed}_{i:06d}",
             "ucsf_document_page_no": "1", "answers": [answer], "data_split": "validation"}
@@ -117,19 +117,23 @@ def _write_parquet(path: Path, rows: list[dict[str, Any]], features: dict[str, A
 
 def write_synthetic_benchmarks(
     out_dir: str | os.PathLike, n: int = 100, seed: int = 0, benchmarks: Sequence[str] = SYNTH_BENCHMARKS,
-    ocr_task: str = "ocr",
+    ocr_task: str = "ocr", chart_task: str = "chart", doc_task: str = "doc",
 ) -> dict[str, Path]:
     """Write n items for each of `benchmarks` (a subset of ocrbench, chartqa, docvqa) under out_dir.
 
     `ocr_task` picks the synth generator behind the OCRBench items: `ocr` (words and numbers in many fonts) or
-    `digits` (short digit strips, what the quickstart's tiny model learns to read).
+    `digits` (short digit strips, what the quickstart's tiny model learns to read). `chart_task` / `doc_task` pick
+    ChartQA's and DocVQA's: `chart` / `doc` (full-size charts and documents) or `minichart` / `minidoc` (the small
+    ones the tiny recipes train on, issue 29).
 
     Returns {name: folder holding the single `<split>-00000-of-00001.parquet` shard}.
     """
     if n <= 0:
         raise ValueError(f"n must be > 0, got {n}")
-    if ocr_task not in synth.GENERATORS:
-        raise ValueError(f"ocr_task {ocr_task!r} is not a synth task (known: {', '.join(synth.GENERATORS)})")
+    tasks = {"ocrbench": ocr_task, "chartqa": chart_task, "docvqa": doc_task}
+    for key, task in zip(("ocr_task", "chart_task", "doc_task"), tasks.values(), strict=True):
+        if task not in synth.GENERATORS:
+            raise ValueError(f"{key} {task!r} is not a synth task (known: {', '.join(synth.GENERATORS)})")
     unknown = [b for b in benchmarks if b not in _LAYOUTS]
     if unknown:
         raise ValueError(f"no synthetic layout for {', '.join(unknown)} (known: {', '.join(_LAYOUTS)})")
@@ -138,8 +142,7 @@ def write_synthetic_benchmarks(
         split, make_row, features = _LAYOUTS[name]
         folder = Path(out_dir) / name
         folder.mkdir(parents=True, exist_ok=True)
-        extra = {"ocr_task": ocr_task} if name == "ocrbench" else {}
-        rows = [make_row(i, seed, **extra) for i in range(n)]
+        rows = [make_row(i, seed, tasks[name]) for i in range(n)]
         _write_parquet(folder / f"{split}-00000-of-00001.parquet", rows, features)
         out[name] = folder
     return out
