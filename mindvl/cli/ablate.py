@@ -12,8 +12,10 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 2 for a verdict; default 3)")
     p.add_argument("--out", default="runs/ablate", help="output folder; a rerun reuses finished runs (default "
                    "runs/ablate)")
-    p.add_argument("--scale", default="tiny", help="step budget: tiny (the tiny recipes' own step counts; the whole "
-                   "suite with 3 seeds: 48.5 min measured on one core) or small (twice the steps)")
+    p.add_argument("--scale", default="tiny", help="step budget: tiny (the tiny recipes' own step counts, 300 items "
+                   "per benchmark) or small (twice the steps, 500 items); benchmarks/RESULTS.md has the timings")
+    p.add_argument("--jobs", type=int, default=1, help="seeds trained at once, each in its own process with "
+                   "cores/jobs threads (default 1; 2 on a 2-core machine uses both cores best)")
     p.add_argument("--recipes", default=None, help="folder with text/warmup/pretrain/multitask/sft.yaml (default: "
                    "the tiny ones)")
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
@@ -35,5 +37,5 @@ def run(args) -> int:
     # A stopped training run advises this very command: a rerun reuses finished runs and resumes the stopped one.
     with rerun_command(shlex.join(["mindvl", *sys.argv[1:]])):
         run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
-                     verdicts=not args.no_verdict, report_only=args.report_only)
+                     verdicts=not args.no_verdict, report_only=args.report_only, jobs=args.jobs)
     return 0

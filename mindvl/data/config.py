@@ -22,8 +22,9 @@ RECORD_BYTES_PER_TOKEN = 256  # default record byte limit per token of seq_len (
 RECORD_BYTES_FLOOR = 1 << 20
 
 SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
-# digits: short digit strings, the quickstart's learnable OCR task; reverse: text only, the ablation's text probe
-SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse")
+# digits: short digit strings, the quickstart's learnable OCR task; reverse: text only, the ablation's text probe;
+# digits_sized, minichart, minidoc: the tiny recipes' testbed tasks (issue 29)
+SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse", "digits_sized", "minichart", "minidoc")
 
 
 def _positive(value: int | None, where: str) -> None:
