@@ -70,12 +70,13 @@ def test_recipe_data_is_typed_and_recipe_json_keeps_the_section_as_written(tmp_p
     recipe = load_recipe("tiny/warmup", ["seed=7", f"output_dir={tmp_path / 'run'}"])
     assert isinstance(recipe.data, DataConfig)
     assert recipe.data.seed == 7  # data order follows `seed` unless data.seed pins it
-    assert recipe.data.sources[0].synth.tasks == ["digits"] and recipe.data.default_system is None
+    assert recipe.data.sources[0].synth.tasks == ["digits_sized"] and recipe.data.default_system is None
     written = recipe.to_dict()
     # the section as the YAML file gives it: no defaults filled in, no inherited seed
     assert written["data"] == {
-        "sources": [{"name": "digits", "synth": {"tasks": ["digits"], "n": 4000, "seed": 0}, "ratio": 0.8},
-                    {"name": "charts", "synth": {"tasks": ["chart"], "n": 400, "seed": 0}, "ratio": 0.2}],
+        "sources": [{"name": "digits", "synth": {"tasks": ["digits_sized"], "n": 4000, "seed": 0}, "ratio": 0.6},
+                    {"name": "charts", "synth": {"tasks": ["minichart"], "n": 1000, "seed": 0}, "ratio": 0.2},
+                    {"name": "docs", "synth": {"tasks": ["minidoc"], "n": 1000, "seed": 0}, "ratio": 0.2}],
         "seq_len": 1024, "max_pixels": 50176, "min_pixels": 3136, "pack_buffer": 64, "default_system": None}
     # an old run folder's recipe.json reads back to the same recipe and writes the same JSON
     again = load_recipe(raw=json.loads(json.dumps(written)))
