@@ -327,8 +327,11 @@ def merge_vs_sft(search: Path, benches: list[str]) -> dict[str, Any]:
     """Per benchmark, at the training resolution: the merged model's exact match, the three SFT models' (their mean,
     std and range: the spread the merge is to beat), and merged minus each SFT model with a 95% interval over items
     (paired bootstrap on the same held-out items: how much of the gap one test set alone could make)."""
-    from mindvl.ablate.runner import item_scores
     from mindvl.ablate.stats import bootstrap_ci
+
+    def item_scores(path: Path) -> list[float]:  # per item, in item order (so the models pair item by item)
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r["exact_match"] for r in sorted(rows, key=lambda r: str(r["id"]))]
 
     out: dict[str, Any] = {}
     for bench in benches:
