@@ -81,3 +81,20 @@ def test_power_and_overall_reach_the_analysis_and_report():
     assert "| merged > sft-1024 (ocrbench) | +0.3 | +16.7 |" in table and "Table 6" in table
     one_seed = analyse(["merge"], seeds[:1], verdicts=False)["claims"]["merge"]
     assert power_section(one_seed) == ["Power: needs 2 or more seeds.", ""]
+
+
+def test_report_sets_detectable_beside_the_paper(tmp_path):
+    from mindvl.ablate.report import write_report
+
+    labels = ("sft-512", "sft-1024", "sft-2048", "merged")
+    chart = dict(zip(labels, (4, 5, 6, 8), strict=True))
+    seeds = [_seed(s, dict(zip(labels, (10, 12, 11, 15 + s), strict=True)), chart) for s in range(3)]
+    analysis = analyse(["merge"], seeds)
+    analysis["config"] = {"claims": ["merge"], "scale": "custom", "steps": {}, "bench_items": 20, "grid": "4:64",
+                          "overrides": []}
+    analysis["seconds"] = 1.0
+    report = write_report(tmp_path, analysis).read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| merge |"))
+    detectable = [analysis["claims"]["merge"]["comparisons"][i]["power"]["detectable"] for i in range(3)]
+    assert row == (f"| merge | supported | {', '.join(f'{100 * d:.1f}' for d in detectable)} | +0.6, +0.3, +1.6 |")
+    assert "| comparison | paper | this run | seed sd | item se |" in report
