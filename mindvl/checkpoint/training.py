@@ -384,12 +384,26 @@ def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.O
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = ckpt / f"rank_{rank:05d}.json"
+    # Each rank reads its own file, so a damaged one fails on that rank alone: the verdict is voted, and every rank
+    # raises the same one-line error (or, under resume=auto, falls back to the same older checkpoint).
+    problem, rank_state = None, None
     if not rank_file.is_file():
-        if not require_rank_state:
-            return train_state, None
-        raise ValueError(f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size")
-    rank_state = _read_json(rank_file)
-    set_rng_state(rank_state.pop("rng"))
+        if require_rank_state:
+            problem = f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size"
+    else:
+        try:
+            rank_state = _read_json(rank_file)
+            rng = rank_state.pop("rng") if isinstance(rank_state, dict) else None
+            if not isinstance(rng, dict):
+                raise CheckpointReadError(f"{rank_file} is damaged: no RNG state object (key 'rng')")
+            set_rng_state(rng)
+        except CheckpointReadError as exc:
+            problem = f"{exc} [rank {rank}]"
+        except (KeyError, TypeError, ValueError, SyntaxError) as exc:  # a field of the RNG state is unusable
+            problem = f"{rank_file} is damaged: its RNG state does not load ({type(exc).__name__}: {exc}) [rank {rank}]"
+    problem = _agreed_message(problem)
+    if problem is not None:
+        raise CheckpointReadError(problem)  # a ValueError: the CLI prints it as one line
     return train_state, rank_state
 
 
@@ -410,7 +424,14 @@ def load_newest_readable(root: str | Path, model: nn.Module, optimizer: torch.op
     for i, ckpt in enumerate(candidates):
         try:
             train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
-            read_rank_states(ckpt)
+            problem = None
+            try:
+                read_rank_states(ckpt)
+            except CheckpointReadError as exc:
+                problem = str(exc)
+            problem = _agreed_message(problem)  # every rank falls back, or none does
+            if problem is not None:
+                raise CheckpointReadError(problem)
             return ckpt, train_state, rank_state
         except CheckpointReadError as exc:
             if i + 1 == len(candidates):
