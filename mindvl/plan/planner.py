@@ -4,13 +4,15 @@
     result.fits, result.peak_bytes_per_rank, result.to_dict()
 
 Memory is traced (mindvl.plan.simulate: the real model, parallelize and training step on a fake cluster); FLOPs,
-communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` covers what the trace cannot see:
-the runtime context (CUDA/CANN, ~1 GiB), communication library buffers (~1 GiB), kernel workspaces and allocator
-fragmentation (5% of capacity). A plan fits when peak + reserve (+ the routing-skew term, below) <= capacity.
+communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` covers what the trace cannot see,
+from measurement (mindvl.plan.margin, margin.json): the runtime context and communication buffers (fixed), and the
+allocator's growth over the planned bytes (workspaces, alignment, fragmentation: a measured ratio of the peak).
+A plan fits when peak + the routing-skew term (below) + reserve <= capacity.
 
 Routing skew (mindvl.plan.skew): under expert parallelism the trace routes balanced; `routing_skew_factor` (a capacity
-factor, >= 1; a run's logged MaxVio bounds it: factor <= 1 + MaxVio) adds what the most-loaded EP rank's extra
-routed rows hold at the peak. The report prints the headroom at several factors and the largest factor that fits.
+factor, >= 1; a run's logged MaxVio bounds it: factor <= 1 + MaxVio; default margin.json's) adds what the
+most-loaded EP rank's extra routed rows hold at the peak. The report prints the headroom at several factors and the
+largest factor that fits.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ from mindvl.train.parallel import ParallelLayout
 
 from . import estimate
 from .devices import GIB, Device
+from .margin import Margin, load_margin
 from .packs import PackShape, sampled_packs, worst_case_packs
 from .presets import known_presets, preset_config
 from .simulate import PARTS, trace_step
 from .skew import SENSITIVITY, Skew, routing_skew
 
 
-def reserve_bytes(device: Device) -> int:
-    return int(2 * GIB + 0.05 * device.memory_bytes)
+def reserve_bytes(device: Device, planned_bytes: int, margin: Margin | None = None) -> int:
+    """What a rank needs beyond `planned_bytes` (traced peak + routing-skew term) on `device`: margin.json's
+    measured reserve (the same on every device kind until a device records its own)."""
+    del device  # one measured margin for every device today; the argument keeps callers naming theirs
+    return (margin or load_margin()).reserve_bytes(planned_bytes)
 
 
 def model_config(recipe: Recipe, preset: str | None = None) -> tuple[MindVLConfig, str]:
@@ -94,6 +100,8 @@ class PlanResult:
     vision_load: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
     skew: Skew | None = None  # routing skew under expert parallelism (None / no bytes: no term)
+    reserve_growth: float = 1.0  # reserve bytes per planned byte beyond its fixed part (mindvl.plan.margin)
+    reserve_source: str = ""
 
     @property
     def skew_bytes(self) -> int:
@@ -112,7 +120,9 @@ class PlanResult:
         if self.skew is None or not self.skew.bytes_per_unit:
             return None
         k = self.skew
-        args = (self.peak_bytes_per_rank, self.reserve_bytes, self.capacity_bytes)
+        # the reserve of the balanced peak: the reserve grows with the skew term as with any planned byte
+        balanced_reserve = self.reserve_bytes - int((self.reserve_growth - 1.0) * k.extra_bytes)
+        args = (self.peak_bytes_per_rank, balanced_reserve, self.capacity_bytes, self.reserve_growth)
         return {"factor": k.factor, "extra_bytes": k.extra_bytes, "bytes_per_unit": k.bytes_per_unit,
                 "rows_balanced": k.rows_balanced, "layers_in_flight": k.layers_in_flight,
                 "headroom_at": {str(f): k.headroom_at(f, *args) for f in (1.0, *SENSITIVITY)},
@@ -127,7 +137,7 @@ class PlanResult:
             "fits": self.fits, "headroom": self.headroom, "recipe": self.recipe, "model_source": self.model_source,
             "world_size": self.world_size, "device": self.device.to_dict(),
             "peak_bytes_per_rank": self.peak_bytes_per_rank, "capacity_bytes": self.capacity_bytes,
-            "reserve_bytes": self.reserve_bytes, "breakdown": self.breakdown,
+            "reserve_bytes": self.reserve_bytes, "reserve_source": self.reserve_source, "breakdown": self.breakdown,
             "micro_batches_per_rank": self.accumulation, "grad_accumulation": self.grad_accumulation,
             "activation_checkpointing": self.activation_checkpointing,
             "flops_per_step": self.flops_per_step, "flops_by_part": self.flops_by_part,
@@ -141,7 +151,8 @@ class PlanResult:
 
 
 def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = None, sample_data: bool = False,
-         recipe_name: str = "", routing_skew_factor: float = 1.0) -> PlanResult:
+         recipe_name: str = "", routing_skew_factor: float | None = None) -> PlanResult:
+    """`routing_skew_factor`: None takes margin.json's measured default."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     recipe = copy.deepcopy(recipe)
@@ -184,19 +195,21 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
 
-    skew = routing_skew(config, max(p.tokens for p in packs), layout.ep,
-                        traced.prepared.checkpointing, routing_skew_factor)
+    margin = load_margin()
+    factor = margin.skew_factor if routing_skew_factor is None else routing_skew_factor
+    skew = routing_skew(config, max(p.tokens for p in packs), layout.ep, traced.prepared.checkpointing, factor)
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,
         peak_bytes_per_rank=traced.peak_bytes, breakdown=traced.breakdown, capacity_bytes=device.memory_bytes,
-        reserve_bytes=reserve_bytes(device), flops_per_step=flops_step,
+        reserve_bytes=reserve_bytes(device, traced.peak_bytes + skew.extra_bytes, margin), flops_per_step=flops_step,
         flops_by_part={"vit": mean_vit * gb, "projector_and_llm": (mean_flops - mean_vit) * gb},
         comm_bytes_per_step=comm, timing=timing, tokens_per_step=tokens,
         params={"total": counts.total_params, "trainable": counts.trainable_params},
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
-        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew)
+        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew,
+        reserve_growth=margin.growth, reserve_source=margin.describe())
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -250,7 +263,7 @@ def format_report(r: PlanResult) -> str:
     for part in PARTS:
         lines.append(f"  {part:<21} {_gib(r.breakdown[part]):>10}")
     lines.append(f"  {'peak':<21} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
-                 f"{_gib(r.reserve_bytes)} (runtime, comm buffers, workspaces, fragmentation: not traced)")
+                 f"{_gib(r.reserve_bytes)} (not traced: {r.reserve_source or 'runtime, comm buffers, allocator'})")
     lines += skew_lines(r)
     c = r.comm_bytes_per_step
     t = r.timing

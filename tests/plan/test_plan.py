@@ -64,7 +64,8 @@ def test_planner_at_64_ranks_and_verdicts(tmp_path):
     # the same trace against a device too small for it: a one-line verdict naming the largest part and the knobs
     tiny = get_device("custom:mem_gb=0.1,tflops=100,hbm_gbs=1000,intra_gbs=100,inter_gbs=10")
     small = dataclasses.replace(result, device=tiny, capacity_bytes=tiny.memory_bytes,
-                                reserve_bytes=reserve_bytes(tiny), activation_checkpointing="off")
+                                reserve_bytes=reserve_bytes(tiny, result.peak_bytes_per_rank),
+                                activation_checkpointing="off")
     line = verdict(small)
     assert not small.fits and "\n" not in line and line.startswith("does not fit")
     part = max(small.breakdown, key=small.breakdown.get)
