@@ -45,25 +45,39 @@ def load() -> str:
 
 
 def allocator(args) -> None:
-    from bench_plan_vs_real import planned, recipe
+    """Every shape's plan and real step run side by side (one process each: memory figures do not depend on the
+    load; the tracker and the allocator count bytes, not time)."""
+    import os
+
+    from bench_plan_vs_real import recipe
 
     print(f"load: {load()}")
     rows = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        procs = {}
         for seq in args.seq_lens:
             path = tmp / f"s{seq}.yaml"
-            path.write_text(yaml.safe_dump(recipe(tmp, 1, True, seq)))
-            p = planned(path, 1)["peak_bytes_per_rank"]
-            out = subprocess.run([sys.executable, "-m", "mindvl.plan.validate", "--allocator", str(path)],
-                                 capture_output=True, text=True,
-                                 env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-            if out.returncode:
-                raise RuntimeError(out.stderr[-3000:])
-            r = json.loads(out.stdout.strip().splitlines()[-1])
+            path.write_text(yaml.safe_dump(recipe(tmp / f"s{seq}", 1, True, seq)))
+            plan_cmd = [sys.executable, "-c", "import sys; from mindvl.cli import main; sys.exit(main())", "plan",
+                        str(path), "--world-size", "1", "--device", "h100-80g", "--sample-data", "--json"]
+            real_cmd = [sys.executable, "-m", "mindvl.plan.validate", "--allocator", str(path)]
+            procs[seq] = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                          for c in (plan_cmd, real_cmd)]
+        for seq, (plan_p, real_p) in procs.items():
+            outs = []
+            for proc in (plan_p, real_p):
+                out, err = proc.communicate()
+                if proc.returncode:
+                    raise RuntimeError(err[-3000:])
+                outs.append(out)
+            p = json.loads(outs[0])["peak_bytes_per_rank"]
+            r = json.loads(outs[1].strip().splitlines()[-1])
             rows.append({"seq_len": seq, "planned": p, "tracker": r["peak_bytes"],
                          "allocator": r["allocator_peak_bytes"], "rss": r["rss_window_bytes"]})
             print(json.dumps(rows[-1]), flush=True)
+    print(f"load at the end: {load()}")
     print("| seq_len | planned MiB | tracker (real) MiB | c10 allocator high-water MiB | high-water / planned | "
           "peak-RSS increase MiB |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -142,7 +156,7 @@ def verdict_rows(d: dict, name: str) -> str:
 
     margin = load_margin()
     peak, cap = d["peak_bytes_per_rank"], d["capacity_bytes"]
-    moe = "671b" in name
+    moe = "671B" in name
     tokens = max(p["tokens"] for p in d["packs"])
     ep = 16 if moe else 1
     before = stated_reserve_bytes(cap)
@@ -154,6 +168,8 @@ def verdict_rows(d: dict, name: str) -> str:
     head_after = 1 - after_total / cap
     sens = " / ".join(f"{k.headroom_at(f, peak, margin.reserve_bytes(peak), cap, margin.growth):.0%}"
                       for f in (1.0, *SENSITIVITY[:3])) if k.bytes_per_unit else "dense: no term"
+    if k.bytes_per_unit:
+        sens += f"; fits up to {k.break_even(peak, margin.reserve_bytes(peak), cap, margin.growth):.2f}"
     return (f"| {name} | {d['world_size']} x {d['device']['name']} | {peak / GIB:.1f} | "
             f"{before / GIB:.1f}: {'yes' if head_before >= 0 else 'NO'} ({head_before:.0%}) | "
             f"{after_reserve / GIB:.1f} + {k.extra_bytes / GIB:.1f} skew: {'yes' if head_after >= 0 else 'NO'} "
@@ -164,16 +180,25 @@ def verdicts(args) -> None:
     from mindvl.plan.margin import load_margin
 
     m = load_margin()
-    print(f"margin.json: reserve = {m.outside_allocator_bytes / GIB:.2f} GiB + {m.growth - 1:.3f} x (peak + skew); "
+    print(f"margin.json: reserve = {m.fixed_bytes / GIB:.2f} GiB + {m.growth - 1:.3f} x (peak + skew); "
           f"skew factor {m.skew_factor}")
     print("| recipe | ranks x device | traced peak GiB | before: reserve 2 GiB + 5%, balanced | "
-          "after: reserve + skew GiB | after: headroom at skew 1.0 / 1.25 / 1.5 / 2.0 |")
+          "after: reserve + skew GiB | after: headroom at skew 1.0 / 1.25 / 1.5 / 2.0; largest factor that fits |")
     print("| --- | --- | --- | --- | --- | --- |")
-    plans = [(p, "671B " + p.stem.split("_")[1]) for p in sorted((ROOT / "recipes/mindvl-671b").glob("plan_*.json"))]
+    from mindvl.plan import get_device
+
+    plans = [(json.loads(p.read_text()), "671B " + p.stem.split("_")[1])
+             for p in sorted((ROOT / "recipes/mindvl-671b").glob("plan_*.json"))]
     if args.plan_8b:
-        plans.insert(0, (Path(args.plan_8b), "8B sft-8k"))
-    for path, name in plans:
-        print(verdict_rows(json.loads(path.read_text()), name))
+        plans.insert(0, (json.loads(Path(args.plan_8b).read_text()), "8B sft-8k"))
+    else:  # the recorded trace (RESULTS.md, "Training planner": sft-8k at 8 ranks re-traced after issue 13)
+        for name in ("910b2-64g", "h100-80g"):
+            dev = get_device(name)
+            plans.insert(0, ({"peak_bytes_per_rank": int(26.4 * GIB), "capacity_bytes": dev.memory_bytes,
+                              "world_size": 8, "device": {"name": name}, "packs": [{"tokens": 8192}],
+                              "activation_checkpointing": "full"}, "8B sft-8k (recorded 26.4)"))
+    for d, name in plans:
+        print(verdict_rows(d, name))
 
 
 def main() -> None:

@@ -147,3 +147,17 @@ def test_a_traced_plan_uses_the_margin(tmp_path, monkeypatch):
                                    reserve_bytes=m.reserve_bytes(r.peak_bytes_per_rank))
     assert summary["headroom_at"]["1.0"] == pytest.approx(balanced.headroom, abs=1e-9)
     assert "allocator growth" in format_report(r) and r.to_dict()["reserve_source"] == m.describe()
+
+
+def test_8b_sft_8k_before_and_after_by_hand():
+    """MindVL-8B SFT-8K on 8 x H100-80G (the recorded 26.4 GiB peak; dense: no skew term at any factor). Before:
+    2 + 0.05 x 79.647 = 5.982 GiB reserve, headroom 1 - 32.382 / 79.647 = 59.3%. After, at 2 GiB + 10% growth:
+    2 + 2.64 = 4.64 GiB, headroom 1 - 31.04 / 79.647 = 61.0%."""
+    cap = get_device("h100-80g").memory_bytes
+    assert cap / GIB == pytest.approx(79.647, abs=0.001)
+    peak = int(26.4 * GIB)
+    assert 1 - (peak + stated_reserve_bytes(cap)) / cap == pytest.approx(0.593, abs=0.001)
+    m = margin(reserved=1.1, factor=2.0)
+    assert routing_skew(preset_config("mindvl-8b"), 8192, 1, "full", m.skew_factor).extra_bytes == 0
+    assert m.reserve_bytes(peak) / GIB == pytest.approx(4.64, abs=1e-6)
+    assert 1 - (peak + m.reserve_bytes(peak)) / cap == pytest.approx(0.610, abs=0.001)
