@@ -169,7 +169,8 @@ def verdict_rows(d: dict, name: str) -> str:
     sens = " / ".join(f"{k.headroom_at(f, peak, margin.reserve_bytes(peak), cap, margin.growth):.0%}"
                       for f in (1.0, *SENSITIVITY[:3])) if k.bytes_per_unit else "dense: no term"
     if k.bytes_per_unit:
-        sens += f"; fits up to {k.break_even(peak, margin.reserve_bytes(peak), cap, margin.growth):.2f}"
+        be = k.break_even(peak, margin.reserve_bytes(peak), cap, margin.growth)
+        sens += f"; fits up to {be:.2f}" if be >= 1 else "; does not fit even balanced"
     return (f"| {name} | {d['world_size']} x {d['device']['name']} | {peak / GIB:.1f} | "
             f"{before / GIB:.1f}: {'yes' if head_before >= 0 else 'NO'} ({head_before:.0%}) | "
             f"{after_reserve / GIB:.1f} + {k.extra_bytes / GIB:.1f} skew: {'yes' if head_after >= 0 else 'NO'} "

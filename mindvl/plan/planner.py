@@ -30,16 +30,17 @@ from mindvl.train.parallel import ParallelLayout
 
 from . import estimate
 from .devices import GIB, Device
-from .margin import Margin, load_margin
 from .packs import PackShape, sampled_packs, worst_case_packs
 from .presets import known_presets, preset_config
 from .simulate import PARTS, trace_step
 from .skew import SENSITIVITY, Skew, routing_skew
 
 
-def reserve_bytes(device: Device, planned_bytes: int, margin: Margin | None = None) -> int:
+def reserve_bytes(device: Device, planned_bytes: int, margin=None) -> int:
     """What a rank needs beyond `planned_bytes` (traced peak + routing-skew term) on `device`: margin.json's
-    measured reserve (the same on every device kind until a device records its own)."""
+    measured reserve (mindvl.plan.margin.Margin; the same on every device kind until a device records its own)."""
+    from .margin import load_margin  # lazily: `python -m mindvl.plan.margin` runs that module as __main__
+
     del device  # one measured margin for every device today; the argument keeps callers naming theirs
     return (margin or load_margin()).reserve_bytes(planned_bytes)
 
@@ -195,6 +196,8 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
 
+    from .margin import load_margin
+
     margin = load_margin()
     factor = margin.skew_factor if routing_skew_factor is None else routing_skew_factor
     skew = routing_skew(config, max(p.tokens for p in packs), layout.ep, traced.prepared.checkpointing, factor)
@@ -227,9 +230,10 @@ def skew_lines(r: PlanResult) -> list[str]:
     at = ", ".join(f"{f} {h:.0%}" for f, h in k["headroom_at"].items())
     return [f"  routing skew: the trace routes balanced ({k['rows_balanced']:,} rows per micro-batch per EP rank, "
             f"{k['layers_in_flight']} MoE layer(s) in flight); each +0.1 of capacity factor on the hot rank adds "
-            f"{_gib(k['bytes_per_unit'] / 10)}; headroom at factor {at}; fits up to factor "
-            f"{k['break_even_factor']:.2f}" + (f"; planned at {k['factor']}: +{_gib(k['extra_bytes'])}"
-                                               if k["factor"] > 1 else "")]
+            f"{_gib(k['bytes_per_unit'] / 10)}; headroom at factor {at}; "
+            + (f"fits up to factor {k['break_even_factor']:.2f}" if k["break_even_factor"] >= 1
+               else "does not fit even balanced")
+            + (f"; planned at {k['factor']}: +{_gib(k['extra_bytes'])}" if k["factor"] > 1 else "")]
 
 
 def verdict(r: PlanResult) -> str:

@@ -15,7 +15,7 @@ from test_plan import MOE, reduced_recipe
 
 from mindvl.config import load_recipe
 from mindvl.plan import format_report, get_device, plan, preset_config
-from mindvl.plan import planner as planner_module
+from mindvl.plan import margin as margin_module
 from mindvl.plan.margin import MARGIN_FILE, Margin, load_margin, main, reserve_from_proof, stated_reserve_bytes
 from mindvl.plan.skew import routing_skew
 
@@ -132,7 +132,7 @@ def test_allocator_high_water_by_hand():
 
 def test_a_traced_plan_uses_the_margin(tmp_path, monkeypatch):
     m = margin(alloc=1.02, reserved=1.1, factor=1.5, context=0.5)
-    monkeypatch.setattr(planner_module, "load_margin", lambda: m)
+    monkeypatch.setattr(margin_module, "load_margin", lambda path=None: m)
     raw = reduced_recipe(tmp_path, 4).to_dict()
     raw["model"] = {"arch": MOE}
     raw["parallel"]["expert_parallel"] = 2
