@@ -7,14 +7,14 @@
 allocator: one process, the small model of bench_plan_vs_real at several sequence lengths; per shape the planned
 peak (`mindvl plan --sample-data`, fake tensors), the same step on real tensors (`python -m mindvl.plan.validate
 --allocator`): FSDP2's tracker peak, c10's CPU allocator high-water over the build and the steps, and the peak-RSS
-increase over the same window. Then the straight-line fit RSS = a + b x high-water across the shapes: b is the CPU
-stand-in for a GPU's reserved / allocated (memory the C library's heap holds beyond what the allocator has handed
-out grows with it), a is the fixed memory outside the allocator (Python, the tokenizer, thread stacks).
+increase over the same window. The high-water / planned ratio is margin.json's allocated_over_planned. The RSS
+column and its straight-line fit over the high-water are printed for the record only: under the profiler the RSS is
+dominated by the profiler's own event buffers (margin.json's reserved/allocated stand-in uses RSS without it).
 
-skew: a DeepSeek-V3-shaped tiny MoE (256 routed experts, top-8 in 8 groups / 4, a shared expert, the first layer
-dense) trained on real text (this repository's own .py and .md files as bytes) with the trainer's auxiliary-loss-free
-bias balancing (rate 1e-3); per step the routers' expert loads give MaxVio and the capacity factor at EP 8 / 16
-(`mindvl.plan.skew.rank_factor`).
+skew: a DeepSeek-V3-shaped tiny MoE (256 routed experts, top-8 in 8 groups / 4, a shared expert, 3 layers, the
+first dense) trained on real text (this repository's own .py and .md files as bytes) with the trainer's
+auxiliary-loss-free bias balancing (--rate, the trainer's 1e-3 by default); per step the routers' expert loads give
+MaxVio and the capacity factor at EP 8 / 16 (`mindvl.plan.skew.rank_factor`).
 
 verdicts: the recorded 671B plans (recipes/mindvl-671b/plan_*.json) and the 8B SFT-8K plan (a JSON given with
 --plan-8b), before (2 GiB + 5% of capacity, balanced routing) and after (margin.json's reserve and skew factor).
