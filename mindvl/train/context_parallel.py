@@ -96,9 +96,10 @@ def kv_replication(heads: int, kv_heads: int, size: int) -> int:
 
 @dataclass
 class _RowState:
-    """The row the language model is running (set by its forward pre-hook, cleared by the post-hook)."""
+    """Whether the language model's latest forward is a context-parallel one (a training/evaluation row, not a
+    generation call with a cache): set by its forward pre-hook and kept until the next forward, so that the
+    recomputation of activation checkpointing (in the backward, after the forward returned) sees the same."""
 
-    total: int = 0
     active: bool = False
 
 
@@ -110,9 +111,8 @@ class UlyssesAttention:
     def __init__(self, group, size: int, index: int, state: _RowState) -> None:
         self.group, self.size, self.index, self.state = group, size, index, state
 
-    def _sizes(self) -> list[int]:
-        t, n = self.state.total, self.size
-        return [chunk_bounds(t, n, i)[1] - chunk_bounds(t, n, i)[0] for i in range(n)]
+    def _sizes(self, total: int) -> list[int]:
+        return [chunk_bounds(total, self.size, i)[1] - chunk_bounds(total, self.size, i)[0] for i in range(self.size)]
 
     def _to_heads(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """[n_c, H, D] (this rank's tokens, all heads) -> [T, H/N, D] (all tokens, this rank's heads)."""
@@ -136,7 +136,7 @@ class UlyssesAttention:
         reps = kv_replication(q.shape[1], k.shape[1], self.size)
         if reps > 1:
             k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
-        sizes = self._sizes()
+        sizes = self._sizes(int(cu_seqlens[-1]))  # the whole row's length: every chunk's size follows from it
         q, k, v = (self._to_heads(t, sizes) for t in (q, k, v))
         out = attend(q, k, v, cu_seqlens, max_seqlen, causal, window, scale, backend)
         return self._to_tokens(out, sizes)
@@ -149,21 +149,20 @@ def apply_context_parallel(model: nn.Module, group, size: int, index: int) -> No
     state = _RowState()
 
     def before(module, args, kwargs):
-        if kwargs.get("cache") is not None or len(args) < 4:  # generation (not trained under CP): unchanged
-            state.active = False
+        state.active = kwargs.get("cache") is None and len(args) >= 4  # generation (a cache): unchanged
+        if not state.active:
             return None
         embeds, positions, cu_seqlens, max_seqlen = args[:4]
-        state.total, state.active = embeds.shape[0], True
         a, b = chunk_bounds(embeds.shape[0], size, index)
         return (embeds[a:b], positions[..., a:b], cu_seqlens, max_seqlen, *args[4:]), kwargs
 
     def after(module, args, kwargs, hidden):
         if not state.active:
             return None
-        state.active = False
-        a, b = chunk_bounds(state.total, size, index)
+        total = int(args[2][-1])  # cu_seqlens: the whole row
+        a, b = chunk_bounds(total, size, index)
         # This chunk's rows at their places in the row; the loss reads only these (see shard_labels).
-        return F.pad(hidden, (0, 0, a, state.total - b))
+        return F.pad(hidden, (0, 0, a, total - b))
 
     lm.register_forward_pre_hook(before, with_kwargs=True)
     lm.register_forward_hook(after, with_kwargs=True)

@@ -28,7 +28,7 @@ def main() -> None:
 
     a, b = chunk_bounds(T, world, rank)
     mine = [t[a:b].clone().requires_grad_() for t in (q, k, v)]
-    core = UlyssesAttention(dist.group.WORLD, world, rank, _RowState(T, True))
+    core = UlyssesAttention(dist.group.WORLD, world, rank, _RowState(True))
     out = core(*mine, CU, 17, True, backend="sdpa")
     (out * upstream[a:b]).sum().backward()
     torch.testing.assert_close(out, out_ref[a:b], rtol=0, atol=1e-6)

@@ -21,12 +21,12 @@ HERE = Path(__file__).parent
 TOL = 1e-5  # float32
 
 
-def cp_raw(out: Path, cache: Path, cp: int, **kw) -> dict:
+def cp_raw(out: Path, cache: Path, cp: int, batch: dict | None = None, **parallel) -> dict:
     """The tiny test recipe (4 heads, 2 KV heads, M-RoPE, a 2-block ViT, 192-token packs of several samples with
-    images), 3 steps of 2 packs each."""
-    raw = raw_recipe(out, cache, budget={"max_steps": 3}, batch={"global_batch_size": 2},
-                     checkpoint={"every": 1, "keep": 3}, **kw)
-    raw["parallel"] = {"context_parallel": cp}
+    images), 3 steps of 2 packs each unless `batch` says otherwise."""
+    raw = raw_recipe(out, cache, budget={"max_steps": 3}, batch=batch or {"global_batch_size": 2},
+                     checkpoint={"every": 1, "keep": 3})
+    raw["parallel"] = {"context_parallel": cp, **parallel}
     return raw
 
 
@@ -81,14 +81,16 @@ def test_cp_training_equals_one_process_and_resumes_at_cp1(tmp_path):
 
 @pytest.mark.slow
 def test_cp2_by_fsdp2_over_4_processes_equals_one_process(tmp_path):
-    """4 processes: 2 data shards x CP 2 (each CP group reads its own shard: 4 packs per step), against one
-    process reading the same 2 shards."""
+    """4 processes: 2 data shards x CP 2 (each CP group reads its own shard: 4 packs per step), with activation
+    checkpointing (the all-to-alls run again in the recomputation), against one process reading the same 2
+    shards."""
     cache = tmp_path / "cache"
     script = tmp_path / "cli.py"
     script.write_text(CLI + "\n")
 
     def recipe(name: str, cp: int) -> str:
-        raw = cp_raw(tmp_path / name, cache, cp, batch={"global_batch_size": 4, "data_shards": 2})
+        raw = cp_raw(tmp_path / name, cache, cp, batch={"global_batch_size": 4, "data_shards": 2},
+                     activation_checkpointing="full")
         return str(write_recipe(tmp_path / f"{name}.yaml", raw))
 
     one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=300)
