@@ -145,3 +145,28 @@ def test_shard_labels_gives_every_target_to_one_rank():
     assert parts[1].tolist() == [IGNORE_INDEX] * 4 + [IGNORE_INDEX, 21, 22, 23, IGNORE_INDEX]
     merged = torch.where(parts[0] != IGNORE_INDEX, parts[0], parts[1])
     assert torch.equal(merged, full)
+
+
+def test_planner_traces_a_context_parallel_step(tmp_path):
+    """`mindvl plan` runs prepare_model and the step with the CP hooks on a fake 4-rank world: FSDP gathers over
+    data shards x context (per micro-batch the same bytes as without CP at the same world), and the Ulysses
+    all-to-alls are counted by hand: per layer and micro-batch q, k, v and the output ([T/2, heads, 8] each, 4 query
+    and 2 KV heads), half of each leaving the rank, in bf16, forward + backward + the recomputation."""
+    from mindvl.plan import get_device, plan
+    from mindvl.plan.planner import format_report
+
+    def planned(cp: int):
+        raw = cp_raw(tmp_path / f"p{cp}", tmp_path / "cache", cp, batch={"global_batch_size": 4},
+                     activation_checkpointing="full")
+        return plan(load_recipe(raw=raw), 4, get_device("h100-80g"))
+
+    with_cp, without = planned(2), planned(1)
+    assert (with_cp.accumulation, without.accumulation) == (2, 1)  # 2 data shards instead of 4
+    assert with_cp.comm_bytes_per_step["all_gather"] == pytest.approx(2 * without.comm_bytes_per_step["all_gather"])
+    mean = with_cp.tokens_per_step / 4  # tokens per step / global batch: the mean pack length
+    per_token = 4 * 8 + 2 * 8 + 2 * 8 + 4 * 8
+    hand = 2 * 2 * 3 * (mean / 2 * 1 / 2) * per_token * 2  # micro x layers x (fwd, bwd, recompute) x rows x 2 B
+    assert with_cp.comm_bytes_per_step["context_all_to_all"] == pytest.approx(hand, rel=1e-3)
+    assert "context_all_to_all" not in without.comm_bytes_per_step
+    report = format_report(with_cp)
+    assert "context all-to-all" in report and "data shards x context 2" in report
