@@ -63,10 +63,10 @@ def test_cp_training_equals_one_process_and_resumes_at_cp1(tmp_path):
     def recipe(name: str, cp: int) -> str:
         return str(write_recipe(tmp_path / f"{name}.yaml", cp_raw(tmp_path / name, cache, cp)))
 
-    one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=300)
+    one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=900)
     assert one.returncode == 0, one.stderr[-2000:]
 
-    r = run(torchrun(2, str(script), "train", recipe("cp2", 2)), timeout=400)
+    r = run(torchrun(2, str(script), "train", recipe("cp2", 2)), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "cp2")
 
@@ -74,7 +74,7 @@ def test_cp_training_equals_one_process_and_resumes_at_cp1(tmp_path):
     # (same data shard: the CP group read one shard): step 3 and the final weights equal the uninterrupted run.
     step2 = tmp_path / "cp2" / "checkpoints" / "step_00000002"
     r = run([sys.executable, str(script), "train", recipe("cp1", 1), "parallel.fsdp=off",
-             f"checkpoint.resume={step2}"], timeout=300)
+             f"checkpoint.resume={step2}"], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "cp1", steps=slice(2, None))
 
@@ -93,9 +93,9 @@ def test_cp2_by_fsdp2_over_4_processes_equals_one_process(tmp_path):
                      activation_checkpointing="full")
         return str(write_recipe(tmp_path / f"{name}.yaml", raw))
 
-    one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=300)
+    one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=900)
     assert one.returncode == 0, one.stderr[-2000:]
-    r = run(torchrun(4, str(script), "train", recipe("cp2x2", 2)), timeout=500)
+    r = run(torchrun(4, str(script), "train", recipe("cp2x2", 2)), timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "cp2x2")
 
