@@ -170,3 +170,11 @@ def test_planner_traces_a_context_parallel_step(tmp_path):
     assert "context_all_to_all" not in without.comm_bytes_per_step
     report = format_report(with_cp)
     assert "context all-to-all" in report and "data shards x context 2" in report
+    # A plan that does not fit because of its activations names the next CP size first (4 divides 4 heads, 4 ranks)
+    import dataclasses
+
+    from mindvl.plan.planner import verdict
+
+    big = dataclasses.replace(with_cp, capacity_bytes=1, breakdown={**with_cp.breakdown, "activations": 10**12})
+    assert "try parallel.context_parallel=4, --world-size 8" in verdict(big)
+    assert "context_parallel" not in verdict(dataclasses.replace(big, context_parallel=4))  # 8 divides no 4 heads
