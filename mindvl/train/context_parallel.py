@@ -42,6 +42,11 @@ What runs where:
   and counts over the world and divides by the labelled tokens of the dp x cp group: the same normalisation as
   one process. Gradient scale: FSDP averages over dp x cp ranks, so the step multiplies by `fsdp_size`.
 
+Activation checkpointing recomputes a block in the backward, after the forward returned: the attention therefore
+reads the row's length from its `cu_seqlens` argument (each chunk's size follows from it), not from the hooks'
+state, and the recomputation repeats the same all-to-alls on every rank. The planner traces all of it on fake
+tensors over a fake process group (`mindvl plan`), and counts the all-to-all bytes (`plan.estimate`).
+
 Checkpoints: parameters are FSDP DTensors over dp x cp with their global shapes; DCP reshards them to any other
 layout (a run written at CP=2 resumes at CP=1).
 """
