@@ -154,6 +154,9 @@ class ParallelSection:
     # ranks sharing one copy of each MoE layer's experts (E / N experts per rank, tokens sent by all-to-all); must
     # divide the routed experts and the world size; 1 = none (FSDP shards experts like every other weight)
     expert_parallel: int = 1
+    # ranks splitting each packed row of the language model (all-to-all over attention heads,
+    # mindvl.train.context_parallel); they read the same data; must divide the world size and the attention heads
+    context_parallel: int = 1
 
 
 @dataclass
@@ -199,6 +202,15 @@ class Recipe:
             experts = text.get("n_routed_experts")
             _check(experts is None or experts % ep == 0, "parallel.expert_parallel",
                    f"{ep} must divide model.arch.text.n_routed_experts ({experts})")
+        cp = self.parallel.context_parallel
+        _check(isinstance(cp, int) and cp >= 1, "parallel.context_parallel", f"must be an integer >= 1, got {cp!r}")
+        heads = (self.model.arch or {}).get("text", {}).get("num_attention_heads") if cp > 1 else None
+        _check(heads is None or heads % cp == 0, "parallel.context_parallel",
+               f"{cp} must divide model.arch.text.num_attention_heads ({heads})")
+        _check(cp == 1 or ep == 1, "parallel.context_parallel",
+               f"{cp} with parallel.expert_parallel {ep} is not supported yet; set one of them to 1")
+        _check(cp == 1 or self.parallel.fsdp not in ("off", False), "parallel.context_parallel",
+               f"{cp} needs FSDP (it sums the context ranks' gradients); set parallel.fsdp to auto or on")
         _check(self.optim.router_bias_rate >= 0, "optim.router_bias_rate", "must be >= 0")
         _check(0 <= self.schedule.warmup_ratio < 1, "schedule.warmup_ratio", "must lie in [0, 1)")
         _check(self.schedule.decay in ("cosine", "linear", "constant"), "schedule.decay",

@@ -49,6 +49,9 @@ class GQAttention(nn.Module):
         return rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
     cache_class = KVCache  # per-head keys and values
+    # The varlen attention core; parallelism applied from outside may replace it per instance (context parallelism:
+    # mindvl.train.context_parallel swaps in an all-to-all over heads around it).
+    attend = staticmethod(attend)
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -75,7 +78,7 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
         if kv is None:
-            out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
+            out = self.attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
         else:
             out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None)
         return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))

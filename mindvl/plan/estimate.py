@@ -6,7 +6,8 @@ forward and again for the backward (they reshard after forward; the root keeps i
 it is gathered once), and the gradients of trainable parameters are reduce-scattered in fp32, once per micro-batch
 (`sharded` accumulation) or once per step (`unsharded`). A ring moves (N-1)/N of the buffer per rank. Under expert
 parallelism (N = EP size) a rank gathers and reduces only its EP slice of the routed experts (1/N of them), over the
-W/N ranks holding the same slice, and everything else over all W ranks.
+W/N ranks holding the same slice, and everything else over all W ranks. Under context parallelism FSDP shards over
+data shards x context, and each decoder layer adds Ulysses' all-to-alls (`context_all_to_all_bytes`).
 
 Step time (an estimate, not a measurement): compute at the device's peak bf16 FLOP/s, collectives at the
 interconnect bandwidth (intra-node when the world fits one node, else the inter-node NIC bandwidth), the optimizer
@@ -68,7 +69,7 @@ def pack_flops(config: MindVLConfig, shape: PackShape, trainable) -> tuple[float
 def comm_bytes(counts: Counts, layout, micro: int, accumulation: str) -> dict[str, float]:
     """Bytes each rank sends per optimizer step, by collective, under `layout` (train.parallel.ParallelLayout): FSDP
     gathers and reduces over the data-parallel ranks, an EP slice over its expert replicas."""
-    world, ep = layout.dp_size, layout.ep
+    world, ep = layout.fsdp_size, layout.ep  # FSDP's group: data shards x context
     if world <= 1:
         return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     ring = (world - 1) / world
@@ -94,6 +95,29 @@ def expert_all_to_all_bytes(config: MindVLConfig, mean_tokens: float, ep: int, m
     moe_layers = t.num_hidden_layers - t.first_k_dense_replace
     rows = mean_tokens * t.num_experts_per_tok * (ep - 1) / ep
     return micro * moe_layers * (6 if recompute else 4) * rows * t.hidden_size * _BF16
+
+
+def context_all_to_all_bytes(config: MindVLConfig, mean_tokens: float, cp: int, micro: int,
+                             recompute: bool, element_bytes: int = _BF16) -> float:
+    """Bytes each rank sends per step through context parallelism's all-to-alls (train.context_parallel): per
+    decoder layer and micro-batch, q, k, v ([T/N, heads, D], KV heads replicated up to lcm(KV heads, N)) to the
+    head-split layout and the attention output back, (N-1)/N of each leaving the rank, in bf16; the backward sends
+    the same gradients the other way, and activation checkpointing runs the forward's four again. `element_bytes`:
+    2 (bf16 compute on accelerators), 4 for a float32 run."""
+    t = config.text
+    if cp <= 1:
+        return 0.0
+    from mindvl.train.context_parallel import kv_replication
+
+    heads = t.num_attention_heads
+    if t.is_moe:  # MLA: every head has its own key (nope + rope) and value
+        qk, v_dim, kv_heads = t.qk_nope_head_dim + t.qk_rope_head_dim, t.v_head_dim, heads
+    else:
+        qk, v_dim, kv_heads = t.head_dim, t.head_dim, t.num_key_value_heads
+    kv_heads *= kv_replication(heads, kv_heads, cp)
+    per_token = heads * qk + kv_heads * qk + kv_heads * v_dim + heads * v_dim  # q, k, v, output
+    rows = mean_tokens / cp * (cp - 1) / cp
+    return micro * t.num_hidden_layers * (3 if recompute else 2) * rows * per_token * element_bytes
 
 
 def step_time(device: Device, world: int, flops_per_rank: float, comm: dict[str, float],

@@ -103,6 +103,8 @@ class PlanResult:
     skew: Skew | None = None  # routing skew under expert parallelism (None / no bytes: no term)
     reserve_growth: float = 1.0  # reserve bytes per planned byte beyond its fixed part (mindvl.plan.margin)
     reserve_source: str = ""
+    context_parallel: int = 1  # ranks splitting each pack (parallel.context_parallel)
+    attention_heads: int = 0  # the language model's query heads (context parallelism must divide them)
 
     @property
     def skew_bytes(self) -> int:
@@ -144,7 +146,8 @@ class PlanResult:
             "flops_per_step": self.flops_per_step, "flops_by_part": self.flops_by_part,
             "comm_bytes_per_step": self.comm_bytes_per_step, "est_step_time_s": self.timing["step_s"],
             "est_timing": self.timing, "est_tokens_per_s": self.tokens_per_step / self.timing["step_s"],
-            "est_mfu": self.est_mfu, "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
+            "est_mfu": self.est_mfu, "context_parallel": self.context_parallel,
+            "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
             "sharded_bytes_at_peak": self.sharded_bytes, "trace_s": self.trace_s, "notes": self.notes, "estimated": [
                 "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes",
                 "routing_skew"], "routing_skew": self.skew_summary(),
@@ -167,6 +170,9 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     accum = gb // layout.dp_size
     trainable = recipe.trainable_modules
     notes = []
+    if layout.cp > 1:
+        notes.append(f"layout: {layout.dp_size} data shards x context {layout.cp} (each pack split over {layout.cp} "
+                     "ranks; FSDP over both)")
     if sample_data:
         from mindvl.data import load_tokenizer
         from mindvl.train.preflight import tokenizer_source
@@ -191,7 +197,13 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         comm["all_to_all"] = estimate.expert_all_to_all_bytes(
             config, sum(p.tokens for p in packs) / len(packs), layout.ep, accum,
             traced.prepared.checkpointing != "off")
-    timing = estimate.step_time(device, world_size, flops_step / world_size, comm,
+    if layout.cp > 1:  # Ulysses all-to-alls of context parallelism
+        comm["context_all_to_all"] = estimate.context_all_to_all_bytes(
+            config, sum(p.tokens for p in packs) / len(packs), layout.cp, accum,
+            traced.prepared.checkpointing != "off")
+    # every rank of a CP group runs the vision tower on all of its packs' images: (cp - 1) extra copies per pack
+    work = flops_step + (layout.cp - 1) * mean_vit * gb
+    timing = estimate.step_time(device, world_size, work / world_size, comm,
                                 counts.trainable_params / world_size)
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
@@ -212,7 +224,8 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
         trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew,
-        reserve_growth=margin.growth, reserve_source=margin.describe())
+        reserve_growth=margin.growth, reserve_source=margin.describe(),
+        context_parallel=layout.cp, attention_heads=config.text.num_attention_heads)
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -245,6 +258,9 @@ def verdict(r: PlanResult) -> str:
                 f"{_gib(r.capacity_bytes)} per {r.device.name} ({r.headroom:.0%} headroom)")
     part = max(r.breakdown, key=r.breakdown.get)
     knobs = [f"--world-size {2 * r.world_size}"]
+    cp = 2 * r.context_parallel  # activations of one pack split over twice the ranks
+    if part == "activations" and r.attention_heads % cp == 0 and r.world_size % cp == 0:
+        knobs.insert(0, f"parallel.context_parallel={cp}")
     if r.activation_checkpointing != "full":
         knobs.append("parallel.activation_checkpointing=full")
     if r.grad_accumulation != "sharded":
@@ -275,7 +291,8 @@ def format_report(r: PlanResult) -> str:
         f"FLOPs per step: {r.flops_per_step:.3e} (ViT {r.flops_by_part['vit']:.3e}, projector + LLM "
         f"{r.flops_by_part['projector_and_llm']:.3e})",
         f"collectives per rank per step: all-gather {_gib(c['all_gather'])}, reduce-scatter "
-        f"{_gib(c['reduce_scatter'])}" + (f", expert all-to-all {_gib(c['all_to_all'])}" if "all_to_all" in c else ""),
+        f"{_gib(c['reduce_scatter'])}" + (f", expert all-to-all {_gib(c['all_to_all'])}" if "all_to_all" in c else "")
+        + (f", context all-to-all {_gib(c['context_all_to_all'])}" if "context_all_to_all" in c else ""),
         f"estimate (roofline, perfect overlap): step {t['step_s']:.2f} s (compute {t['compute_s']:.2f} s, "
         f"collectives {t['communication_s']:.2f} s, optimizer {t['optimizer_s']:.3f} s), "
         f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}",

@@ -49,6 +49,7 @@ class Meshes:
     dp: DeviceMesh  # every data shard: FSDP of everything but EP-sharded experts (1-D, "dp")
     expert: DeviceMesh | None = None  # ("efsdp", "ep") under expert parallelism: mesh["ep"] splits the experts,
     #                                   mesh["efsdp"] are the ranks holding the same experts (FSDP of their slices)
+    cp: DeviceMesh | None = None  # context parallelism: this rank's CP group (dp then holds data shards x context)
 
 
 @dataclass
@@ -58,9 +59,9 @@ class ParallelLayout:
     Dimensions, outermost first: data shards (FSDP; each reads its own data) x context x tensor, whose product is
     the world size. Expert parallelism borrows its ranks from the data shards: an EP group of N ranks holds E/N of
     each MoE layer's experts but still reads N different data shards, so N must divide `dp_shard` and the
-    data-parallel size is `dp_shard` with or without EP. Tensor and context parallelism are not implemented: their
-    sizes are 1, and the dimensions are here so that every user of the data-parallel size and rank already asks
-    the layout, not the world size.
+    data-parallel size is `dp_shard` with or without EP. Context parallelism (mindvl.train.context_parallel): the
+    `cp` consecutive ranks of a group read the same data and split its rows; FSDP shards over data shards x
+    context (`fsdp_size`). Tensor parallelism is not implemented: its size is 1.
     """
 
     world_size: int
@@ -74,9 +75,13 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.dp_shard == 0:
             self.dp_shard = self.world_size // (self.tp * self.cp)
-        if self.tp != 1 or self.cp != 1:
-            raise ValueError(f"parallel: tensor ({self.tp}) and context ({self.cp}) parallelism are not implemented; "
-                             "their sizes must be 1")
+        if self.tp != 1:
+            raise ValueError(f"parallel: tensor parallelism ({self.tp}) is not implemented; its size must be 1")
+        from .context_parallel import check_context_parallel
+
+        if self.cp < 1:
+            raise ValueError(f"parallel.context_parallel: must be >= 1, got {self.cp}")
+        check_context_parallel(self.cp, self.world_size, ep=self.ep)
         if self.dp_shard * self.cp * self.tp != self.world_size:
             raise ValueError(f"parallel: data shards {self.dp_shard} x context {self.cp} x tensor {self.tp} must "
                              f"equal the world size {self.world_size}")
@@ -89,7 +94,7 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, cfg: ParallelSection, world_size: int, rank: int = 0) -> ParallelLayout:
-        return cls(world_size, rank, ep=cfg.expert_parallel)
+        return cls(world_size, rank, ep=cfg.expert_parallel, cp=cfg.context_parallel)
 
     @property
     def dp_size(self) -> int:
@@ -100,6 +105,17 @@ class ParallelLayout:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (context and tensor ranks of one index share data)."""
         return self.rank // (self.cp * self.tp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group (which chunk of each row it holds)."""
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP shards over and averages gradients over: data shards x context (CP ranks hold different
+        tokens of the same batch, so their gradients sum like data-parallel ones)."""
+        return self.dp_shard * self.cp
 
     @property
     def expert_replicas(self) -> int:
@@ -117,6 +133,9 @@ class ParallelLayout:
                 expert = init_device_mesh(device_type, (self.expert_replicas, self.ep),
                                           mesh_dim_names=("efsdp", "ep"))
                 built = Meshes(expert._flatten("dp"), expert)  # the rest of the model: over both dimensions
+            elif self.cp > 1:
+                grid = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp", "cp"))
+                built = Meshes(grid._flatten("dp_cp"), cp=grid["cp"])
             else:
                 built = Meshes(init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp",)))
             self._meshes = (*key, built)
@@ -334,6 +353,22 @@ def _expert_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+def _context_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Split each packed row of the language model over the layout's CP group (all-to-all over heads around the
+    varlen attention); FSDP then shards over data shards x context. Needs FSDP (it sums the CP ranks' gradients)."""
+    if ctx.layout.cp == 1:
+        return model
+    from .context_parallel import CP_KEY, apply_context_parallel, check_context_parallel
+
+    if not uses_fsdp(ctx.parallel, ctx.env):
+        raise ValueError(f"{CP_KEY}: {ctx.layout.cp} needs FSDP to sum the context ranks' gradients; set "
+                         "parallel.fsdp to auto or on")
+    check_context_parallel(ctx.layout.cp, ctx.layout.world_size, model, ctx.layout.ep)
+    mesh = ctx.layout.meshes(ctx.env.device.type).cp
+    apply_context_parallel(model, mesh.get_group(), ctx.layout.cp, ctx.layout.cp_rank)
+    return model
+
+
 def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     if not uses_fsdp(ctx.parallel, ctx.env):
         return model
@@ -360,6 +395,7 @@ TRANSFORMS: list[tuple[str, Transform]] = [
     ("activation_checkpointing", _checkpointing),
     ("compile", _compile),
     ("expert_parallel", _expert_parallel),
+    ("context_parallel", _context_parallel),
     ("fsdp", _fsdp),
 ]
 
@@ -367,7 +403,7 @@ TRANSFORMS: list[tuple[str, Transform]] = [
 def layout_for(env: ParallelEnv, cfg: ParallelSection) -> ParallelLayout:
     """The env's layout (built once by `init_distributed` from the recipe's section); a section that asks for
     another layout than the env carries (an env made by hand: tools, tests) gets its own."""
-    if env.layout.ep == cfg.expert_parallel:
+    if (env.layout.ep, env.layout.cp) == (cfg.expert_parallel, cfg.context_parallel):
         return env.layout
     return ParallelLayout.from_config(cfg, env.world_size, env.rank)
 

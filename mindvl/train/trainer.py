@@ -80,6 +80,14 @@ class RunResult:
 # -------------------------------------------------------------------------------------------------------- data
 
 
+def _states_by_shard(old_rank_states: list[dict]) -> dict[int, dict]:
+    """Each old data shard's loader state, in shard order (the ranks of a context-parallel group held the same
+    shards: their identical copies count once)."""
+    by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
+                                                                 strict=True)}
+    return dict(sorted(by_shard.items()))
+
+
 class ShardedBatches:
     """This rank's micro-batches: round-robin over its data shards (see the module docstring)."""
 
@@ -111,14 +119,13 @@ class ShardedBatches:
 
     def same_layout(self, old_rank_states: list[dict]) -> bool:
         """Was the checkpoint written with this many data shards and loader workers (exact resume)?"""
-        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        old = list(_states_by_shard(old_rank_states).values())
         return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
 
     def load_shards(self, old_rank_states: list[dict]) -> None:
         """Exact resume with the same data shards and workers, whichever rank held which shard before (a step
         always ends with every rank's round-robin back at its first shard: accum is a multiple of its shards)."""
-        by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
-                                                                     strict=True)}
+        by_shard = _states_by_shard(old_rank_states)
         for s, ld in zip(self.shard_ids, self.loaders, strict=True):
             ld.load_state_dict(by_shard[s])
         self.turn = 0
@@ -129,7 +136,7 @@ class ShardedBatches:
         no record lost or repeated within the epoch; the order differs."""
         from mindvl.data.elastic import reshard_loader_states
 
-        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        old = list(_states_by_shard(old_rank_states).values())
         new = reshard_loader_states(old, self.data_cfg, self.loaders[0].files, self.n_shards)
         for s, ld in zip(self.shard_ids, self.loaders, strict=True):
             ld.load_state_dict(new[s])
