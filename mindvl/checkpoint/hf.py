@@ -31,6 +31,7 @@ import torch
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 from mindvl.models.projector import Projector
 
+from . import hf_qwen3_vl
 from .conv import conv3d_to_matmul
 from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
@@ -58,6 +59,7 @@ def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _FUSED_GATE_UP = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.gate_up_proj$")
+_EXPERT_TENSOR = re.compile(r"^(model\.)?(language_model\.)?layers\.\d+\.mlp\.experts\.(gate_up|down)_proj$")
 _LAYER_INDEX = re.compile(r"^language_model\.layers\.(\d+)\.")
 
 
@@ -75,7 +77,7 @@ class TensorPlan:
         fp8 = [h for h in names if h.endswith("weight_scale_inv")]
         if fp8:
             raise ValueError(f"{folder.folder}: an FP8 checkpoint ({fp8[0]} ...); dequantize it to bf16 first")
-        self.folder, self.num_experts = folder, text.n_routed_experts
+        self.folder, self.num_experts, self.text = folder, text.n_routed_experts, text
         self.direct: dict[str, str] = {}
         self.stacks: dict[str, dict[int, str]] = {}  # mindvl name -> {expert: HF name}
         self.splits: dict[str, tuple[str, str]] = {}  # HF fused gate_up -> (mindvl gate, mindvl up)
@@ -84,7 +86,7 @@ class TensorPlan:
             layer = _LAYER_INDEX.match(name)
             if text.is_moe and layer and int(layer.group(1)) >= text.num_hidden_layers:
                 continue  # DeepSeek-V3's MTP module (model.layers.61 on the hub); transformers ignores it too
-            fused = _FUSED_GATE_UP.match(name) if text.is_moe else None
+            fused = _FUSED_GATE_UP.match(name) if text.has_experts else None
             if target.expert is not None:
                 self.stacks.setdefault(name, {})[target.expert] = hf
             elif fused:
@@ -98,8 +100,15 @@ class TensorPlan:
                 raise ValueError(f"{folder.folder}: {name} has experts {sorted(pieces)[:8]}... but the config has "
                                  f"{self.num_experts} (missing {absent[:8]}, unexpected {extra[:8]})")
 
+    def _transposed(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Qwen3-MoE experts stored in the hub's [E, in, out] layout (hf_qwen3_vl.experts_transposed)."""
+        if self.text.family != "qwen3_moe" or not _EXPERT_TENSOR.match(name):
+            return False
+        return hf_qwen3_vl.experts_transposed("down" if name.endswith("down_proj") else "gate_up", shape, self.text)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         hf = self.folder.shapes()
+        hf = {h: (s[0], s[2], s[1]) if self._transposed(self.direct.get(h, h), s) else s for h, s in hf.items()}
         out = {name: _converted_shape(name, hf[h]) for h, name in self.direct.items()}
         for name, pieces in self.stacks.items():
             out[name] = (len(pieces), *hf[pieces[0]])
@@ -114,8 +123,12 @@ class TensorPlan:
         wanted = [*self.direct, *owner, *self.splits]
         for h, tensor in self.folder.iter_tensors(wanted):
             if h in self.direct:
-                yield self.direct[h], _convert_tensor(self.direct[h], tensor)
+                if self._transposed(self.direct[h], tuple(tensor.shape)):
+                    tensor = tensor.transpose(1, 2)
+                yield self.direct[h], _convert_tensor(self.direct[h], tensor).contiguous()
             elif h in self.splits:
+                if self._transposed(h, tuple(tensor.shape)):
+                    tensor = tensor.transpose(1, 2)
                 gate, up = tensor.chunk(2, dim=1)
                 yield self.splits[h][0], gate.contiguous()
                 yield self.splits[h][1], up.contiguous()
@@ -245,11 +258,11 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
 
 def detect_family(config: dict, where: str) -> str:
     kind = config.get("model_type")
-    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl"):
+    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl", *hf_qwen3_vl.FAMILIES):
         return kind
     raise ValueError(
-        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl (vision+LLM), qwen3, qwen2 and "
-        "deepseek_v3 (LLM)"
+        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl, qwen3_vl and qwen3_vl_moe "
+        "(vision+LLM), qwen3, qwen2 and deepseek_v3 (LLM)"
     )
 
 
@@ -295,6 +308,8 @@ def _mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
     family = detect_family(config, str(folder / CONFIG_NAME))
     if family == "mindvl":
         return MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
+    if family in hf_qwen3_vl.FAMILIES:
+        return hf_qwen3_vl.mindvl_config(config, family, _token_ids(config, folder), {"converted_from": str(folder)})
     if family == "qwen2_5_vl":
         text = text_config_from_hf(config, "qwen2")
         vision = vision_config_from_hf(config)
