@@ -8,10 +8,13 @@ Supported sources (detected from config.json `model_type`):
   save_pretrained writes) or fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, transformers 5.x's
   in-memory form); both are read and stacked into mindvl's `mlp.experts.{gate,up,down}_proj [E, ...]`. Multi-token
   prediction layers (index >= num_hidden_layers) are dropped; FP8 checkpoints are refused (dequantize them first).
+- `qwen3_vl` / `qwen3_vl_moe`: a Qwen3-VL model (hf_qwen3_vl.py): its merger becomes the projector, its DeepStack
+  mergers `deepstack.{j}`, its Qwen3 / Qwen3-MoE LLM the language model (interleaved M-RoPE).
 - `mindvl`: already ours.
 
-A MindVL *composition* takes the vision tower of a Qwen2.5-VL checkpoint and the language model of another
-(e.g. Qwen3-8B) and adds a freshly, seededly initialised projector, as the paper does.
+A MindVL *composition* takes the vision tower of a Qwen2.5-VL or Qwen3-VL checkpoint and the language model of
+another (e.g. Qwen3-8B) and adds a freshly, seededly initialised projector (and DeepStack mergers for Qwen3-VL), as
+the paper does.
 
 Both config.json generations are read: hub-style flat text fields with `rope_scaling`, and transformers >= 5's
 nested `text_config` with `rope_parameters`. Tensor names may use the hub prefixes (`visual.`, `model.`) or
@@ -458,8 +461,11 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     """
     vision_from, language_from = Path(vision_from), Path(language_from)
     vcfg_raw = read_config(vision_from)
-    if detect_family(vcfg_raw, str(vision_from / CONFIG_NAME)) != "qwen2_5_vl":
-        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL checkpoint (model_type qwen2_5_vl)")
+    vision_family = detect_family(vcfg_raw, str(vision_from / CONFIG_NAME))
+    if vision_family not in ("qwen2_5_vl", *hf_qwen3_vl.FAMILIES):
+        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL or Qwen3-VL checkpoint (model_type "
+                         "qwen2_5_vl, qwen3_vl or qwen3_vl_moe)")
+    qwen3 = vision_family in hf_qwen3_vl.FAMILIES
     lcfg_raw = read_config(language_from)
     lang_family = detect_family(lcfg_raw, str(language_from / CONFIG_NAME))
     if lang_family not in ("qwen3", "qwen2", "deepseek_v3"):
@@ -468,9 +474,12 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     if position_encoding not in ("mrope", "rope"):
         raise ValueError(f"position_encoding must be 'mrope' or 'rope', not {position_encoding!r}")
     text = text_config_from_hf(lcfg_raw, lang_family)
-    text.mrope_section = default_mrope_section(text.head_dim) if position_encoding == "mrope" else None
+    section = hf_qwen3_vl.default_mrope_section if qwen3 else default_mrope_section
+    text.mrope_section = section(text.head_dim) if position_encoding == "mrope" else None
+    text.mrope_interleaved = qwen3 and position_encoding == "mrope"  # Qwen3-VL's tower was trained with it
+    vision = hf_qwen3_vl.vision_config(vcfg_raw) if qwen3 else vision_config_from_hf(vcfg_raw)
     cfg = MindVLConfig(
-        text=text, vision=vision_config_from_hf(vcfg_raw), projector_seed=seed,
+        text=text, vision=vision, projector_seed=seed,
         tokens_per_second=vcfg_raw["vision_config"].get("tokens_per_second", 2),
         source={"vision_from": str(vision_from), "language_from": str(language_from)},
         **_token_ids(lcfg_raw, language_from),
@@ -478,15 +487,18 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     expected = expected_shapes(cfg)
     vis = TensorFolder(vision_from)
     lang = TensorFolder(language_from)
-    vis_names = {h: n.name for h, n in _import_names(vis, "qwen2_5_vl", False).items()
+    vis_names = {h: n.name for h, n in _import_names(vis, vision_family, False).items()
                  if n.name.startswith("visual.")}
     vis_shapes = vis.shapes()
     lang_plan = TensorPlan(lang, _import_names(lang, lang_family, text.tie_word_embeddings), text)
     found = {n: _converted_shape(n, vis_shapes[h]) for h, n in vis_names.items()}
     found.update(lang_plan.shapes())
-    projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
-    projector.reset_parameters(torch.Generator().manual_seed(seed))
-    proj_state = {f"projector.{k}": v for k, v in projector.state_dict().items()}
+    if qwen3:  # Qwen3-VL's merger layout, and new DeepStack mergers beside the projector
+        proj_state = hf_qwen3_vl.fresh_mergers(cfg.vision, text.hidden_size, seed)
+    else:
+        projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
+        projector.reset_parameters(torch.Generator().manual_seed(seed))
+        proj_state = {f"projector.{k}": v for k, v in projector.state_dict().items()}
     found.update({n: tuple(t.shape) for n, t in proj_state.items()})
     check_tensors(found, expected, f"composition of {vision_from} + {language_from}")
 

@@ -164,3 +164,30 @@ def hub_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def hub_down(down: torch.Tensor) -> torch.Tensor:
     """mindvl's down [E, H, I] -> the hub's down_proj [E, I, H]."""
     return down.transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ composition
+
+
+def default_mrope_section(head_dim: int) -> list[int]:
+    """Qwen3-VL's interleaved split, [24, 20, 20] for head_dim 128, scaled to other head sizes (h = w, t the rest)."""
+    half = head_dim // 2
+    hw = half * 20 // 64
+    return [half - 2 * hw, hw, hw]
+
+
+def fresh_mergers(vision: VisionConfig, out_hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """A MindVL composition's new `projector.*` and `deepstack.{j}.*` tensors (Qwen3-VL's merger layout), seeded:
+    normal(0, 0.02) weights, zero biases, unit norms; the projector first, then each DeepStack merger, from one
+    generator."""
+    from mindvl.models.vision_qwen3 import LayerNormMerger
+
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    modules = [("projector", LayerNormMerger(vision.hidden_size, out_hidden, vision.merge_unit))]
+    modules += [(f"deepstack.{j}", LayerNormMerger(vision.hidden_size, out_hidden, vision.merge_unit, True))
+                for j in range(len(vision.deepstack_visual_indexes or []))]
+    for prefix, module in modules:
+        module.reset_parameters(gen)
+        out.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
+    return out

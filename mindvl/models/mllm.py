@@ -186,8 +186,9 @@ class MindVL(nn.Module):
         if self.config.vision.family != "qwen3_vl":
             return self.projector(out), []
         hidden, stack = out
-        mergers = self.deepstack if self.deepstack is not None else []
-        return self.projector(hidden), [m(h) for m, h in zip(mergers, stack, strict=True)]
+        if self.deepstack is None:  # DeepStack off (no indexes, or an ablation)
+            return self.projector(hidden), []
+        return self.projector(hidden), [m(h) for m, h in zip(self.deepstack, stack, strict=True)]
 
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None) -> torch.Tensor:

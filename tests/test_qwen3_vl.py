@@ -1,0 +1,178 @@
+"""Qwen3-VL (dense and MoE) against transformers 5.23 on tiny random models (fp32, eager attention there).
+
+Vision features and DeepStack features, interleaved M-RoPE positions (get_rope_index), logits with two images and a
+video (transformers' call form and mindvl's packed one-stream form), conversion both ways (bit-exact round trip, and
+transformers loading the export), composition of the Qwen3-VL tower with a Qwen3 LLM.
+"""
+
+from __future__ import annotations
+
+import hf_tiny as H
+import pytest
+import qwen3vl_tiny as Q
+import torch
+
+from mindvl.checkpoint import convert_from_hf, load_model
+from mindvl.checkpoint.hf_export import export_to_hf
+from mindvl.checkpoint.safetensors_io import TensorFolder
+
+IMAGES = torch.tensor([[1, 6, 10], [1, 4, 4]])  # 6 x 10 patches: the 4 x 4 position table is stretched unevenly
+VIDEOS = torch.tensor([[2, 4, 6]])  # two frames, each its own vision item in Qwen3-VL's prompt
+ITEMS = [("image", [1, 6, 10]), ("video", [2, 4, 6]), ("image", [1, 4, 4])]
+TOL = 1e-4
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def pair(request, tmp_path_factory):
+    moe = request.param == "moe"
+    root = tmp_path_factory.mktemp(f"qwen3vl_{request.param}")
+    hf = Q.qwen3vl(root / "hf", moe=moe)
+    convert_from_hf(root / "hf", root / "mv")
+    ours = load_model(root / "mv")
+    ours.set_attention_backend("sdpa")
+    return hf, ours, root
+
+
+def _inputs():
+    ids, kinds = Q.prompt(ITEMS)
+    return ids, kinds, Q.patch_rows(IMAGES, 1), Q.patch_rows(VIDEOS, 2)
+
+
+@torch.no_grad()
+def test_vision_and_deepstack_features_match(pair):
+    hf, ours, _ = pair
+    grid = torch.tensor([[1, 6, 10], [1, 4, 4], [2, 2, 6], [1, 8, 2], [1, 4, 8]])  # grids below and above 4 x 4
+    px = Q.patch_rows(grid, 3)
+    ref = hf.model.visual(px, grid_thw=grid)
+    features, stack = ours.vision_features(px, grid)
+    assert rel(features, ref.pooler_output) <= TOL
+    assert len(stack) == len(ref.deepstack_features) == 2
+    for got, want in zip(stack, ref.deepstack_features, strict=True):
+        assert rel(got, want) <= TOL
+    hidden, _ = ours.visual(px, grid)
+    assert rel(hidden, ref.last_hidden_state) <= TOL
+
+
+@torch.no_grad()
+def test_positions_match_get_rope_index(pair):
+    hf, ours, _ = pair
+    ids, kinds, _, _ = _inputs()
+    pos, _ = hf.model.get_rope_index(ids, kinds, IMAGES, VIDEOS)
+    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+    assert torch.equal(ours.default_position_ids(ids[0], cu, IMAGES, VIDEOS), pos[:, 0])
+    # mindvl's one-stream form (images and videos in order of appearance) gives the same positions
+    stream = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:]])
+    assert torch.equal(ours.default_position_ids(ids[0], cu, stream), pos[:, 0])
+
+
+@torch.no_grad()
+def test_logits_with_images_and_a_video_match(pair):
+    hf, ours, _ = pair
+    ids, kinds, px, pv = _inputs()
+    ref = hf(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS,
+             mm_token_type_ids=kinds).logits
+    got = ours(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv,
+               video_grid_thw=VIDEOS).logits
+    assert rel(got, ref) <= TOL
+    # packed one-stream form: pixel rows of image 1, the video, image 2 in prompt order
+    n1 = int(IMAGES[0].prod())
+    stream_px = torch.cat([px[:n1], pv, px[n1:]])
+    stream = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:]])
+    packed = ours(input_ids=ids[0], pixel_values=stream_px, image_grid_thw=stream).logits
+    assert rel(packed, ref[0]) <= TOL
+    # DeepStack is exercised: without it the logits move far beyond the tolerance
+    mergers, ours.deepstack = ours.deepstack, None
+    try:
+        assert rel(ours(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv,
+                        video_grid_thw=VIDEOS).logits, ref) > 100 * TOL
+    finally:
+        ours.deepstack = mergers
+
+
+@torch.no_grad()
+def test_text_only_prompt_matches(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(2, 140, (1, 9), generator=torch.Generator().manual_seed(5))
+    ref = hf(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits
+    assert rel(ours(input_ids=ids).logits, ref) <= TOL
+
+
+def test_round_trip_is_bit_exact_and_transformers_loads_the_export(pair):
+    hf, ours, root = pair
+    export_to_hf(root / "mv", root / "back")
+    convert_from_hf(root / "back", root / "mv2")
+    a, b = TensorFolder(root / "mv"), TensorFolder(root / "mv2")
+    first = dict(a.iter_tensors())
+    second = dict(b.iter_tensors())
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    import transformers
+
+    arch = "Qwen3VLMoeForConditionalGeneration" if ours.config.text.family == "qwen3_moe" else \
+        "Qwen3VLForConditionalGeneration"
+    again = getattr(transformers, arch).from_pretrained(root / "back", attn_implementation="eager").eval()
+    ids, kinds, px, pv = _inputs()
+    with torch.no_grad():
+        kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv,
+                  video_grid_thw=VIDEOS, mm_token_type_ids=kinds)
+        assert torch.equal(again(**kw).logits, hf(**kw).logits)
+
+
+def test_hub_expert_layout_imports_the_same(tmp_path):
+    """The hub stores experts as gate_up [E, H, 2I] / down [E, I, H]; transformers 5 saves their transposes."""
+    from safetensors.torch import load_file, save_file
+
+    hf = Q.qwen3vl(tmp_path / "hf", moe=True)
+    del hf
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    hub = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in tensors.items()}
+    (tmp_path / "hub").mkdir()
+    for f in (tmp_path / "hf").iterdir():
+        if f.suffix == ".json":
+            (tmp_path / "hub" / f.name).write_text(f.read_text())
+    save_file(hub, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    convert_from_hf(tmp_path / "hf", tmp_path / "a")
+    convert_from_hf(tmp_path / "hub", tmp_path / "b")
+    a, b = dict(TensorFolder(tmp_path / "a").iter_tensors()), dict(TensorFolder(tmp_path / "b").iter_tensors())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@torch.no_grad()
+def test_bf16_is_as_accurate_as_transformers_bf16(pair):
+    """In bf16 both implementations round; ours must be no further from the fp32 reference than transformers'."""
+    hf, ours, root = pair
+    ids, kinds, px, pv = _inputs()
+    kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS)
+    ref = hf(**kw, mm_token_type_ids=kinds).logits
+    hf16 = type(hf).from_pretrained(root / "hf", dtype=torch.bfloat16, attn_implementation="eager",
+                                    experts_implementation="eager").eval()  # its grouped_mm needs 16-byte rows
+    ours16 = load_model(root / "mv", dtype=torch.bfloat16)
+    err_hf = rel(hf16(**kw, mm_token_type_ids=kinds).logits.float(), ref)
+    err_ours = rel(ours16(**kw).logits.float(), ref)
+    assert err_ours <= 1.5 * err_hf + 1e-3, (err_ours, err_hf)
+
+
+def test_composition_with_a_qwen3_llm(tmp_path):
+    """MindVL-style: the Qwen3-VL tower + fresh projector and DeepStack mergers + a Qwen3 LLM, from config alone."""
+    from mindvl.checkpoint import compose
+
+    Q.qwen3vl(tmp_path / "vl")
+    H.qwen3(tmp_path / "llm", hidden=32)
+    compose(tmp_path / "vl", tmp_path / "llm", tmp_path / "out", seed=3)
+    model = load_model(tmp_path / "out")
+    assert model.config.vision.family == "qwen3_vl" and model.config.text.family == "qwen3"
+    assert model.config.text.mrope_interleaved
+    vl = TensorFolder(tmp_path / "vl")
+    tower = {k: v for k, v in vl.iter_tensors() if k.startswith("model.visual.blocks.0.")}
+    ours = dict(model.named_parameters())
+    for k, v in tower.items():  # the tower's weights are kept exactly
+        assert torch.equal(ours[k.replace("model.visual.", "visual.")], v)
+    assert model.projector.fc2.weight.shape == (32, 4 * 32) and len(model.deepstack) == 2
+    ids, _ = Q.prompt([("image", [1, 4, 4])])
+    loss = model(input_ids=ids[0], labels=ids[0], pixel_values=Q.patch_rows(IMAGES[1:]), image_grid_thw=IMAGES[1:])
+    loss.loss_sum.backward()
+    assert float(model.deepstack[0].fc1.weight.grad.abs().sum()) > 0  # DeepStack trains with the projector
