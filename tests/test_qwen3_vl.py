@@ -7,6 +7,8 @@ transformers loading the export), composition of the Qwen3-VL tower with a Qwen3
 
 from __future__ import annotations
 
+import json
+
 import hf_tiny as H
 import pytest
 import qwen3vl_tiny as Q
@@ -162,6 +164,9 @@ def test_composition_with_a_qwen3_llm(tmp_path):
 
     Q.qwen3vl(tmp_path / "vl")
     H.qwen3(tmp_path / "llm", hidden=32)
+    (tmp_path / "llm" / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+        {"id": H.IMAGE_TOKEN, "content": "<|image_pad|>"}, {"id": H.VIDEO_TOKEN, "content": "<|video_pad|>"},
+        {"id": H.VISION_START, "content": "<|vision_start|>"}, {"id": H.VISION_END, "content": "<|vision_end|>"}]}))
     compose(tmp_path / "vl", tmp_path / "llm", tmp_path / "out", seed=3)
     model = load_model(tmp_path / "out")
     assert model.config.vision.family == "qwen3_vl" and model.config.text.family == "qwen3"
