@@ -181,3 +181,46 @@ def test_composition_with_a_qwen3_llm(tmp_path):
     loss = model(input_ids=ids[0], labels=ids[0], pixel_values=Q.patch_rows(IMAGES[1:]), image_grid_thw=IMAGES[1:])
     loss.loss_sum.backward()
     assert float(model.deepstack[0].fc1.weight.grad.abs().sum()) > 0  # DeepStack trains with the projector
+
+
+def test_greedy_generation_with_kv_cache_equals_transformers_generate(pair):
+    """Three prompts batched in mindvl (images, a video, text only); transformers generates each alone."""
+    from mindvl.infer import Prompt, generate
+
+    hf, ours, _ = pair
+    specs = [[("image", [1, 6, 10])], [("video", [2, 4, 6]), ("image", [1, 4, 4])], []]
+    prompts, hf_inputs = [], []
+    for i, items in enumerate(specs):
+        ids, kinds = Q.prompt(items, seed=10 + i)
+        images = [g for k, g in items if k == "image"]
+        videos = [g for k, g in items if k == "video"]
+        kw = {"input_ids": ids, "mm_token_type_ids": kinds, "attention_mask": torch.ones_like(ids)}
+        rows, grids = [], []
+        for _, g in items:  # mindvl's one stream, in prompt order
+            rows.append(Q.patch_rows(torch.tensor([g]), seed=20 + i + len(rows)))
+            grids.append(g)
+        if images:
+            kw["image_grid_thw"] = torch.tensor(images)
+            kw["pixel_values"] = torch.cat([r for r, (k, _) in zip(rows, items, strict=True) if k == "image"])
+        if videos:
+            kw["video_grid_thw"] = torch.tensor(videos)
+            kw["pixel_values_videos"] = torch.cat([r for r, (k, _) in zip(rows, items, strict=True) if k == "video"])
+        prompts.append(Prompt(ids[0], torch.cat(rows) if rows else None, torch.tensor(grids) if grids else None))
+        hf_inputs.append(kw)
+    got = generate(ours, prompts, max_new_tokens=8)
+    for tokens, kw, prompt in zip(got, hf_inputs, prompts, strict=True):
+        with torch.no_grad():
+            out = hf.generate(**kw, do_sample=False, max_new_tokens=8, min_new_tokens=8, eos_token_id=None,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        ref = out.sequences[0, kw["input_ids"].shape[1]:].tolist()
+        assert tokens == ref
+        # Step logits pin the cache, DeepStack in the prefill and the M-RoPE continuation (rope_deltas).
+        cu = torch.tensor([0, len(prompt.input_ids)], dtype=torch.int32)
+        with torch.inference_mode():
+            cache = ours.new_kv_cache(1, len(prompt.input_ids) + 8)
+            logits, pos = ours.prefill(prompt.input_ids, cu, cache, prompt.pixel_values, prompt.image_grid_thw)
+            steps = [logits[0]]
+            for k, token in enumerate(ref[:-1]):
+                steps.append(ours.decode_step(torch.tensor([token]), pos + k, cache)[0])
+        for step, want in zip(steps, out.logits, strict=True):
+            assert rel(step, want[0]) <= TOL
