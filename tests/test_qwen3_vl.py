@@ -87,12 +87,12 @@ def test_logits_with_images_and_a_video_match(pair):
     packed = ours(input_ids=ids[0], pixel_values=stream_px, image_grid_thw=stream).logits
     assert rel(packed, ref[0]) <= TOL
     # DeepStack is exercised: without it the logits move far beyond the tolerance
-    mergers, ours.deepstack = ours.deepstack, None
+    mergers, ours.projector.deepstack = ours.projector.deepstack, None
     try:
         assert rel(ours(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv,
                         video_grid_thw=VIDEOS).logits, ref) > 100 * TOL
     finally:
-        ours.deepstack = mergers
+        ours.projector.deepstack = mergers
 
 
 @torch.no_grad()
@@ -176,11 +176,11 @@ def test_composition_with_a_qwen3_llm(tmp_path):
     ours = dict(model.named_parameters())
     for k, v in tower.items():  # the tower's weights are kept exactly
         assert torch.equal(ours[k.replace("model.visual.", "visual.")], v)
-    assert model.projector.fc2.weight.shape == (32, 4 * 32) and len(model.deepstack) == 2
+    assert model.projector.fc2.weight.shape == (32, 4 * 32) and len(model.projector.deepstack) == 2
     ids, _ = Q.prompt([("image", [1, 4, 4])])
     loss = model(input_ids=ids[0], labels=ids[0], pixel_values=Q.patch_rows(IMAGES[1:]), image_grid_thw=IMAGES[1:])
     loss.loss_sum.backward()
-    assert float(model.deepstack[0].fc1.weight.grad.abs().sum()) > 0  # DeepStack trains with the projector
+    assert float(model.projector.deepstack[0].fc1.weight.grad.abs().sum()) > 0  # trains with the projector
 
 
 def test_greedy_generation_with_kv_cache_equals_transformers_generate(pair):
@@ -224,3 +224,72 @@ def test_greedy_generation_with_kv_cache_equals_transformers_generate(pair):
                 steps.append(ours.decode_step(torch.tensor([token]), pos + k, cache)[0])
         for step, want in zip(steps, out.logits, strict=True):
             assert rel(step, want[0]) <= TOL
+
+
+def test_train_two_steps_export_and_transformers_generates_the_same(pair, tmp_path):
+    """convert -> 2 AdamW steps (every module trains, packed two-sample row) -> save -> `convert --to-hf` ->
+    transformers' greedy generate equals mindvl's, token for token, and its logits equal ours."""
+    import transformers
+
+    from mindvl.checkpoint import save_pretrained
+    from mindvl.cli import main as cli_main
+    from mindvl.infer import Prompt, generate
+
+    _, _, root = pair
+    model = load_model(root / "mv")
+    model.train()
+    ids, kinds, px, pv = _inputs()
+    short, _ = Q.prompt([("image", [1, 4, 4])], seed=4)
+    stream_px = torch.cat([px[: int(IMAGES[0].prod())], pv, px[int(IMAGES[0].prod()):], Q.patch_rows(IMAGES[1:], 9)])
+    stream = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:], IMAGES[1:]])
+    row = torch.cat([ids[0], short[0]])
+    cu = torch.tensor([0, ids.shape[1], len(row)], dtype=torch.int32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):
+        out = model(input_ids=row, labels=row, cu_seqlens=cu, pixel_values=stream_px, image_grid_thw=stream)
+        (out.loss_sum / out.num_tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert any(k.startswith("projector.deepstack.") for k in moved) and any(k.startswith("visual.") for k in moved)
+    model.eval()
+    save_pretrained(model, tmp_path / "trained")
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "trained"), "--out", str(tmp_path / "hf")]) == 0
+    arch = "Qwen3VLMoeForConditionalGeneration" if model.config.text.family == "qwen3_moe" else \
+        "Qwen3VLForConditionalGeneration"
+    hf = getattr(transformers, arch).from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS,
+              mm_token_type_ids=kinds)
+    with torch.no_grad():
+        ref = hf.generate(**kw, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                          min_new_tokens=6, eos_token_id=None, pad_token_id=0)
+        assert rel(model(**{k: v for k, v in kw.items() if k != "mm_token_type_ids"}).logits,
+                   hf(**kw).logits) <= TOL
+    stream1 = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:]])
+    got = generate(model, [Prompt(ids[0], stream_px[: int(stream1.prod(-1).sum())], stream1)], max_new_tokens=6)
+    assert got[0] == ref[0, ids.shape[1]:].tolist()
+
+
+def test_qwen3_vl_tower_with_a_deepseek_v3_llm_from_config():
+    """MindVL-style composition from a config alone: Qwen3-VL ViT + DeepStack + MLA/MoE LLM, forward and backward."""
+    from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+    vision = VisionConfig(family="qwen3_vl", depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                          patch_size=16, hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                          deepstack_visual_indexes=[0])
+    text = TextConfig(family="deepseek_v3", vocab_size=H.VOCAB, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=2, moe_intermediate_size=16, n_routed_experts=4,
+                      num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=8, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, v_head_dim=8, mrope_section=[2, 1, 1], mrope_interleaved=True)
+    cfg = MindVLConfig(text=text, vision=vision, image_token_id=H.IMAGE_TOKEN, video_token_id=H.VIDEO_TOKEN,
+                       vision_start_token_id=H.VISION_START, vision_end_token_id=H.VISION_END)
+    assert MindVLConfig.from_dict(cfg.to_dict()) == cfg  # config.json round trip
+    model = MindVL(cfg)
+    model.init_weights(seed=0)
+    ids, _ = Q.prompt([("image", [1, 4, 4])])
+    grid = torch.tensor([[1, 4, 4]])
+    out = model(input_ids=ids[0], labels=ids[0], pixel_values=Q.patch_rows(grid), image_grid_thw=grid)
+    out.loss_sum.backward()
+    assert float(model.projector.deepstack[0].fc1.weight.grad.abs().sum()) > 0
+    assert float(model.visual.pos_embed.weight.grad.abs().sum()) > 0

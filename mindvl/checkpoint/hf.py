@@ -9,7 +9,7 @@ Supported sources (detected from config.json `model_type`):
   in-memory form); both are read and stacked into mindvl's `mlp.experts.{gate,up,down}_proj [E, ...]`. Multi-token
   prediction layers (index >= num_hidden_layers) are dropped; FP8 checkpoints are refused (dequantize them first).
 - `qwen3_vl` / `qwen3_vl_moe`: a Qwen3-VL model (hf_qwen3_vl.py): its merger becomes the projector, its DeepStack
-  mergers `deepstack.{j}`, its Qwen3 / Qwen3-MoE LLM the language model (interleaved M-RoPE).
+  mergers `projector.deepstack.{j}`, its Qwen3 / Qwen3-MoE LLM the language model (interleaved M-RoPE).
 - `mindvl`: already ours.
 
 A MindVL *composition* takes the vision tower of a Qwen2.5-VL or Qwen3-VL checkpoint and the language model of
@@ -493,7 +493,7 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     lang_plan = TensorPlan(lang, _import_names(lang, lang_family, text.tie_word_embeddings), text)
     found = {n: _converted_shape(n, vis_shapes[h]) for h, n in vis_names.items()}
     found.update(lang_plan.shapes())
-    if qwen3:  # Qwen3-VL's merger layout, and new DeepStack mergers beside the projector
+    if qwen3:  # Qwen3-VL's merger layout, with new DeepStack mergers inside the projector
         proj_state = hf_qwen3_vl.fresh_mergers(cfg.vision, text.hidden_size, seed)
     else:
         projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)

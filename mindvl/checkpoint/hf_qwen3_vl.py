@@ -177,17 +177,11 @@ def default_mrope_section(head_dim: int) -> list[int]:
 
 
 def fresh_mergers(vision: VisionConfig, out_hidden: int, seed: int) -> dict[str, torch.Tensor]:
-    """A MindVL composition's new `projector.*` and `deepstack.{j}.*` tensors (Qwen3-VL's merger layout), seeded:
-    normal(0, 0.02) weights, zero biases, unit norms; the projector first, then each DeepStack merger, from one
-    generator."""
+    """A MindVL composition's new `projector.*` tensors (Qwen3-VL's merger layout, DeepStack mergers included as
+    `projector.deepstack.{j}.*`), seeded: normal(0, 0.02) weights, zero biases, unit norms."""
     from mindvl.models.vision_qwen3 import LayerNormMerger
 
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    modules = [("projector", LayerNormMerger(vision.hidden_size, out_hidden, vision.merge_unit))]
-    modules += [(f"deepstack.{j}", LayerNormMerger(vision.hidden_size, out_hidden, vision.merge_unit, True))
-                for j in range(len(vision.deepstack_visual_indexes or []))]
-    for prefix, module in modules:
-        module.reset_parameters(gen)
-        out.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
-    return out
+    merger = LayerNormMerger(vision.hidden_size, out_hidden, vision.merge_unit,
+                             deepstack=len(vision.deepstack_visual_indexes or []))
+    merger.reset_parameters(torch.Generator().manual_seed(seed))
+    return {f"projector.{k}": v for k, v in merger.state_dict().items()}

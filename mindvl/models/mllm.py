@@ -133,15 +133,11 @@ class MindVL(nn.Module):
     def __init__(self, config: MindVLConfig) -> None:
         super().__init__()
         self.config = config
-        self.deepstack = None  # Qwen3-VL: one merger per DeepStack block, beside the projector
         v = config.vision
-        if v is not None and v.family == "qwen3_vl":
+        if v is not None and v.family == "qwen3_vl":  # the projector holds the DeepStack mergers too
             self.visual = Qwen3VisionTransformer(v)
-            self.projector = LayerNormMerger(v.hidden_size, config.text.hidden_size, v.merge_unit)
-            if v.deepstack_visual_indexes:
-                self.deepstack = nn.ModuleList(LayerNormMerger(v.hidden_size, config.text.hidden_size, v.merge_unit,
-                                                               post_merge_norm=True)
-                                               for _ in v.deepstack_visual_indexes)
+            self.projector = LayerNormMerger(v.hidden_size, config.text.hidden_size, v.merge_unit,
+                                             deepstack=len(v.deepstack_visual_indexes or []))
         elif v is not None:
             self.visual = VisionTransformer(v)
             self.projector = Projector(v.hidden_size, config.text.hidden_size, v.merge_unit)
@@ -186,9 +182,10 @@ class MindVL(nn.Module):
         if self.config.vision.family != "qwen3_vl":
             return self.projector(out), []
         hidden, stack = out
-        if self.deepstack is None:  # DeepStack off (no indexes, or an ablation)
+        mergers = self.projector.deepstack
+        if mergers is None:  # DeepStack off (no indexes, or an ablation)
             return self.projector(hidden), []
-        return self.projector(hidden), [m(h) for m, h in zip(self.deepstack, stack, strict=True)]
+        return self.projector(hidden), [m(h) for m, h in zip(mergers, stack, strict=True)]
 
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None) -> torch.Tensor:

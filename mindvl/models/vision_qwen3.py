@@ -147,9 +147,14 @@ class LayerNormMerger(nn.Module):
     `post_merge_norm` False (the final merger): LayerNorm over the vision width, then the 4 rows are concatenated;
     True (a DeepStack merger): the 4 rows are concatenated, then LayerNorm over 4D. Then Linear(4D, 4D) -> GELU
     (exact erf) -> Linear(4D, out). [P, D] -> [P/4, out]. Module names (norm, fc1, fc2) match `Projector`'s.
+
+    `deepstack` > 0 (the final merger of a model with DeepStack): it also holds that many DeepStack mergers as
+    `deepstack.{j}`, so that the projector's phase settings (frozen, trained) and its FSDP group cover them; the
+    model applies them (forward runs the final merger only).
     """
 
-    def __init__(self, vision_hidden: int, out_hidden: int, merge_unit: int = 4, post_merge_norm: bool = False) -> None:
+    def __init__(self, vision_hidden: int, out_hidden: int, merge_unit: int = 4, post_merge_norm: bool = False,
+                 deepstack: int = 0) -> None:
         super().__init__()
         self.merge_unit, self.post_merge_norm = merge_unit, post_merge_norm
         inner = vision_hidden * merge_unit
@@ -157,6 +162,8 @@ class LayerNormMerger(nn.Module):
         self.fc1 = nn.Linear(inner, inner)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(inner, out_hidden)
+        self.deepstack = nn.ModuleList(LayerNormMerger(vision_hidden, out_hidden, merge_unit, post_merge_norm=True)
+                                       for _ in range(deepstack)) if deepstack else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.fc1.in_features
@@ -165,9 +172,12 @@ class LayerNormMerger(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float = 0.02) -> None:
-        """Seeded random init (normal weights, zero biases, unit norm), independent of the global RNG."""
+        """Seeded random init (normal weights, zero biases, unit norm), independent of the global RNG; the DeepStack
+        mergers after the final one, in order, from the same generator."""
         self.norm.weight.fill_(1.0)
         self.norm.bias.zero_()
         for linear in (self.fc1, self.fc2):
             linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * std)
             linear.bias.zero_()
+        for merger in self.deepstack or []:
+            merger.reset_parameters(generator, std)
