@@ -132,3 +132,21 @@ def test_processing_is_chosen_from_the_model_folder(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text("[1]")
     with pytest.raises(ValueError, match="preprocessor_config.json: must hold a JSON object"):
         processing_from_folder(tmp_path)
+
+
+def test_a_qwen3_vl_folder_without_processor_files_gets_qwen3_vl_ones(tmp_path):
+    """save_pretrained of a Qwen3-VL-shaped model with no source folder writes Qwen3-VL's processor settings, which
+    `processing_from_folder` (and transformers' AutoProcessor) read back."""
+    from mindvl.checkpoint import save_pretrained
+    from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+    cfg = MindVLConfig(
+        text=TextConfig(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, mrope_section=[4, 2, 2],
+                        mrope_interleaved=True),
+        vision=VisionConfig(family="qwen3_vl", depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                            patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153)
+    save_pretrained(MindVL(cfg), tmp_path / "m")
+    p = processing_from_folder(tmp_path / "m")
+    assert p == QWEN3_VL
