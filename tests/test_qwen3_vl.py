@@ -7,6 +7,7 @@ transformers loading the export), composition of the Qwen3-VL tower with a Qwen3
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import hf_tiny as H
@@ -293,3 +294,46 @@ def test_qwen3_vl_tower_with_a_deepseek_v3_llm_from_config():
     out.loss_sum.backward()
     assert float(model.projector.deepstack[0].fc1.weight.grad.abs().sum()) > 0
     assert float(model.visual.pos_embed.weight.grad.abs().sum()) > 0
+
+
+def test_chat_session_feeds_a_qwen3_vl_model_16px_rows(tmp_path):
+    """mindvl's chat preprocesses images for the model's tower: Qwen3-VL's 16-px rows (mean/std 0.5); its answer
+    equals greedy decoding by full recomputation on those rows."""
+    import numpy as np
+    from PIL import Image
+
+    from mindvl.data.processors import QWEN3_VL, preprocess_image
+    from mindvl.data.tokenizer import load_tokenizer
+    from mindvl.infer.chat import ChatSession, conversation_prompt, user_message
+    from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+    tok = load_tokenizer(None)
+    sp = tok.special
+    cfg = MindVLConfig(
+        text=TextConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, mrope_section=[4, 2, 2],
+                        mrope_interleaved=True),
+        vision=VisionConfig(family="qwen3_vl", depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                            patch_size=16, hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                            deepstack_visual_indexes=[0]),
+        image_token_id=sp.image_pad, video_token_id=sp.video_pad, vision_start_token_id=sp.vision_start,
+        vision_end_token_id=sp.vision_end)
+    model = MindVL(cfg)
+    model.init_weights(seed=1, std=0.1)
+    model.eval()
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (70, 100, 3), dtype=np.uint8))
+    session = ChatSession(model, tok, [image], min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, max_new_tokens=4)
+    rows, grid = preprocess_image(image, dataclasses.replace(QWEN3_VL, min_pixels=4096, max_pixels=16384))
+    assert session.pixel_values.shape[1] == 1536 and torch.equal(session.pixel_values, torch.from_numpy(rows))
+    assert session.grids == [grid]
+    answer = session.ask("What is it?")
+    prompt = conversation_prompt(tok, [user_message("What is it?", 1)], session.pixel_values, session.grids)
+    tokens: list[int] = []
+    with torch.no_grad():
+        while len(tokens) < 4 and (not tokens or tokens[-1] not in (sp.im_end, sp.endoftext)):
+            ids = torch.cat([prompt.input_ids, torch.tensor(tokens, dtype=torch.long)])
+            logits = model(input_ids=ids, pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+            tokens.append(int(logits.logits[-1].argmax()))
+    if tokens[-1] in (sp.im_end, sp.endoftext):
+        tokens = tokens[:-1]
+    assert answer == tok.decode(tokens, skip_special_tokens=True)
