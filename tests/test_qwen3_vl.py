@@ -337,3 +337,23 @@ def test_chat_session_feeds_a_qwen3_vl_model_16px_rows(tmp_path):
     if tokens[-1] in (sp.im_end, sp.endoftext):
         tokens = tokens[:-1]
     assert answer == tok.decode(tokens, skip_special_tokens=True)
+
+
+def test_flops_count_the_qwen3_vl_tower_and_activated_experts():
+    """metrics' FLOPs for the Qwen3-VL family against a count by hand: ungated ViT MLP, every block attending over
+    its frame, DeepStack mergers, and a Qwen3-MoE LLM's router + top-k experts."""
+    from mindvl.models import MindVLConfig, TextConfig, VisionConfig
+    from mindvl.train.metrics import flops_by_module
+
+    v = VisionConfig(family="qwen3_vl", depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16,
+                     num_position_embeddings=16, deepstack_visual_indexes=[0])
+    t = TextConfig(family="qwen3_moe", vocab_size=100, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=12,
+                   n_routed_experts=4, num_experts_per_tok=2, mrope_section=[2, 1, 1], mrope_interleaved=True)
+    parts = flops_by_module(MindVLConfig(text=t, vision=v, image_token_id=1, video_token_id=2,
+                                         vision_start_token_id=3, vision_end_token_id=4), [10], 0, [[1, 4, 6]])
+    p = 24
+    assert parts["visual"] == (2 * p * 1536 * 32 + 2 * p * 2 * (4 * 32 * 32 + 2 * 32 * 48), 2 * 2 * 2 * 32 * p * p)
+    assert parts["projector"][0] == 2 * 2 * (p // 4) * (128 * 128 + 128 * 16)
+    per_token = 2 * (16 * (16 + 2 * 8) + 16 * 16 + 16 * 4 + 2 * 3 * 16 * 12)
+    assert parts["language_model"][0] == 10 * 2 * per_token
