@@ -463,8 +463,8 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     vcfg_raw = read_config(vision_from)
     vision_family = detect_family(vcfg_raw, str(vision_from / CONFIG_NAME))
     if vision_family not in ("qwen2_5_vl", *hf_qwen3_vl.FAMILIES):
-        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL or Qwen3-VL checkpoint (model_type "
-                         "qwen2_5_vl, qwen3_vl or qwen3_vl_moe)")
+        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL checkpoint (model_type qwen2_5_vl) or a "
+                         "Qwen3-VL one (qwen3_vl, qwen3_vl_moe)")
     qwen3 = vision_family in hf_qwen3_vl.FAMILIES
     lcfg_raw = read_config(language_from)
     lang_family = detect_family(lcfg_raw, str(language_from / CONFIG_NAME))
