@@ -99,6 +99,31 @@ class TopKRouter(nn.Module):
         return weights, ids
 
 
+class SoftmaxTopKRouter(TopKRouter):
+    """Qwen3-MoE's router (Qwen3-VL-30B-A3B): softmax over all experts in fp32, top-k, weights renormalised to sum
+    1. No groups, no scaling; the correction bias stays zero, unused and out of checkpoints (non-persistent), so
+    `update_router_bias` may run on a model of either kind. Load counting and tracing are the parent's."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__(cfg)
+        del self.e_score_correction_bias
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).float().softmax(-1)  # logits in x.dtype, softmax in fp32 (transformers)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        if self.training:
+            with torch.no_grad():
+                flat = ids.reshape(-1)
+                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        if self.record:
+            with torch.no_grad():
+                self.records.append((ids.detach().clone(), weights.detach().float()))  # already descending
+        return weights.to(x.dtype), ids  # transformers weights each expert's output in the activation dtype
+
+
 def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `F.grouped_mm` can run here (else the exact `unbind(0)` fallback is used).
 
@@ -207,7 +232,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.gate = TopKRouter(cfg)
+        self.gate = SoftmaxTopKRouter(cfg) if cfg.family == "qwen3_moe" else TopKRouter(cfg)
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(cfg.hidden_size, shared, bias=False, act=cfg.hidden_act) if shared else None
