@@ -7,12 +7,16 @@ import itertools
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import yaml
 
 from mindvl.checkpoint.safetensors_io import TensorFolder
+from mindvl.checkpoint.training import read_latest
 from mindvl.config import load_recipe
 from mindvl.data import DataConfig, build_loader, load_tokenizer
 from mindvl.train.parallel import ParallelEnv
@@ -75,6 +79,35 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 # One CPU process, no process group: what the in-process step tests run on.
+def latest_name(out: Path) -> str | None:
+    """The checkpoint `out`'s training names `latest` now, or None (none yet, or the pointer is mid-replace)."""
+    try:
+        found = read_latest(out / "checkpoints")
+    except (ValueError, FileNotFoundError):
+        return None
+    return found.name if found else None
+
+
+@contextmanager
+def training_in_background(recipe: Path, out: Path, wait_s: float = 300) -> Iterator[subprocess.Popen]:
+    """`mindvl train recipe` in a child process (stderr piped), yielded once `out` has its first `latest`
+    checkpoint (so readers can race the checkpoints that follow); killed on exit if it still runs."""
+    trainer = subprocess.Popen(mindvl_cmd("train", str(recipe)), env=env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + wait_s
+        while latest_name(out) is None:
+            if trainer.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"no checkpoint from the training (rc {trainer.poll()}): "
+                                   f"{trainer.stderr.read()[-2000:] if trainer.poll() is not None else ''}")
+            time.sleep(0.05)
+        yield trainer
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
 CPU_ENV = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
 
 
