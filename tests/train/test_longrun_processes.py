@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,39 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import CLI, env, load_weights, raw_recipe, write_recipe
+from train_helpers import CLI, env, finish, launch, load_weights, raw_recipe, write_recipe
 
 from mindvl.checkpoint.training import export_checkpoint, read_latest
 from mindvl.data.sources import ReaderState, slot_units
 from mindvl.train.stops import EXIT_PREEMPTED
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(tmp_path: Path, args: list[str], world: int = 2, extra_env: dict | None = None) -> list[subprocess.Popen]:
-    """`world` processes of `mindvl ARGS` with torchrun's environment variables (no torchrun in between)."""
-    script = tmp_path / "cli.py"
-    script.write_text(CLI + "\n")
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        e = env() | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} | (extra_env or {})
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append((p.returncode, stdout, stderr))
-    return out
 
 
 def steps_logged(out: Path) -> int:

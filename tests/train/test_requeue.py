@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_longrun_processes import free_port, losses, steps_logged, two_rank_recipe
-from train_helpers import CLI, env, load_weights, raw_recipe
+from test_longrun_processes import losses, steps_logged, two_rank_recipe
+from train_helpers import CLI, env, free_port, load_weights, raw_recipe
 
 from mindvl.config import load_recipe
 from mindvl.train.preempt import MARKER, clear_marker, write_marker
