@@ -16,36 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_longrun_processes import losses, steps_logged, two_rank_recipe
-from train_helpers import CLI, env, free_port, load_weights, raw_recipe
+from train_helpers import (
+    CLI,
+    env,
+    free_port,
+    load_weights,
+    losses,
+    raw_recipe,
+    schedule,
+    steps_logged,
+    two_rank_recipe,
+)
 
 from mindvl.config import load_recipe
 from mindvl.train.preempt import MARKER, clear_marker, write_marker
 from mindvl.train.trainer import train
-
-# The README's batch script, with `scontrol requeue` turned into a loop; each attempt on a fresh port.
-SCHEDULER = r"""#!/bin/bash
-OUT=$1 RECIPE=$2 PORT=$3 CLI=$4
-attempt=0
-while :; do
-    attempt=$((attempt + 1))
-    rm -f "$OUT/PREEMPTED"
-    "$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((PORT + attempt)) \
-        --signals-to-handle SIGTERM,SIGINT,SIGUSR1 --shutdown-timeout 120 "$CLI" train "$RECIPE" resume=auto &
-    launcher=$!
-    trap 'kill -USR1 $launcher' USR1
-    trap 'echo "SIGTERM: waiting for the checkpoint"' TERM
-    wait $launcher; rc=$?
-    while kill -0 $launcher 2>/dev/null; do wait $launcher; rc=$?; done
-    trap - USR1 TERM
-    if [ -f "$OUT/PREEMPTED" ]; then
-        echo "attempt $attempt: launcher exit $rc, requeue: $(tr -d '\n' < "$OUT/PREEMPTED")"
-        continue
-    fi
-    echo "attempt $attempt: exit $rc"
-    exit $rc
-done
-"""
 
 
 def descendants(pid: int) -> list[int]:
@@ -74,30 +59,11 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def schedule(tmp_path: Path, recipe: Path, out: Path) -> subprocess.Popen:
-    script = tmp_path / "scheduler.sh"
-    script.write_text(SCHEDULER)
-    cli = tmp_path / "cli.py"
-    cli.write_text(CLI + "\n")
-    return subprocess.Popen(["bash", str(script), str(out), str(recipe), str(free_port()), str(cli)],
-                            env=env() | {"PYTHON": sys.executable}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The same recipe, never interrupted, through the same scheduler loop (one attempt)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = schedule(tmp, two_rank_recipe(tmp, "ref"), tmp / "ref")
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    assert out.strip().splitlines()[-1] == "attempt 1: exit 0", out
-    return tmp / "ref"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["usr1-to-the-batch-script", "sigterm-to-every-process"])
-def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs_losses(tmp_path, reference, how):
+def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs_losses(tmp_path, two_rank_reference,
+                                                                                       how):
+    reference = two_rank_reference
     out = tmp_path / "run"
     proc = schedule(tmp_path, two_rank_recipe(tmp_path, "run"), out)
     deadline = time.time() + 300
