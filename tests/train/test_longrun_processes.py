@@ -1,5 +1,6 @@
 """Long-run safety across processes (gloo, 2 ranks started by hand so each rank's exit code and signals are the
-test's): preemption with exact resume, async saves killed mid-write, poisoned text + NaN steps with no hang."""
+test's): async saves killed mid-write, poisoned text + NaN steps with no hang, elastic resumes, a second signal.
+(Preemption with exact resume, SIGTERM on one rank: test_requeue.py, beside the uninterrupted run it shares.)"""
 
 from __future__ import annotations
 
@@ -14,49 +15,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import (
-    CLI,
-    env,
-    finish,
-    launch,
-    load_weights,
-    losses,
-    raw_recipe,
-    steps_logged,
-    two_rank_recipe,
-    write_recipe,
-)
+from train_helpers import CLI, env, finish, launch, load_weights, raw_recipe, write_recipe
 
 from mindvl.checkpoint.training import export_checkpoint, read_latest
 from mindvl.data.sources import ReaderState, slot_units
-from mindvl.train.stops import EXIT_PREEMPTED
 
 
-@pytest.mark.slow
-def test_sigterm_on_one_rank_checkpoints_on_both_and_resume_is_bit_identical(tmp_path, two_rank_reference):
-    """SIGTERM to rank 1 only: both ranks finish the step, checkpoint, exit 75; resume=auto on 2 ranks ends with
-    the weights and losses of an uninterrupted run (two_rank_reference: the same recipe on 2 ranks), bit for bit."""
-    # The interrupted run also writes a checkpoint every step in the background (async DCP on its own gloo group).
-    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 2, "async_save": True})
-    out = tmp_path / "run"
-    procs = launch(tmp_path, ["train", str(recipe)])
-    deadline = time.time() + 240
-    while steps_logged(out) < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the decision must still be shared
-    (code0, out0, err0), (code1, _, err1) = finish(procs)
-    assert code0 == code1 == EXIT_PREEMPTED, (err0[-2000:], err1[-2000:])
-    ckpt = read_latest(out / "checkpoints")
-    stopped_at = int(ckpt.name.split("_")[1])
-    assert 2 <= stopped_at < 6 and steps_logged(out) == stopped_at
-    assert f"checkpoint {ckpt}" in err0 and "resume=auto" in err0 and "Traceback" not in err0 + err1
-    assert "SIGTERM received" in err1
+def steps_logged(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
 
-    resumed = finish(launch(tmp_path, ["train", str(recipe), "resume=auto"]))
-    assert [r[0] for r in resumed] == [0, 0], resumed[0][2][-3000:]
-    ours, ref = load_weights(out / "final"), load_weights(two_rank_reference / "final")
-    assert all(torch.equal(ours[n], ref[n]) for n in ref)
-    assert losses(out) == losses(two_rank_reference)
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def two_rank_recipe(tmp_path: Path, name: str, **sections) -> Path:
+    sections = {"budget": {"max_steps": 6}, "checkpoint": {"every": None}} | sections
+    raw = raw_recipe(tmp_path / name, tmp_path / "cache", **sections)
+    raw["data"]["num_workers"] = 1  # loader workers on: they must survive the signal
+    return write_recipe(tmp_path / f"{name}.yaml", raw)
 
 
 @pytest.mark.slow

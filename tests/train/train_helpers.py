@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import os
 import socket
 import subprocess
@@ -153,57 +152,6 @@ def run_ranks(tmp_path: Path, world: int, args: list[str], timeout: float = 300,
     read = [(logs / f"rank_{r}.out").read_text() for r in range(world)]
     errs = [(logs / f"rank_{r}.err").read_text() for r in range(world)]
     return subprocess.CompletedProcess(args, code, "".join(read), "".join(errs))
-
-
-def steps_logged(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def two_rank_recipe(tmp_path: Path, name: str, **sections) -> Path:
-    sections = {"budget": {"max_steps": 6}, "checkpoint": {"every": None}} | sections
-    raw = raw_recipe(tmp_path / name, tmp_path / "cache", **sections)
-    raw["data"]["num_workers"] = 1  # loader workers on: they must survive the signal
-    return write_recipe(tmp_path / f"{name}.yaml", raw)
-
-
-# The README's batch script, with `scontrol requeue` turned into a loop; each attempt on a fresh port.
-SCHEDULER = r"""#!/bin/bash
-OUT=$1 RECIPE=$2 PORT=$3 CLI=$4
-attempt=0
-while :; do
-    attempt=$((attempt + 1))
-    rm -f "$OUT/PREEMPTED"
-    "$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((PORT + attempt)) \
-        --signals-to-handle SIGTERM,SIGINT,SIGUSR1 --shutdown-timeout 120 "$CLI" train "$RECIPE" resume=auto &
-    launcher=$!
-    trap 'kill -USR1 $launcher' USR1
-    trap 'echo "SIGTERM: waiting for the checkpoint"' TERM
-    wait $launcher; rc=$?
-    while kill -0 $launcher 2>/dev/null; do wait $launcher; rc=$?; done
-    trap - USR1 TERM
-    if [ -f "$OUT/PREEMPTED" ]; then
-        echo "attempt $attempt: launcher exit $rc, requeue: $(tr -d '\n' < "$OUT/PREEMPTED")"
-        continue
-    fi
-    echo "attempt $attempt: exit $rc"
-    exit $rc
-done
-"""
-
-
-def schedule(tmp_path: Path, recipe: Path, out: Path) -> subprocess.Popen:
-    script = tmp_path / "scheduler.sh"
-    script.write_text(SCHEDULER)
-    cli = tmp_path / "cli.py"
-    cli.write_text(CLI + "\n")
-    return subprocess.Popen(["bash", str(script), str(out), str(recipe), str(free_port()), str(cli)],
-                            env=env() | {"PYTHON": sys.executable}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
 
 
 def latest_name(out: Path) -> str | None:
