@@ -89,9 +89,9 @@ def free_port() -> int:
 def launch(tmp_path: Path, args: list[str], world: int = 2, extra_env: dict | None = None,
            script: Path | None = None, logs: Path | None = None) -> list[subprocess.Popen]:
     """`world` processes of `mindvl ARGS` (or of `script ARGS`) with torchrun's environment variables, no torchrun
-    in between: each rank's exit code and signals are the caller's, and no launcher process (a torch import, ~4
-    CPU-s) is started. torchrun itself is tested where it matters (test_requeue.py). Output: pipes, or with `logs`
-    the files logs/rank_N.out and .err."""
+    in between: each rank's exit code and signals are the caller's, and no launcher process (its torch import and
+    agent: ~2.5 CPU-s a launch, RESULTS.md) is started. torchrun itself is tested where it matters (test_requeue.py).
+    Output: pipes, or with `logs` the files logs/rank_N.out and .err."""
     if script is None:
         script = tmp_path / "cli.py"
         script.write_text(CLI + "\n")
