@@ -66,7 +66,7 @@ EXCLUDED: dict[str, str] = {
     'pip install "torch==$(python -c \'import torch; print(torch.__version__.split("+")[0])\')" -e ".[lmms]"':
         "installs packages (network)",
     "pip uninstall -y torchvision": "changes the environment",
-    "python -m pytest -q": "the test suite itself",
+    "python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder": "the test suite itself",
     "mindvl convert --from-hf /models/Qwen2.5-VL-7B-Instruct --out out/qwen25vl-7b": "needs a real checkpoint",
     "mindvl convert --from-hf /models/Qwen3-8B --out out/qwen3-8b": "needs a real checkpoint",
     "mindvl convert --vision-from /models/Qwen2.5-VL-72B-Instruct --language-from /models/Qwen3-8B "
