@@ -124,6 +124,11 @@ def build_model(recipe: Recipe, tok, env: ParallelEnv,
     """The training model on `env.device`, its weights filled after `prepare` (freezing, parallelism) was applied
     on the meta device. Without `prepare`: a plain float32 model (tests, single-process tools)."""
     config, source = model_source(recipe, tok, env)
+    if prepare is not None:  # refused before anything is built (QLoRA's backend)
+        from .lora import check_lora_recipe
+        from .parallel import uses_fsdp
+
+        check_lora_recipe(recipe, uses_fsdp(recipe.parallel, env))
     with torch.device("meta"):
         model: nn.Module = MindVL(config)
     if recipe.model.attention_backend != "auto":
@@ -131,5 +136,14 @@ def build_model(recipe: Recipe, tok, env: ParallelEnv,
     if prepare is not None:
         model = prepare(model)
     model.to_empty(device=env.device)
-    fill_weights(model, source.tensors(config), env.device)
+    from itertools import chain
+
+    from .lora import adapter_init_tensors  # LoRA adapters (none without model.lora) start from their own seed
+
+    fill_weights(model, chain(source.tensors(config), adapter_init_tensors(model, init_seed(recipe))), env.device)
+    lora = recipe.model.lora or {}
+    if lora.get("quantize"):
+        from .qlora import quantize_frozen_base
+
+        quantize_frozen_base(model, lora["quantize"])
     return model.train()

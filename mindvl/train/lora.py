@@ -1,0 +1,78 @@
+"""LoRA in training: the recipe's `model.lora`, the `lora` transform of `prepare_model`, the adapters' initial values.
+
+    cfg = lora_config(recipe)                      # None, or a checked mindvl.models.lora.LoRAConfig
+    TRANSFORMS: freeze -> lora -> activation checkpointing -> compile -> EP -> FSDP
+
+The transform runs on the meta-device model after the phase froze what it freezes: it wraps the chosen linear layers
+(mindvl.models.lora.inject_lora), leaves only the adapters trainable in `lora.modules`, and, when the run computes in
+bf16, stores those modules' frozen weights in bf16 (FSDP2 would cast them to bf16 for every forward anyway, so the
+numerics are the same and the frozen base takes half the memory; adapters, like every trainable weight, keep fp32
+master copies). Because it is a step of TRANSFORMS, the planner's trace and counts see exactly this model: optimizer
+state, gradients and reductions only for the adapters (and any module the phase trains in full).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mindvl.models.lora import LoRAConfig, freeze_for_lora, initial_adapter, inject_lora, lora_layers
+from mindvl.typed import build
+
+if TYPE_CHECKING:
+    from mindvl.config import Recipe
+
+    from .parallel import PrepareContext
+
+
+def lora_config(recipe: Recipe) -> LoRAConfig | None:
+    """`model.lora` built and checked (one-line errors naming the key), or None when the recipe has none."""
+    raw = recipe.model.lora
+    return None if raw is None else build(LoRAConfig, raw, "model.lora")
+
+
+def apply_lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """The `lora` step of TRANSFORMS (see the module docstring)."""
+    cfg = ctx.lora
+    if cfg is None:
+        return model
+    names = inject_lora(model, cfg)
+    ctx.done.lora_layers = len(names)
+    ctx.done.lora_base_params = sum(model.get_submodule(n).weight.numel() for n in names)
+    ctx.done.trainable.update(freeze_for_lora(model, cfg))
+    from .parallel import param_dtype
+
+    dtype = param_dtype(ctx.parallel, ctx.env.device)
+    if dtype != torch.float32:
+        for top in cfg.modules:
+            for p in getattr(model, top).parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    return model
+
+
+def check_lora_recipe(recipe: Recipe, uses_fsdp: bool) -> LoRAConfig | None:
+    """`lora_config` plus what only a run needs (the planner does not): QLoRA's backend. Called before anything is
+    built, on every rank."""
+    cfg = lora_config(recipe)
+    if cfg is not None and cfg.quantize is not None:
+        from .qlora import require_backend
+
+        require_backend(cfg.quantize, uses_fsdp)
+    return cfg
+
+
+def adapter_init_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict name, full float32 tensor) of every adapter's starting value, drawn in layer order from one
+    generator of its own (so the starting adapters do not depend on the parallel layout, like the base weights)."""
+    from .materialize import canonical_name
+
+    gen = torch.Generator().manual_seed(seed + 7919)  # not the seeded base weights' stream
+    for name, layer in lora_layers(model):
+        a, b = initial_adapter(tuple(layer.lora_A.shape), tuple(layer.lora_B.shape), gen)
+        name = canonical_name(name)
+        yield f"{name}.lora_A", a
+        yield f"{name}.lora_B", b
