@@ -14,12 +14,21 @@ state, gradients and reductions only for the adapters (and any module the phase 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from mindvl.models.lora import LoRAConfig, freeze_for_lora, initial_adapter, inject_lora, lora_layers
+from mindvl.models.lora import (
+    LoRAConfig,
+    freeze_for_lora,
+    initial_adapter,
+    inject_lora,
+    lora_layers,
+    merge_state,
+)
 from mindvl.typed import build
 
 if TYPE_CHECKING:
@@ -76,3 +85,40 @@ def adapter_init_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, tor
         name = canonical_name(name)
         yield f"{name}.lora_A", a
         yield f"{name}.lora_B", b
+
+
+ADAPTER_DIR = "adapter"  # final/adapter: the run's adapters in PEFT's layout, beside the merged weights in final/
+
+
+@dataclass
+class AdapterExport:
+    """What a LoRA run's `final/` holds besides the merged weights: its adapters (PEFT layout) in `final/adapter`,
+    with the modules the phase trained in full (PEFT's modules_to_save) and the base model's folder."""
+
+    lora: LoRAConfig
+    full_modules: list[str]
+    base: str | None
+
+    @classmethod
+    def of(cls, recipe: Recipe, side_files: dict | None = None) -> AdapterExport | None:
+        cfg = lora_config(recipe)
+        if cfg is None:
+            return None
+        full = [m for m in recipe.trainable_modules if m not in cfg.modules]
+        start = (side_files or {}).get("from") or []
+        return cls(cfg, full, str(Path(start[0]).resolve()) if start else None)
+
+    def to_dict(self) -> dict:
+        """For the checkpoints' train state (what `mindvl export` writes OUT/adapter from)."""
+        from dataclasses import asdict
+
+        return {"lora": asdict(self.lora), "full_modules": self.full_modules, "base": self.base}
+
+    def merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return merge_state(state, self.lora.scaling)
+
+    def write(self, state: dict[str, torch.Tensor], config, folder: Path) -> Path:
+        from mindvl.checkpoint.adapters import save_adapter
+
+        return save_adapter(state, config, self.lora, folder / ADAPTER_DIR, base=self.base,
+                            full_modules=self.full_modules)
