@@ -3,6 +3,7 @@
     save_adapter(state, config, lora, out, base="path/to/base", full_modules=["projector"])
     lora, tensors, full = read_adapter(folder, config)     # mindvl names, ready for a model with inject_lora
     model = load_adapted(folder)                          # base (a mindvl folder) + adapter, merged or not
+    fold_adapter(folder, out)                             # `mindvl export ADAPTER --merge-adapters --out DIR`
 
 Tensor names are PEFT's for the transformers model the base converts to (mindvl.checkpoint.hf_export): the module
 path of that model in memory (transformers >= 4.52: `model.language_model.layers.0.self_attn.q_proj` for Qwen2.5-VL,
@@ -217,3 +218,14 @@ def load_adapted(folder: str | os.PathLike, base: str | os.PathLike | None = Non
     model = load_model(adapter_base(folder, base), dtype=None, device=device)
     model = apply_adapter(model, folder, merge=merge)
     return model.to(dtype) if dtype is not None else model
+
+
+def fold_adapter(folder: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None,
+                 overwrite: bool = False) -> Path:
+    """`mindvl export ADAPTER --merge-adapters`: the base with the adapters folded in, written as a mindvl model folder
+    (side files from the base). Holds the model in memory once, in the base's dtype."""
+    from .hf import save_pretrained
+
+    base_folder = adapter_base(folder, base)
+    model = load_adapted(folder, base=base_folder, merge=True)
+    return save_pretrained(model, out, overwrite=overwrite, side_files_from=[base_folder])

@@ -5,10 +5,10 @@
 
 The transform runs on the meta-device model after the phase froze what it freezes: it wraps the chosen linear layers
 (mindvl.models.lora.inject_lora), leaves only the adapters trainable in `lora.modules`, and, when the run computes in
-bf16, stores those modules' frozen weights in bf16 (FSDP2 would cast them to bf16 for every forward anyway, so the
-numerics are the same and the frozen base takes half the memory; adapters, like every trainable weight, keep fp32
-master copies). Because it is a step of TRANSFORMS, the planner's trace and counts see exactly this model: optimizer
-state, gradients and reductions only for the adapters (and any module the phase trains in full).
+bf16, stores every frozen weight in bf16 (FSDP2 would cast it to bf16 for every forward anyway, so the numerics are
+the same and the frozen base takes half the memory; adapters, like every trainable weight, keep fp32 master copies).
+Because it is a step of TRANSFORMS, the planner's trace and counts see exactly this model: optimizer state,
+gradients and reductions only for the adapters (and any module the phase trains in full).
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ def apply_lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     from .parallel import param_dtype
 
     dtype = param_dtype(ctx.parallel, ctx.env.device)
-    if dtype != torch.float32:
-        for top in cfg.modules:
-            for p in getattr(model, top).parameters():
-                if not p.requires_grad and p.is_floating_point():
-                    p.data = p.data.to(dtype)
+    if dtype != torch.float32:  # every frozen weight (the adapted modules' and those the phase froze) in bf16
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
     return model
 
 

@@ -6,8 +6,8 @@
   size.
 - `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
   freeze (the phase) -> LoRA adapters (train.lora) -> activation checkpointing -> compile -> expert parallelism ->
-  FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step validation and the planner's counts all run it, so a
-  transform added to `TRANSFORMS` is seen by the planner with no other edit.
+  FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step validation and the
+  planner's counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,

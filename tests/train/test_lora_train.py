@@ -20,8 +20,8 @@ from mindvl.data import load_tokenizer
 from mindvl.models import MindVLConfig
 from mindvl.models.lora import merge_state
 from mindvl.train.materialize import model_source
-from mindvl.train.trainer import train
 from mindvl.train.parallel import ParallelEnv
+from mindvl.train.trainer import train
 
 LORA = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "gate_proj", "qkv"], "modules": ["language_model",
                                                                                              "visual"]}
