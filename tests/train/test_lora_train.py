@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from train_helpers import env, load_weights, mindvl_cmd, raw_recipe, run, write_recipe
 
 from mindvl.checkpoint.adapters import read_adapter
@@ -118,6 +119,29 @@ def test_lora_run_killed_with_sigkill_resumes_exactly(tmp_path):
 
     ours, reference = load_weights(out / "final"), load_weights(ref_out / "final")
     assert set(ours) == set(reference) and all(torch.equal(ours[n], reference[n]) for n in reference)
-    a, b = load_weights(out / "final" / "adapter"), load_weights(ref_out / "final" / "adapter")
+    a, b = (load_file(str(o / "final" / "adapter" / "adapter_model.safetensors")) for o in (out, ref_out))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in b)
     assert losses(out) == losses(ref_out)
+
+
+def test_lora_composes_with_fsdp_checkpointing_and_a_fully_trained_projector(tmp_path):
+    """Projector fully trained + LLM LoRA, under one-rank FSDP2 with full activation checkpointing (fp32 on CPU):
+    the same weights as the plain run (the transforms change where tensors live, not what is computed), and
+    final/adapter carries the projector as PEFT's modules_to_save."""
+    results = {}
+    for name, parallel in (("plain", {}), ("fsdp", {"fsdp": "on", "activation_checkpointing": "full"})):
+        raw = lora_recipe(tmp_path, name, steps=3, parallel=parallel)
+        raw["model"]["lora"] = {**LORA, "modules": ["language_model"], "targets": ["q_proj", "down_proj"]}
+        raw["phase"] = {"trainable": ["projector"]}
+        results[name] = train(load_recipe(raw=raw))
+    plain, fsdp = (load_weights(results[k].final_dir) for k in ("plain", "fsdp"))
+    assert set(plain) == set(fsdp)
+    for n in plain:
+        torch.testing.assert_close(fsdp[n], plain[n], rtol=1e-5, atol=1e-6, msg=n)
+    config, start = initial_weights(load_recipe(raw=lora_recipe(tmp_path)))
+    assert not torch.equal(plain["projector.fc1.weight"], start["projector.fc1.weight"])  # trained in full
+    assert torch.equal(plain["visual.blocks.0.attn.qkv.weight"], start["visual.blocks.0.attn.qkv.weight"])  # frozen
+    _, adapters, full = read_adapter(results["plain"].final_dir / "adapter", config)
+    assert set(full) == {n for n in start if n.startswith("projector.")}
+    assert all(torch.equal(full[n], plain[n]) for n in full)
+    assert {n.rsplit(".", 2)[-2] for n in adapters} == {"q_proj", "down_proj"}
