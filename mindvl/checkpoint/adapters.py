@@ -30,6 +30,9 @@ import torch
 from mindvl.models import MindVLConfig
 from mindvl.models.lora import LoRAConfig, inject_lora, is_adapter_name, merge_lora
 
+from .hf import CONFIG_NAME, save_pretrained
+from .hf import load_model as load_plain
+from .hf_export import hf_config
 from .hf_keys import key_map
 from .safetensors_io import atomic_output_folder
 
@@ -46,8 +49,6 @@ def is_adapter_folder(folder: str | os.PathLike) -> bool:
 
 def family_of(config: MindVLConfig) -> str:
     """The transformers family the model exports to (its PEFT names), or `mindvl` when it has none."""
-    from .hf_export import hf_config
-
     try:
         return hf_config(config)["model_type"]
     except ValueError:
@@ -213,9 +214,7 @@ def adapter_base(folder: str | os.PathLike, base: str | os.PathLike | None = Non
 def load_adapted(folder: str | os.PathLike, base: str | os.PathLike | None = None, merge: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The base (a mindvl model folder) with the adapter folder's adapters, merged by default (chat, eval)."""
-    from .hf import load_model
-
-    model = load_model(adapter_base(folder, base), dtype=None, device=device)
+    model = load_plain(adapter_base(folder, base), dtype=None, device=device)
     model = apply_adapter(model, folder, merge=merge)
     return model.to(dtype) if dtype is not None else model
 
@@ -224,8 +223,16 @@ def fold_adapter(folder: str | os.PathLike, out: str | os.PathLike, base: str | 
                  overwrite: bool = False) -> Path:
     """`mindvl export ADAPTER --merge-adapters`: the base with the adapters folded in, written as a mindvl model folder
     (side files from the base). Holds the model in memory once, in the base's dtype."""
-    from .hf import save_pretrained
-
     base_folder = adapter_base(folder, base)
     model = load_adapted(folder, base=base_folder, merge=True)
     return save_pretrained(model, out, overwrite=overwrite, side_files_from=[base_folder])
+
+
+def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu") -> torch.nn.Module:
+    """`mindvl.checkpoint.load_model`: a mindvl model folder (checkpoint.hf.load_model), or an adapter folder loaded
+    as its base with the adapters merged in (what chat and eval read)."""
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file() and is_adapter_folder(folder):
+        return load_adapted(folder, dtype=dtype, device=device).eval()
+    return load_plain(folder, dtype=dtype, device=device)

@@ -336,13 +336,9 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu") -> MindVL:
     """A mindvl model folder (sharded safetensors + config.json, as `mindvl convert`/`export` write) -> MindVL in
     eval mode. Built on the meta device and filled tensor by tensor from the folder (no full-size init). This is
-    where loading lives: models know nothing of files. An adapter folder (PEFT layout, checkpoint.adapters) loads
-    as its base model with the adapters merged in."""
+    where loading lives: models know nothing of files. (`mindvl.checkpoint.load_model` also reads adapter folders:
+    checkpoint.adapters.load_model.)"""
     folder = Path(folder)
-    if not (folder / CONFIG_NAME).is_file() and (folder / "adapter_config.json").is_file():
-        from .adapters import load_adapted
-
-        return load_adapted(folder, dtype=dtype, device=device).eval()
     config = read_config(folder)
     if config.get("model_type") != "mindvl":
         raise ValueError(f"{folder} is a {config.get('model_type')!r} checkpoint; import it first: "

@@ -13,7 +13,6 @@ gradients and reductions only for the adapters (and any module the phase trains 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,17 +23,13 @@ from torch import nn
 from mindvl.models.lora import (
     LoRAConfig,
     freeze_for_lora,
-    initial_adapter,
     inject_lora,
-    lora_layers,
     merge_state,
 )
 from mindvl.typed import build
 
 if TYPE_CHECKING:
     from mindvl.config import Recipe
-
-    from .parallel import PrepareContext
 
 
 def lora_config(recipe: Recipe) -> LoRAConfig | None:
@@ -43,23 +38,17 @@ def lora_config(recipe: Recipe) -> LoRAConfig | None:
     return None if raw is None else build(LoRAConfig, raw, "model.lora")
 
 
-def apply_lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
-    """The `lora` step of TRANSFORMS (see the module docstring)."""
-    cfg = ctx.lora
-    if cfg is None:
-        return model
+def apply_lora(model: nn.Module, cfg: LoRAConfig, compute_dtype: torch.dtype) -> tuple[dict[str, int], int, int]:
+    """The `lora` step of TRANSFORMS (see the module docstring); returns ({module: trainable adapter parameters},
+    adapted layers, their frozen base weights' elements)."""
     names = inject_lora(model, cfg)
-    ctx.done.lora_layers = len(names)
-    ctx.done.lora_base_params = sum(model.get_submodule(n).weight.numel() for n in names)
-    ctx.done.trainable.update(freeze_for_lora(model, cfg))
-    from .parallel import param_dtype
-
-    dtype = param_dtype(ctx.parallel, ctx.env.device)
-    if dtype != torch.float32:  # every frozen weight (the adapted modules' and those the phase froze) in bf16
+    trainable = freeze_for_lora(model, cfg)
+    base = sum(model.get_submodule(n).weight.numel() for n in names)
+    if compute_dtype != torch.float32:  # every frozen weight (the adapted modules' and those the phase froze) in bf16
         for p in model.parameters():
             if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(dtype)
-    return model
+                p.data = p.data.to(compute_dtype)
+    return trainable, len(names), base
 
 
 def check_lora_recipe(recipe: Recipe, uses_fsdp: bool) -> LoRAConfig | None:
@@ -71,19 +60,6 @@ def check_lora_recipe(recipe: Recipe, uses_fsdp: bool) -> LoRAConfig | None:
 
         require_backend(cfg.quantize, uses_fsdp)
     return cfg
-
-
-def adapter_init_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(state-dict name, full float32 tensor) of every adapter's starting value, drawn in layer order from one
-    generator of its own (so the starting adapters do not depend on the parallel layout, like the base weights)."""
-    from .materialize import canonical_name
-
-    gen = torch.Generator().manual_seed(seed + 7919)  # not the seeded base weights' stream
-    for name, layer in lora_layers(model):
-        a, b = initial_adapter(tuple(layer.lora_A.shape), tuple(layer.lora_B.shape), gen)
-        name = canonical_name(name)
-        yield f"{name}.lora_A", a
-        yield f"{name}.lora_B", b
 
 
 ADAPTER_DIR = "adapter"  # final/adapter: the run's adapters in PEFT's layout, beside the merged weights in final/

@@ -295,6 +295,10 @@ class PrepareContext:
     done: Prepared
     lora: LoRAConfig | None = None  # model.lora, checked (train.lora): the `lora` step adapts the model
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return param_dtype(self.parallel, self.env.device)
+
     def mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -309,6 +313,13 @@ def _freeze(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         from .phases import apply_phase
 
         ctx.done.trainable = apply_phase(model, ctx.trainable)
+    return model
+
+
+def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    if ctx.lora is not None:  # adapters on the chosen linear layers; only they train in lora.modules (train.lora)
+        trainable, ctx.done.lora_layers, ctx.done.lora_base_params = apply_lora(model, ctx.lora, ctx.compute_dtype)
+        ctx.done.trainable.update(trainable)
     return model
 
 
@@ -362,7 +373,7 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
 # the blocks that hold them). Add a transform here and the trainer, the planner and its validation all run it.
 TRANSFORMS: list[tuple[str, Transform]] = [
     ("freeze", _freeze),
-    ("lora", apply_lora),
+    ("lora", _lora),
     ("activation_checkpointing", _checkpointing),
     ("compile", _compile),
     ("expert_parallel", _expert_parallel),
