@@ -188,3 +188,40 @@ def test_load_model_reads_an_adapter_folder_as_its_merged_base(vl, tmp_path):
     ids, pixels, grid = vl_inputs()
     loaded = load_model(root / "adapter")  # what chat and eval call
     assert rel_err(mindvl_logits(loaded, ids, pixels, grid), mindvl_logits(model.eval(), ids, pixels, grid)) <= 1e-6
+
+
+def test_shipped_lora_recipes_and_what_prepare_model_makes_trainable():
+    """The packaged tiny/lora recipe and the MindVL-8B one-card recipes load; prepare_model (what the trainer and the
+    planner run) leaves the adapters and the fully trained projector trainable and nothing else, so AdamW holds
+    state for exactly those."""
+    from pathlib import Path
+
+    from mindvl.config import load_recipe
+    from mindvl.models import MindVL
+    from mindvl.train.lora import lora_config
+    from mindvl.train.materialize import model_source
+    from mindvl.train.optim import build_optimizer
+    from mindvl.train.parallel import ParallelEnv, Prepared, prepare_model
+
+    root = Path(__file__).resolve().parents[1] / "recipes" / "mindvl-8b"
+    for name, quantize in (("sft-8k-lora-80g", None), ("sft-8k-qlora-24g", "nf4")):
+        cfg = lora_config(load_recipe(root / f"{name}.yaml"))
+        assert cfg.r == 64 and cfg.modules == ["language_model"] and cfg.quantize == quantize
+    recipe = load_recipe("tiny/lora")
+    env = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    from mindvl.data import load_tokenizer
+
+    config, _ = model_source(recipe, load_tokenizer(), env)
+    with torch.device("meta"):
+        model = MindVL(config)
+    done = Prepared()
+    model = prepare_model(model, recipe, env, done)
+    assert done.steps[:2] == ["freeze", "lora"] and done.lora_layers == 4 * 7
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in model.named_parameters() if ".lora_" in n or n.startswith("projector.")}
+    assert all(n.startswith("language_model.") for n in trainable if ".lora_" in n)
+    assert done.trainable["visual"] == 0 and done.trainable["language_model"] == sum(
+        p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    optimizer = build_optimizer(model, recipe.optim)
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for n, p in model.named_parameters() if n in trainable)
