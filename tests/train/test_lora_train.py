@@ -145,3 +145,37 @@ def test_lora_composes_with_fsdp_checkpointing_and_a_fully_trained_projector(tmp
     assert set(full) == {n for n in start if n.startswith("projector.")}
     assert all(torch.equal(full[n], plain[n]) for n in full)
     assert {n.rsplit(".", 2)[-2] for n in adapters} == {"q_proj", "down_proj"}
+
+
+def test_qlora_plumbing_with_a_stand_in_backend(tmp_path, monkeypatch):
+    """torchao is not installed here, so its NF4 kernels are not tested; a stand-in backend (weights kept as they
+    are, the base product a plain linear) checks the plumbing around them: the recipe passes the guard on one
+    process without FSDP, the adapted layers' base weights are swapped after loading and use the backend's product,
+    and the run trains its adapters and writes final/ as a LoRA run does. Under FSDP the guard refuses in one line."""
+    import torch.nn.functional as F
+
+    import mindvl.train.qlora as qlora
+
+    calls = {"quantized": 0, "linear": 0}
+
+    def to_nf4(w):
+        calls["quantized"] += 1
+        return w.float()
+
+    def linear_nf4(x, w):
+        calls["linear"] += 1
+        return F.linear(x, w.to(x.dtype))
+
+    monkeypatch.setattr(qlora, "_backend", lambda: (to_nf4, linear_nf4))
+    raw = lora_recipe(tmp_path, steps=2, parallel={"fsdp": "off", "mixed_precision": "fp32"})
+    raw["model"]["lora"] = {**LORA, "quantize": "nf4"}
+    result = train(load_recipe(raw=raw))
+    assert calls["quantized"] == 2 * 3 + 2 * 2 and calls["linear"] > 0
+    config, start = initial_weights(load_recipe(raw=raw))
+    lora, adapters, _ = read_adapter(result.final_dir / "adapter", config)
+    assert lora.r == 4 and any(bool(t.abs().sum() > 0) for n, t in adapters.items() if n.endswith("lora_B"))
+
+    raw = lora_recipe(tmp_path, "o2", steps=1, parallel={"fsdp": "on"})
+    raw["model"]["lora"] = {**LORA, "quantize": "nf4"}
+    with pytest.raises(ValueError, match=r"^model.lora.quantize: QLoRA here runs one process with an unsharded"):
+        train(load_recipe(raw=raw))
