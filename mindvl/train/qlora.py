@@ -10,10 +10,13 @@ Backend: torchao (`torchao.dtypes.nf4tensor`), not bitsandbytes. Why:
   sharding a 4-bit base later; bitsandbytes' `Params4bit` targets FSDP1 (`quant_storage`).
 Both are maintained; torchao is also the PyTorch project's own.
 
-Scope here: one process without FSDP sharding of the base (`parallel.fsdp: off`), the base quantized once after it is
-loaded. Where torchao is missing, or the run would shard the base, the recipe is refused in one line before anything
-is built. The planner does not need torchao: it traces the bf16 base and counts NF4's bytes for the adapted weights
-instead (`NF4_BYTES_PER_PARAM`).
+Scope here: one process without FSDP (`parallel.fsdp: off`, `parallel.mixed_precision: fp32`: a bf16 run on one
+device is FSDP over a one-rank group), the base quantized once after it is loaded. Not done: QLoRA under that bf16
+one-rank FSDP policy, which the planner's verdict for `recipes/mindvl-8b/sft-8k-qlora-24g.yaml` assumes; it needs the
+NF4 weights kept out of FSDP (`fully_shard(..., ignored_params=...)`) and a check of how the planner's tracker counts
+them. Where torchao is missing, or the run would wrap the base in FSDP, the recipe is refused in one line before
+anything is built. The planner does not need torchao: it traces the bf16 base and counts NF4's bytes for the adapted
+weights instead (`NF4_BYTES_PER_PARAM`).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def require_backend(kind: str, uses_fsdp: bool = False) -> None:
         raise ValueError("model.lora.quantize: nf4 (QLoRA) needs torchao, which is not installed here; "
                          "pip install torchao, or set model.lora.quantize: null for LoRA on a bf16 base")
     if uses_fsdp:
-        raise ValueError("model.lora.quantize: QLoRA here runs one process with an unsharded 4-bit base; set "
-                         "parallel.fsdp: off (and train on one device), or use LoRA on a bf16 base under FSDP")
+        raise ValueError("model.lora.quantize: QLoRA here runs one process with an unsharded 4-bit base, outside "
+                         "FSDP; set parallel.fsdp: off and parallel.mixed_precision: fp32 (a bf16 run on one device is "
+                         "FSDP over one rank), or use LoRA on a bf16 base")
 
 
 class NF4LoRALinear(LoRALinear):

@@ -177,5 +177,6 @@ def test_qlora_plumbing_with_a_stand_in_backend(tmp_path, monkeypatch):
 
     raw = lora_recipe(tmp_path, "o2", steps=1, parallel={"fsdp": "on"})
     raw["model"]["lora"] = {**LORA, "quantize": "nf4"}
-    with pytest.raises(ValueError, match=r"^model.lora.quantize: QLoRA here runs one process with an unsharded"):
+    with pytest.raises(ValueError, match=r"^model.lora.quantize: QLoRA here runs one process with an unsharded 4-bit "
+                                         r"base, outside FSDP; set parallel.fsdp: off and parallel.mixed_precision"):
         train(load_recipe(raw=raw))
