@@ -57,6 +57,9 @@ class ModelSection:
     attention_backend: str = "auto"
     # shape preset for `mindvl plan` when the folders above do not exist yet (mindvl.plan.presets; training ignores it)
     preset: str | None = None
+    # LoRA adapters {r, alpha, dropout, targets, modules, quantize} (mindvl.models.lora.LoRAConfig; built and
+    # checked by mindvl.train.lora, since config may not import models); null: full weights as the phase says
+    lora: dict[str, Any] | None = None
 
 
 @dataclass

@@ -354,7 +354,8 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu") -> MindVL:
     """A mindvl model folder (sharded safetensors + config.json, as `mindvl convert`/`export` write) -> MindVL in
     eval mode. Built on the meta device and filled tensor by tensor from the folder (no full-size init). This is
-    where loading lives: models know nothing of files."""
+    where loading lives: models know nothing of files. (`mindvl.checkpoint.load_model` also reads adapter folders:
+    checkpoint.adapters.load_model.)"""
     folder = Path(folder)
     config = read_config(folder)
     if config.get("model_type") != "mindvl":

@@ -484,10 +484,37 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False
 
     side = train_state.get("side_files") or {}  # written by the trainer: the init model's folder, trained pixels
     pixels = side.get("pixels")
+    adapted = _adapted_state(model)
+    if adapted is not None:  # a LoRA run: the merged weights here, the adapters (PEFT layout) in OUT/adapter
+        from mindvl.models.lora import merge_lora
+
+        merge_lora(model)
     written = save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
                               pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))
+    if adapted is not None:
+        _write_run_adapter(adapted, model.config, train_state, written)
     _copy_run_recipe(folder, written)
     return written
+
+
+def _adapted_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    from mindvl.models.lora import lora_layers
+
+    return {k: v.clone() for k, v in model.state_dict().items()} if any(True for _ in lora_layers(model)) else None
+
+
+def _write_run_adapter(state: dict[str, torch.Tensor], config, train_state: dict[str, Any], out: Path) -> None:
+    """OUT/adapter as the trainer writes final/adapter (train_state["adapters"]: the LoRA config, the modules the
+    phase trained in full, the base folder)."""
+    from mindvl.models.lora import LoRAConfig
+    from mindvl.typed import build
+
+    from .adapters import save_adapter
+
+    saved = train_state.get("adapters") or {}
+    lora = build(LoRAConfig, saved.get("lora") or train_state["recipe"]["model"]["lora"], "model.lora")
+    save_adapter(state, config, lora, out / "adapter", base=saved.get("base"),
+                 full_modules=saved.get("full_modules") or [])
 
 
 def _copy_run_recipe(checkpoint: Path, out: Path) -> None:
@@ -512,6 +539,12 @@ def _read_model(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{folder / TRAIN_STATE}: model_config is not a valid model config ({exc})") from None
     model = MindVL(config)
+    lora = (train_state.get("recipe") or {}).get("model", {}).get("lora")
+    if lora is not None:  # a LoRA run's checkpoint holds the adapters beside the (frozen) base weights
+        from mindvl.models.lora import LoRAConfig, inject_lora
+        from mindvl.typed import build
+
+        inject_lora(model, build(LoRAConfig, lora, "model.lora"))
     state = {"model": model.state_dict()}
     read_dcp(folder, state, distributed=False)
     model.load_state_dict(state["model"])

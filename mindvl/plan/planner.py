@@ -26,7 +26,9 @@ import torch
 from mindvl.config import Recipe
 from mindvl.data import DataConfig
 from mindvl.models import MindVLConfig
+from mindvl.train.lora import lora_config
 from mindvl.train.parallel import ParallelLayout
+from mindvl.train.qlora import NF4_BYTES_PER_PARAM
 
 from . import estimate
 from .devices import GIB, Device
@@ -213,11 +215,23 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     margin = load_margin()
     factor = margin.skew_factor if routing_skew_factor is None else routing_skew_factor
     skew = routing_skew(config, max(p.tokens for p in packs), layout.ep, traced.prepared.checkpointing, factor)
+    peak, breakdown = traced.peak_bytes, dict(traced.breakdown)
+    lora = lora_config(recipe)
+    if lora is not None:
+        notes.append(f"LoRA r={lora.r} on {traced.prepared.lora_layers} linear layers of {', '.join(lora.modules)}"
+                     f" (frozen weights stored in the compute dtype)")
+    if lora is not None and lora.quantize is not None:
+        # QLoRA: the trace holds the adapted layers' frozen weights in bf16; NF4 stores them in ~0.52 bytes each
+        saved = int(traced.prepared.lora_base_params * (2 - NF4_BYTES_PER_PARAM))
+        peak -= saved
+        breakdown["parameters"] -= saved
+        notes.append(f"QLoRA ({lora.quantize}): {traced.prepared.lora_base_params / 1e9:.2f}B adapted base weights "
+                     f"counted at {NF4_BYTES_PER_PARAM:.3f} bytes instead of the trace's bf16 (-{_gib(saved)})")
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,
-        peak_bytes_per_rank=traced.peak_bytes, breakdown=traced.breakdown, capacity_bytes=device.memory_bytes,
-        reserve_bytes=reserve_bytes(device, traced.peak_bytes + skew.extra_bytes, margin), flops_per_step=flops_step,
+        peak_bytes_per_rank=peak, breakdown=breakdown, capacity_bytes=device.memory_bytes,
+        reserve_bytes=reserve_bytes(device, peak + skew.extra_bytes, margin), flops_per_step=flops_step,
         flops_by_part={"vit": mean_vit * gb, "projector_and_llm": (mean_flops - mean_vit) * gb},
         comm_bytes_per_step=comm, timing=timing, tokens_per_step=tokens,
         params={"total": counts.total_params, "trainable": counts.trainable_params},

@@ -5,9 +5,9 @@
   normalisation, data shards, evaluation, the planner's communication estimate) come from it, never from the world
   size.
 - `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
-  freeze (the phase) -> activation checkpointing -> compile -> expert parallelism -> FSDP2 (`TRANSFORMS`, in that
-  order). The trainer, the planner's simulation, its real-step validation and the planner's counts all run it, so a
-  transform added to `TRANSFORMS` is seen by the planner with no other edit.
+  freeze (the phase) -> LoRA adapters (train.lora) -> activation checkpointing -> compile -> expert parallelism ->
+  FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step validation and the
+  planner's counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
@@ -34,11 +34,13 @@ from torch import nn
 from mindvl.config import ParallelSection
 
 from .expert_parallel import EP_KEY
+from .lora import apply_lora, lora_config
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from mindvl.config import Recipe
+    from mindvl.models.lora import LoRAConfig
 
 
 
@@ -296,6 +298,8 @@ class Prepared:
     checkpointing: str = "off"  # off | full | selective
     fsdp: bool = False
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
+    lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
+    lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
 
 
 @dataclass
@@ -308,6 +312,11 @@ class PrepareContext:
     env: ParallelEnv
     layout: ParallelLayout
     done: Prepared
+    lora: LoRAConfig | None = None  # model.lora, checked (train.lora): the `lora` step adapts the model
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return param_dtype(self.parallel, self.env.device)
 
     def mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -323,6 +332,13 @@ def _freeze(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         from .phases import apply_phase
 
         ctx.done.trainable = apply_phase(model, ctx.trainable)
+    return model
+
+
+def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    if ctx.lora is not None:  # adapters on the chosen linear layers; only they train in lora.modules (train.lora)
+        trainable, ctx.done.lora_layers, ctx.done.lora_base_params = apply_lora(model, ctx.lora, ctx.compute_dtype)
+        ctx.done.trainable.update(trainable)
     return model
 
 
@@ -392,6 +408,7 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
 # the blocks that hold them). Add a transform here and the trainer, the planner and its validation all run it.
 TRANSFORMS: list[tuple[str, Transform]] = [
     ("freeze", _freeze),
+    ("lora", _lora),
     ("activation_checkpointing", _checkpointing),
     ("compile", _compile),
     ("expert_parallel", _expert_parallel),
@@ -419,7 +436,7 @@ def prepare_model(model: nn.Module, recipe: Recipe, env: ParallelEnv, report: Pr
     """The built (meta-device) model made trainable for `recipe` on `env`: every step of `TRANSFORMS`, in order.
     `report` (optional) receives what was done (trainable counts, checkpointing mode, the steps)."""
     ctx = PrepareContext(list(recipe.trainable_modules), recipe.parallel, env, layout_for(env, recipe.parallel),
-                         report if report is not None else Prepared())
+                         report if report is not None else Prepared(), lora_config(recipe))
     return _run_transforms(model, ctx)
 
 

@@ -38,6 +38,7 @@ from mindvl.models.moe import update_router_bias
 from .agree import agreed_error, gather_objects
 from .evaluate import Evaluator
 from .guard import BadStepGuard
+from .lora import AdapterExport
 from .materialize import build_model
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -276,10 +277,13 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
                    f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})"
                    + (f"; resumed from {ckpt.name}{resumed_how}" if ckpt else ""))
 
+    adapters = AdapterExport.of(recipe, side_files)  # a LoRA run: what final/adapter and `mindvl export` write
+
     def train_state() -> dict:
         return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
                 "tokenizer_dir": tokenizer_dir, "side_files": side_files, "phase": recipe.phase.name,
-                "total_steps": total_steps, "recipe": recipe.to_dict()}
+                "total_steps": total_steps, "recipe": recipe.to_dict(),
+                **({"adapters": adapters.to_dict()} if adapters is not None else {})}
 
     balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
                        and recipe.optim.router_bias_rate > 0)
@@ -373,7 +377,7 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         saver.finish()
     sinks.stop()
 
-    final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files)
+    final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files, adapters)
     reports = sorted((r for rank in gather_objects(batches.report(), env) for r in rank), key=lambda r: r["shard"])
     if env.is_main:  # every data shard of every rank, in shard order
         (out / "data_report.json").write_text(json.dumps(reports, indent=1))
@@ -383,12 +387,15 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
 
 
 def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv,
-                 side_files: dict | None = None) -> Path | None:
+                 side_files: dict | None = None, adapters: AdapterExport | None = None) -> Path | None:
     """Collective: gather the full weights and write `OUTPUT_DIR/final` (a `mindvl.checkpoint.load_model` folder, with
-    the side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0."""
+    the side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0. A LoRA run writes its
+    adapters merged into the weights there, and in PEFT's layout in `final/adapter` (train.lora)."""
     from mindvl.checkpoint import save_pretrained
 
-    state = full_model_state(model)
+    state = adapted = full_model_state(model)
+    if adapters is not None:
+        state = adapters.merged(adapted)
     if env.is_main:
         with torch.device("meta"):
             plain = MindVL(config)
@@ -396,5 +403,7 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
         side = side_files or {}
         save_pretrained(plain, out, overwrite=True, side_files_from=side.get("from") or [],
                         pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
+        if adapters is not None:
+            adapters.write(adapted, config, out)
     barrier(env)
     return out if env.is_main else None

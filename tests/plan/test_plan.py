@@ -118,7 +118,7 @@ def result_config(recipe):
 
 
 def test_bad_input_names_what_is_known(tmp_path):
-    with pytest.raises(ValueError, match="known: h100-80g, h200, a100-80g, 910b1, 910b2-64g, custom"):
+    with pytest.raises(ValueError, match="known: h100-80g, h200, a100-80g, 910b1, 910b2-64g, rtx4090-24g, custom"):
         get_device("v100")
     with pytest.raises(ValueError, match="known: .*qwen3-8b"):
         preset_config("llama-3-8b")
