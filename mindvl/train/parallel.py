@@ -5,9 +5,9 @@
   normalisation, data shards, evaluation, the planner's communication estimate) come from it, never from the world
   size.
 - `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
-  freeze (the phase) -> activation checkpointing -> compile -> expert parallelism -> FSDP2 (`TRANSFORMS`, in that
-  order). The trainer, the planner's simulation, its real-step validation and the planner's counts all run it, so a
-  transform added to `TRANSFORMS` is seen by the planner with no other edit.
+  freeze (the phase) -> tensor parallelism -> activation checkpointing -> compile -> expert parallelism -> FSDP2
+  (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step validation and the planner's
+  counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
@@ -34,6 +34,7 @@ from torch import nn
 from mindvl.config import ParallelSection
 
 from .expert_parallel import EP_KEY
+from .tensor_parallel import check_tensor_parallel_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,6 +50,7 @@ class Meshes:
     dp: DeviceMesh  # every data shard: FSDP of everything but EP-sharded experts (1-D, "dp")
     expert: DeviceMesh | None = None  # ("efsdp", "ep") under expert parallelism: mesh["ep"] splits the experts,
     #                                   mesh["efsdp"] are the ranks holding the same experts (FSDP of their slices)
+    tp: DeviceMesh | None = None  # the ranks of one tensor-parallel group (the inner dim of a ("dp", "tp") mesh)
 
 
 @dataclass
@@ -58,9 +60,9 @@ class ParallelLayout:
     Dimensions, outermost first: data shards (FSDP; each reads its own data) x context x tensor, whose product is
     the world size. Expert parallelism borrows its ranks from the data shards: an EP group of N ranks holds E/N of
     each MoE layer's experts but still reads N different data shards, so N must divide `dp_shard` and the
-    data-parallel size is `dp_shard` with or without EP. Tensor and context parallelism are not implemented: their
-    sizes are 1, and the dimensions are here so that every user of the data-parallel size and rank already asks
-    the layout, not the world size.
+    data-parallel size is `dp_shard` with or without EP. Tensor parallelism (mindvl.train.tensor_parallel) is the
+    innermost dimension: the `tp` consecutive ranks of one data shard read the same packs. Context parallelism is
+    not implemented (size 1); every user of the data-parallel size and rank asks the layout, not the world size.
     """
 
     world_size: int
@@ -74,9 +76,9 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.dp_shard == 0:
             self.dp_shard = self.world_size // (self.tp * self.cp)
-        if self.tp != 1 or self.cp != 1:
-            raise ValueError(f"parallel: tensor ({self.tp}) and context ({self.cp}) parallelism are not implemented; "
-                             "their sizes must be 1")
+        if self.cp != 1:
+            raise ValueError(f"parallel: context parallelism ({self.cp}) is not implemented; its size must be 1")
+        check_tensor_parallel_layout(self.tp, self.world_size, self.ep)
         if self.dp_shard * self.cp * self.tp != self.world_size:
             raise ValueError(f"parallel: data shards {self.dp_shard} x context {self.cp} x tensor {self.tp} must "
                              f"equal the world size {self.world_size}")
@@ -89,7 +91,7 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, cfg: ParallelSection, world_size: int, rank: int = 0) -> ParallelLayout:
-        return cls(world_size, rank, ep=cfg.expert_parallel)
+        return cls(world_size, rank, ep=cfg.expert_parallel, tp=cfg.tensor_parallel)
 
     @property
     def dp_size(self) -> int:
@@ -117,6 +119,9 @@ class ParallelLayout:
                 expert = init_device_mesh(device_type, (self.expert_replicas, self.ep),
                                           mesh_dim_names=("efsdp", "ep"))
                 built = Meshes(expert._flatten("dp"), expert)  # the rest of the model: over both dimensions
+            elif self.tp > 1:  # FSDP over "dp", tensor parallelism over "tp" (one parent: FSDP2's 2-D sharding)
+                both = init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=("dp", "tp"))
+                built = Meshes(both["dp"], tp=both["tp"])
             else:
                 built = Meshes(init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp",)))
             self._meshes = (*key, built)
@@ -320,6 +325,17 @@ def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+def _tensor_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Tensor + sequence parallelism of the language model over the layout's "tp" mesh (before activation
+    checkpointing and compile wrap the blocks, before FSDP shards the TP shards over "dp")."""
+    from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+    check_tensor_parallel(ctx.layout.tp, model)
+    if ctx.layout.tp > 1:
+        apply_tensor_parallel(model, ctx.layout.meshes(ctx.env.device.type).tp)
+    return model
+
+
 def _expert_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     """Experts first (EP over their own mesh dimension, each slice FSDP-sharded over its replicas); FSDP then
     shards the rest over every data shard. Under FSDP only (EP needs more than one process, so FSDP is on unless
@@ -353,10 +369,12 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
-# The preparation, in order (activation checkpointing inside compile inside FSDP; experts sharded before FSDP wraps
-# the blocks that hold them). Add a transform here and the trainer, the planner and its validation all run it.
+# The preparation, in order (tensor parallelism on the plain blocks; activation checkpointing inside compile inside
+# FSDP; experts sharded before FSDP wraps the blocks that hold them). Add a transform here and the trainer, the
+# planner and its validation all run it.
 TRANSFORMS: list[tuple[str, Transform]] = [
     ("freeze", _freeze),
+    ("tensor_parallel", _tensor_parallel),
     ("activation_checkpointing", _checkpointing),
     ("compile", _compile),
     ("expert_parallel", _expert_parallel),
@@ -367,7 +385,7 @@ TRANSFORMS: list[tuple[str, Transform]] = [
 def layout_for(env: ParallelEnv, cfg: ParallelSection) -> ParallelLayout:
     """The env's layout (built once by `init_distributed` from the recipe's section); a section that asks for
     another layout than the env carries (an env made by hand: tools, tests) gets its own."""
-    if env.layout.ep == cfg.expert_parallel:
+    if (env.layout.ep, env.layout.tp) == (cfg.expert_parallel, cfg.tensor_parallel):
         return env.layout
     return ParallelLayout.from_config(cfg, env.world_size, env.rank)
 

@@ -111,7 +111,9 @@ class ShardedBatches:
 
     def same_layout(self, old_rank_states: list[dict]) -> bool:
         """Was the checkpoint written with this many data shards and loader workers (exact resume)?"""
-        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        # by shard: the ranks of a tensor-parallel group hold the same shards
+        old = list({s: ld for r in old_rank_states
+                    for s, ld in zip(r["data"]["shards"], r["data"]["loaders"], strict=True)}.values())
         return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
 
     def load_shards(self, old_rank_states: list[dict]) -> None:
@@ -129,7 +131,9 @@ class ShardedBatches:
         no record lost or repeated within the epoch; the order differs."""
         from mindvl.data.elastic import reshard_loader_states
 
-        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        # by shard: the ranks of a tensor-parallel group hold the same shards
+        old = list({s: ld for r in old_rank_states
+                    for s, ld in zip(r["data"]["shards"], r["data"]["loaders"], strict=True)}.values())
         new = reshard_loader_states(old, self.data_cfg, self.loaders[0].files, self.n_shards)
         for s, ld in zip(self.shard_ids, self.loaders, strict=True):
             ld.load_state_dict(new[s])
