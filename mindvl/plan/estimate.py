@@ -107,13 +107,14 @@ def comm_bytes(counts: Counts, layout, micro: int, accumulation: str) -> dict[st
 
 
 def tensor_parallel_bytes(config: MindVLConfig, mean_tokens: float, mean_labelled: float, tp: int, micro: int,
-                          recompute: bool) -> dict[str, float]:
+                          recompute: bool, activation_bytes: int = _BF16) -> dict[str, float]:
     """Bytes each rank sends per step inside its tensor-parallel group (mindvl.train.tensor_parallel), ring
     collectives moving (tp-1)/tp of the buffer (an all-reduce twice that):
     - per decoder layer and micro-batch: the forward all-gathers the [T, H] bf16 sequence before attention and
       before the MLP and reduce-scatters their outputs; the backward runs the transposes (2 reduce-scatters, 2
-      all-gathers); full activation checkpointing runs the forward again;
-    - the language model's output: one all-gather of [T, H] for the loss;
+      all-gathers); full activation checkpointing runs the forward again; bf16 under the accelerators' policy;
+    - the language model's input and output: the output is all-gathered for the loss, and the gradient of the
+      input (split along the sequence with no exchange) is all-gathered in the backward: 2 more all-gathers;
     - the vocabulary-parallel loss: all-reduces of [N_labelled] (max, then sum and target logit) in fp32 and of the
       hidden-state gradient [N_labelled, H] fp32;
     - the replicated norm weights' gradients (partial on each rank): one fp32 all-reduce per micro-batch."""
@@ -121,9 +122,9 @@ def tensor_parallel_bytes(config: MindVLConfig, mean_tokens: float, mean_labelle
         return {}
     t = config.text
     ring = (tp - 1) / tp
-    row = mean_tokens * t.hidden_size * _BF16 * ring
+    row = mean_tokens * t.hidden_size * activation_bytes * ring
     per_layer = 4 + (2 if recompute else 0)  # collectives of each kind per layer and micro-batch
-    gathers = micro * (t.num_hidden_layers * per_layer + 1) * row
+    gathers = micro * (t.num_hidden_layers * per_layer + 2) * row
     scatters = micro * t.num_hidden_layers * per_layer * row
     norms = (2 * t.num_hidden_layers + 1) * t.hidden_size + (2 * t.num_hidden_layers * t.head_dim if t.qk_norm else 0)
     loss = 3 * mean_labelled + mean_labelled * t.hidden_size

@@ -64,5 +64,4 @@ def test_layout_dimensions_multiply_to_the_world_and_give_the_data_parallel_size
         ParallelLayout(6, ep=4)
     with pytest.raises(ValueError, match=r"^parallel\.expert_parallel: expert parallelism needs more than one"):
         ParallelLayout(1, ep=2)
-    with pytest.raises(ValueError, match=r"tensor \(2\) and context \(1\) parallelism are not implemented"):
-        ParallelLayout(4, tp=2)
+    assert (ParallelLayout(4, rank=3, tp=2).dp_size, ParallelLayout(4, rank=3, tp=2).dp_rank) == (2, 1)
