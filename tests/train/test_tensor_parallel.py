@@ -114,3 +114,43 @@ def test_bad_tensor_parallel_sizes_name_the_key(tmp_path):
                                          r"intermediate_size \(18\)$"):
         check_tensor_parallel(4, model)
     check_tensor_parallel(2, model)
+
+
+def test_planner_traces_a_tensor_parallel_step(tmp_path):
+    """`mindvl plan` runs the real TP + FSDP preparation and step on fake ranks: at TP=2 x FSDP=2 of 4 ranks,
+    rank 0's optimizer state is 8 bytes (two fp32 AdamW moments) per element it holds, counted by hand: a split
+    weight's TP half (rows of a column split and of the head, columns of a row split), then FSDP's ceil(dim0 / 2)
+    rows of it; every other trainable weight, FSDP's rows of the whole; plus one fp32 step count per parameter.
+    The TP collectives are the estimate's for the traced packs, reported beside FSDP's."""
+    import math
+
+    from mindvl.models import MindVL
+    from mindvl.plan import estimate, get_device, model_config, plan
+    from mindvl.plan.planner import format_report
+
+    raw = tp_raw(tmp_path / "p", tmp_path / "cache", 2)
+    raw["batch"], raw["budget"] = {"global_batch_size": 2}, {"max_steps": 1}
+    recipe = load_recipe(raw=raw)
+    r = plan(recipe, 4, get_device("h100-80g"))
+    config = model_config(recipe)[0]
+    with torch.device("meta"):
+        meta = MindVL(config)
+    col = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+
+    def held(name: str, p: torch.Tensor) -> int:
+        shape = list(p.shape)
+        if name.startswith("language_model.") and any(f".{c}." in name for c in col):
+            shape[0] //= 2
+        elif name.startswith("language_model.") and (".o_proj." in name or ".down_proj." in name):
+            shape[1] //= 2
+        return math.ceil(shape[0] / 2) * math.prod(shape[1:])
+
+    params = list(meta.named_parameters())
+    assert r.breakdown["optimizer_state"] == 8 * sum(held(n, p) for n, p in params) + 4 * len(params)
+    assert r.tensor_parallel == 2 and "2 data shards x TP 2" in format_report(r)
+    tokens = sum(p["tokens"] for p in r.packs) / len(r.packs)
+    assert r.comm_bytes_per_step["tp_reduce_scatter"] == pytest.approx(
+        config.text.num_hidden_layers * 4 * tokens * config.text.hidden_size * 2 * 0.5)
+    assert r.comm_bytes_per_step["tp_all_gather"] > r.comm_bytes_per_step["tp_reduce_scatter"]
+    assert r.comm_bytes_per_step["all_gather"] > 0  # FSDP over the 2 data shards
+    assert estimate.tensor_parallel_bytes(config, tokens, 10, 1, 1, False) == {}
