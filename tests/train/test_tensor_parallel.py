@@ -20,10 +20,12 @@ HERE = Path(__file__).parent
 TOL = 1e-5
 
 
-@pytest.mark.parametrize(("procs", "family"), [(2, "qwen3"), (4, "qwen2")])
-def test_tp_forward_backward_equals_one_process(tmp_path, procs, family):
-    """Qwen3 (q/k norms on the local heads) at TP=2; Qwen2 (qkv bias: Qwen2.5-VL's LLM) at TP=2 x FSDP=2."""
-    r = run(torchrun(procs, str(HERE / "tp_worker.py"), str(tmp_path), "2", family), timeout=400, cwd=HERE)
+@pytest.mark.parametrize(("procs", "family", "checkpointing"), [(2, "qwen3", "off"), (4, "qwen2", "full")])
+def test_tp_forward_backward_equals_one_process(tmp_path, procs, family, checkpointing):
+    """Qwen3 (q/k norms on the local heads) at TP=2; Qwen2 (qkv bias: Qwen2.5-VL's LLM) at TP=2 x FSDP=2 with
+    every block recomputed in the backward (full activation checkpointing: the sequence gathers run again)."""
+    r = run(torchrun(procs, str(HERE / "tp_worker.py"), str(tmp_path), "2", family, checkpointing), timeout=400,
+            cwd=HERE)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 

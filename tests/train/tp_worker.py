@@ -1,7 +1,7 @@
 """torchrun worker for test_tensor_parallel: one forward/backward of the tiny recipe's model (packed multi-sample
 rows with images and M-RoPE) under `parallel.tensor_parallel` (x FSDP over the rest of the world) equals the same
 packs through a plain one-process copy of the model: the loss sum, and every parameter's gradient (TP and FSDP
-shards gathered back). `python tp_worker.py TMP TP [FAMILY]`; prints OK on rank 0."""
+shards gathered back). `python tp_worker.py TMP TP [FAMILY [CHECKPOINTING]]`; prints OK on rank 0."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from mindvl.train.parallel import ParallelEnv, ParallelLayout, parallelize
 def main() -> None:
     tmp, tp = Path(sys.argv[1]), int(sys.argv[2])
     family = sys.argv[3] if len(sys.argv) > 3 else "qwen3"
+    checkpointing = sys.argv[4] if len(sys.argv) > 4 else "off"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ParallelSection(tensor_parallel=tp)
+    cfg = ParallelSection(tensor_parallel=tp, activation_checkpointing=checkpointing)
     layout = ParallelLayout.from_config(cfg, world, rank)
     env = ParallelEnv(rank, world, 0, torch.device("cpu"), "gloo", layout)
     recipe, tok, packs = recipe_and_packs(tmp / f"r{rank}", n=2 * layout.dp_size)
