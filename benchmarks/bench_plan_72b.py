@@ -40,6 +40,49 @@ def one(tp: int, layers: int, world: int) -> dict:
     return r.to_dict() | {"layers": layers, "tp": tp}
 
 
+def estimates(tp: int, world: int) -> dict:
+    """The planner's estimates (no trace) at the full 80 layers: parameter counts from the meta model (a TP split
+    where tensor_parallel splits: the LLM's projections and the head), FLOPs of the worst-case packs, FSDP and TP
+    collectives, roofline time."""
+    import torch
+
+    from mindvl.config import load_recipe
+    from mindvl.data import DataConfig
+    from mindvl.models import MindVL
+    from mindvl.plan import estimate, get_device, model_config
+    from mindvl.plan.packs import worst_case_packs
+    from mindvl.train.parallel import ParallelLayout
+
+    recipe = load_recipe(str(RECIPE), [f"parallel.tensor_parallel={tp}"])
+    config, _ = model_config(recipe)
+    with torch.device("meta"):
+        model = MindVL(config)
+    split = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    names = dict(model.named_parameters())
+    llm = {n: p.numel() for n, p in names.items() if n.startswith("language_model.")}
+    head = llm["language_model.lm_head.weight"]
+    tp_params = sum(v for n, v in llm.items() if any(f".{s}." in n for s in split)) + head
+    counts = estimate.param_counts(model)
+    counts.tp_params, counts.tp_root_params = tp_params, head
+    counts.tp_trainable_params = tp_params
+    layout = ParallelLayout(world, tp=tp)
+    gb = recipe.batch.global_batch_size
+    accum = gb // layout.dp_size
+    packs = worst_case_packs(DataConfig.from_dict(recipe.data), config)
+    flops = [estimate.pack_flops(config, p, recipe.trainable_modules) for p in packs]
+    mean, vit = sum(f for f, _ in flops) / len(flops), sum(v for _, v in flops) / len(flops)
+    comm = estimate.comm_bytes(counts, layout, accum, recipe.parallel.grad_accumulation)
+    tokens = sum(p.tokens for p in packs) / len(packs)
+    comm.update(estimate.tensor_parallel_bytes(config, tokens, sum(estimate.labelled(config, p) for p in packs)
+                                               / len(packs), tp, accum, True))
+    device = get_device("h100-80g")
+    timing = estimate.step_time(device, world, ((mean - vit) * gb + vit * gb * tp) / world, comm,
+                                counts.trainable_params / world)
+    return {"tp": tp, "world": world, "accum": accum, "comm": comm, "timing": timing,
+            "tokens_per_s": tokens * gb / timing["step_s"],
+            "mfu": mean * gb / (timing["step_s"] * device.peak_flops * world)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8])
@@ -48,7 +91,23 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--one", type=int, nargs=2, default=None, metavar=("TP", "LAYERS"))
     ap.add_argument("--out", type=Path, default=Path("bench_plan_72b.jsonl"))
+    ap.add_argument("--estimates", action="store_true", help="only the estimates (no trace) for TP 1/2/4/8")
     args = ap.parse_args()
+    if args.estimates:
+        from mindvl.plan.devices import GIB
+
+        print(f"{'world':>5} {'TP':>3} {'micro/rank':>10} {'FSDP AG GiB':>12} {'FSDP RS GiB':>12} {'TP bytes GiB':>12} "
+              f"{'compute s':>10} {'FSDP s':>8} {'TP s':>7} {'step s':>8} {'tokens/s':>9} {'MFU':>5}")
+        for world in (32, 64):
+            for tp in (1, 2, 4, 8):
+                e = estimates(tp, world)
+                c, t = e["comm"], e["timing"]
+                tpb = sum(v for k, v in c.items() if k.startswith("tp_"))
+                print(f"{world:>5} {tp:>3} {e['accum']:>10} {c['all_gather'] / GIB:>12,.0f} "
+                      f"{c['reduce_scatter'] / GIB:>12,.0f} {tpb / GIB:>12,.0f} {t['compute_s']:>10.1f} "
+                      f"{t['communication_s']:>8.1f} {t['tensor_parallel_s']:>7.1f} {t['step_s']:>8.1f} "
+                      f"{e['tokens_per_s']:>9,.0f} {e['mfu']:>5.0%}")
+        return
     if args.one is not None:
         print(json.dumps(one(args.one[0], args.one[1], args.world)))
         return
