@@ -241,6 +241,8 @@ def verdict(r: PlanResult) -> str:
         knobs.append("parallel.activation_checkpointing=full")
     if r.grad_accumulation != "sharded":
         knobs.append("parallel.grad_accumulation=sharded")
+    if part in ("activations", "loss_temporaries", "unsharded_parameters") and r.tensor_parallel < 8:
+        knobs.append("parallel.tensor_parallel (splits activations and gathered layers; inside a node)")
     knobs += ["data.seq_len (lower)", "data.max_pixels (lower)"]
     return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve = "
             f"{_gib(total)} > "
