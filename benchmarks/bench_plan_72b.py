@@ -5,8 +5,9 @@ machine (load 30-45), so the model is traced shallow, with the real widths, voca
 settings, at three depths (decoder layers L, ViT blocks D) = (2, 2), (4, 2), (2, 4), and every traced part is
 extrapolated linearly to (80, 32): under full activation checkpointing what a rank holds per decoder layer (its
 FSDP/TP shards, gradients and AdamW state, the checkpointed layer input) and per ViT block (the same; its
-checkpointed inputs live until the tower's backward, after the language model's) does not depend on the depth, and
-the peak falls at the same point of the step (the per-layer and per-block slopes are printed per part). FLOPs,
+checkpointed inputs live until the tower's backward, after the language model's) does not depend on the depth; the
+buffers in flight (gathered layers, unsharded gradients) are bounded by FSDP's prefetching and are held at their
+largest traced value (see IN_FLIGHT); the peak is the sum of the parts. FLOPs,
 communication and time (`--estimates`) are the planner's estimates at full depth, no trace needed. 64 ranks: the
 planner's `extrapolate_peak` rule from the 32-rank figure (sharded parts scale as 1/N).
 
@@ -137,15 +138,29 @@ def print_estimates() -> None:
                   f"{e['tokens_per_s']:>9,.0f} {e['mfu']:>5.0%}")
 
 
-def fit(results: list[dict], tp: int, get) -> tuple[float, float, float] | None:
-    """(value at full depth, per decoder layer, per ViT block) of get(result), from the three depths."""
+# Buffers in flight (FSDP's gathered layers and unsharded gradients awaiting their reduce-scatter, the loss head's
+# blocks, the prefetched packs): bounded by the prefetch depth, not by the number of layers, so held at their largest
+# traced value instead of extrapolated (at TP 1 the 2-layer trace peaks with one gathered layer fewer than the
+# 4-layer one; a 6-layer trace, when present, checks that the count stops there).
+IN_FLIGHT = ("unsharded_parameters", "unsharded_gradients", "loss_temporaries", "data_buffers")
+SHARDED = ("parameters", "gradients", "optimizer_state")
+
+
+def parts_at(results: list[dict], tp: int, depth: tuple[int, int]) -> dict[str, float] | None:
+    """Each part at `depth`: per-layer / per-block parts linear in the depths, in-flight parts at their maximum."""
     by = {(r["layers"], r["vit_depth"]): r for r in results if r["tp"] == tp}
     if any(d not in by for d in DEPTHS):
         return None
-    base, (l2, d2) = get(by[DEPTHS[0]]), DEPTHS[0]
-    per_layer = (get(by[DEPTHS[1]]) - base) / (DEPTHS[1][0] - l2)
-    per_block = (get(by[DEPTHS[2]]) - base) / (DEPTHS[2][1] - d2)
-    return base + per_layer * (FULL[0] - l2) + per_block * (FULL[1] - d2), per_layer, per_block
+    base, (l0, d0) = by[DEPTHS[0]], DEPTHS[0]
+    out = {}
+    for part in base["breakdown"]:
+        if part in IN_FLIGHT:
+            out[part] = max(r["breakdown"][part] for r in by.values())
+            continue
+        per_layer = (by[DEPTHS[1]]["breakdown"][part] - base["breakdown"][part]) / (DEPTHS[1][0] - l0)
+        per_block = (by[DEPTHS[2]]["breakdown"][part] - base["breakdown"][part]) / (DEPTHS[2][1] - d0)
+        out[part] = base["breakdown"][part] + per_layer * (depth[0] - l0) + per_block * (depth[1] - d0)
+    return out
 
 
 def report(results: list[dict], world: int) -> None:
@@ -156,22 +171,27 @@ def report(results: list[dict], world: int) -> None:
         return
     cap, reserve = results[0]["capacity_bytes"], results[0]["reserve_bytes"]
     for tp in sorted({r["tp"] for r in results}, reverse=True):
-        peak_fit = fit(results, tp, lambda r: r["peak_bytes_per_rank"])
-        if peak_fit is None:
+        full = parts_at([r for r in results if (r["layers"], r["vit_depth"]) in DEPTHS], tp, FULL)
+        if full is None:
             print(f"TP {tp}: traces missing")
             continue
         print(f"TP {tp} x {world // tp} data shards on {world} x h100-80g (full activation checkpointing), traced at "
               f"(layers, ViT blocks) {DEPTHS}, extrapolated to {FULL}:")
-        for part in results[0]["breakdown"]:
-            v, pl, pb = fit(results, tp, lambda r, part=part: r["breakdown"][part])
-            print(f"  {part:<22}{v / GIB:>8.2f} GiB   (per layer {pl / GIB:.3f}, per ViT block {pb / GIB:.3f})")
-        peak = peak_fit[0]
-        sharded = fit(results, tp, lambda r: r["sharded_bytes_at_peak"])[0]
+        for part, v in full.items():
+            how = "max traced (in flight)" if part in IN_FLIGHT else "linear"
+            print(f"  {part:<22}{v / GIB:>8.2f} GiB   ({how})")
+        peak = sum(full.values())
         print(f"  {'peak':<22}{peak / GIB:>8.2f} GiB + {reserve / GIB:.1f} reserve of {cap / GIB:.1f}: "
               f"{'fits' if peak + reserve <= cap else 'DOES NOT FIT'} ({1 - (peak + reserve) / cap:.0%} headroom)")
+        sharded = sum(full[p] for p in SHARDED)
         at64 = peak - sharded + sharded * world / 64
         print(f"  at 64 ranks (sharded parts x {world}/64): {at64 / GIB:.1f} GiB ({1 - (at64 + reserve) / cap:.0%} "
               "headroom)")
+        for r in results:  # depths beyond the fit: the rule's prediction against the trace
+            if r["tp"] == tp and (r["layers"], r["vit_depth"]) not in DEPTHS:
+                pred = sum(parts_at(results, tp, (r["layers"], r["vit_depth"])).values())
+                print(f"  check at ({r['layers']}, {r['vit_depth']}): predicted {pred / GIB:.2f} GiB, traced "
+                      f"{r['peak_bytes_per_rank'] / GIB:.2f} GiB")
         walls = [r["trace_s"] for r in results if r["tp"] == tp]
         print(f"  trace wall time: {', '.join(f'{w:.0f}' for w in walls)} s")
 
