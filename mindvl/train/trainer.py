@@ -371,7 +371,9 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
     sinks.stop()
 
     final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files)
-    reports = sorted((r for rank in gather_objects(batches.report(), env) for r in rank), key=lambda r: r["shard"])
+    # by shard: the ranks of a tensor-parallel group read (and report) the same shards
+    reports = sorted({r["shard"]: r for rank in gather_objects(batches.report(), env) for r in rank}.values(),
+                     key=lambda r: r["shard"])
     if env.is_main:  # every data shard of every rank, in shard order
         (out / "data_report.json").write_text(json.dumps(reports, indent=1))
         sinks.finish()
