@@ -13,6 +13,7 @@ planner's `extrapolate_peak` rule from the 32-rank figure (sharded parts scale a
 
     python benchmarks/bench_plan_72b.py [--tp 8 1] [--world 32] [--out DIR]     # 6 shallow traces in parallel
     python benchmarks/bench_plan_72b.py --estimates                              # FSDP/TP traffic and time only
+    python benchmarks/bench_plan_72b.py --report --out recipes/qwen2.5-vl-72b/plan_shallow_traces_32x_h100-80g.jsonl
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def main() -> None:
         return
     if args.one is not None:
         print(json.dumps(one(*args.one, args.world)))
+        return
+    if args.report and args.out.is_file():  # a JSONL of traces (recipes/qwen2.5-vl-72b/plan_shallow_traces_*.jsonl)
+        report([json.loads(line) for line in args.out.read_text().splitlines() if line.strip()], args.world)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
