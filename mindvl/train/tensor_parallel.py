@@ -32,9 +32,10 @@ computes the (identical) loss on the full vocabulary.
 
 What stays replicated over "tp" (identical on its ranks, sharded by FSDP over "dp" only): the token embedding (the
 vision features are scattered into its output; a vocabulary-split embedding would need the scatter on a DTensor),
-the vision tower and the projector (every TP rank runs them on the same images: ~1% of a 72B step's FLOPs; the ViT
-is 0.67B), and the final norm's weight. Their gradients are equal on the TP ranks, so FSDP's average over "dp" is
-the global one.
+the vision tower and the projector (every TP rank runs them on the same images: the 0.67B ViT is ~2% of the
+72B-shaped SFT's FLOPs, so at TP 8 the replicated towers add ~15% compute per rank; splitting images over the TP
+ranks is left for later), and the final norm's weight. Their gradients are equal on the TP ranks, so FSDP's average
+over "dp" is the global one.
 
 Gradients: the loss is the same value on every TP rank, and the step backpropagates it once per rank; a sharded
 weight's gradient is then exactly its slice of the one-process gradient; replicated weights used on sequence shards
