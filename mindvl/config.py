@@ -160,6 +160,9 @@ class ParallelSection:
     # ranks splitting each packed row of the language model (all-to-all over attention heads,
     # mindvl.train.context_parallel); they read the same data; must divide the world size and the attention heads
     context_parallel: int = 1
+    # ranks splitting each dense LLM layer (attention heads, MLP width, vocabulary) with sequence parallelism
+    # between them (mindvl.train.tensor_parallel); must divide the heads, KV heads, MLP width and world size
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -180,6 +183,21 @@ class Recipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     # the `data:` mapping as loaded (to_dict writes it back unchanged); None for a recipe built in code
     _data_raw: ClassVar[dict[str, Any] | None] = None
+
+    def _check_tensor_parallel(self) -> None:
+        """`parallel.tensor_parallel` against the architecture in the recipe (a model given by folder is checked
+        when built: mindvl.train.tensor_parallel.check_tensor_parallel)."""
+        tp = self.parallel.tensor_parallel
+        _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "parallel.tensor_parallel",
+               f"must be an integer >= 1, got {tp!r}")
+        text = (self.model.arch or {}).get("text", {}) if tp > 1 else {}
+        _check(text.get("family") != "deepseek_v3", "parallel.tensor_parallel",
+               f"{tp}: tensor parallelism splits dense GQA language models (qwen2/qwen3); a deepseek_v3 model "
+               "splits its experts with parallel.expert_parallel; set it to 1")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = text.get(name)
+            _check(value is None or value % tp == 0, "parallel.tensor_parallel",
+                   f"{tp} must divide model.arch.text.{name} ({value})")
 
     def validate(self) -> None:
         """Cross-field checks; each error names the key to fix."""
@@ -214,6 +232,12 @@ class Recipe:
                f"{cp} with parallel.expert_parallel {ep} is not supported yet; set one of them to 1")
         _check(cp == 1 or self.parallel.fsdp not in ("off", False), "parallel.context_parallel",
                f"{cp} needs FSDP (it sums the context ranks' gradients); set parallel.fsdp to auto or on")
+        self._check_tensor_parallel()
+        tp = self.parallel.tensor_parallel
+        _check(cp == 1 or tp == 1, "parallel.context_parallel",
+               f"{cp} with parallel.tensor_parallel {tp} is not supported yet; set one of them to 1")
+        _check(tp == 1 or not self.model.lora, "parallel.tensor_parallel",
+               f"{tp} with model.lora is not supported yet (the adapted layers are not split); set it to 1")
         _check(self.optim.router_bias_rate >= 0, "optim.router_bias_rate", "must be >= 0")
         _check(0 <= self.schedule.warmup_ratio < 1, "schedule.warmup_ratio", "must lie in [0, 1)")
         _check(self.schedule.decay in ("cosine", "linear", "constant"), "schedule.decay",

@@ -144,6 +144,9 @@ class MindVL(nn.Module):
         else:
             self.visual, self.projector = None, None
         self.language_model = TextModel(config.text)  # dense or MoE layers, GQA or MLA: text.py's factory
+        # (hidden [N, H], output weight [V, H], targets [N], chunk) -> (loss sum, count): where a vocabulary-parallel
+        # loss plugs in from outside (mindvl.train.tensor_parallel), as a dispatcher does for expert parallelism
+        self.cross_entropy = chunked_cross_entropy
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -318,7 +321,7 @@ class MindVL(nn.Module):
         hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen, **_deepstack_kw(deepstack))
         if labels is not None:
             targets = next_token_targets(labels, cu_seqlens)
-            loss_sum, count = chunked_cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
+            loss_sum, count = self.cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
             return LossOutput(loss_sum, count)
         logits = self.language_model.logits(hidden)
         return MindVLOutput(logits=logits[None] if batched else logits)

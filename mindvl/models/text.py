@@ -69,11 +69,12 @@ class GQAttention(nn.Module):
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H]; with `rows` [B] (each cached sequence's last token, prefill only) -> [B, H]: keys and
         values for all T tokens go into the cache, queries only for those rows."""
-        n = x.shape[0]
         xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
-        q = self.q_proj(xq).view(xq.shape[0], self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        # Head counts come from the projections' widths, not the config: a tensor-parallel rank (applied from
+        # outside, mindvl.train.tensor_parallel) holds num_heads / tp query heads and num_kv_heads / tp KV heads.
+        q = self.q_proj(xq).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:  # Qwen3 normalises per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
@@ -81,7 +82,7 @@ class GQAttention(nn.Module):
             out = self.attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
         else:
             out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None)
-        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
+        return self.o_proj(out.flatten(1))
 
 
 # --------------------------------------------------------------------------------------------- layer factory

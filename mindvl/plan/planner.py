@@ -107,6 +107,7 @@ class PlanResult:
     reserve_source: str = ""
     context_parallel: int = 1  # ranks splitting each pack (parallel.context_parallel)
     attention_heads: int = 0  # the language model's query heads (context parallelism must divide them)
+    tensor_parallel: int = 1  # the layout's tp: ranks splitting each LLM layer (the data-parallel size is W / tp)
 
     @property
     def skew_bytes(self) -> int:
@@ -140,7 +141,8 @@ class PlanResult:
     def to_dict(self) -> dict:
         return {
             "fits": self.fits, "headroom": self.headroom, "recipe": self.recipe, "model_source": self.model_source,
-            "world_size": self.world_size, "device": self.device.to_dict(),
+            "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
+            "data_parallel": self.world_size // self.tensor_parallel, "device": self.device.to_dict(),
             "peak_bytes_per_rank": self.peak_bytes_per_rank, "capacity_bytes": self.capacity_bytes,
             "reserve_bytes": self.reserve_bytes, "reserve_source": self.reserve_source, "breakdown": self.breakdown,
             "micro_batches_per_rank": self.accumulation, "grad_accumulation": self.grad_accumulation,
@@ -203,9 +205,14 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         comm["context_all_to_all"] = estimate.context_all_to_all_bytes(
             config, sum(p.tokens for p in packs) / len(packs), layout.cp, accum,
             traced.prepared.checkpointing != "off")
-    # every rank of a CP group runs the vision tower on all of its packs' images: (cp - 1) extra copies per pack
-    work = flops_step + (layout.cp - 1) * mean_vit * gb
-    timing = estimate.step_time(device, world_size, work / world_size, comm,
+    if layout.tp > 1:  # sequence gathers/scatters and the vocabulary-parallel loss inside each TP group
+        comm.update(estimate.tensor_parallel_bytes(
+            config, sum(p.tokens for p in packs) / len(packs), sum(estimate.labelled(config, p) for p in packs)
+            / len(packs), layout.tp, accum, traced.prepared.checkpointing == "full"))
+    # per rank: the LLM's FLOPs split over the world; the vision tower runs whole on every rank of a CP group (all of
+    # its packs' images) and of a TP group (replicated), so it splits over the data shards only
+    flops_rank = ((mean_flops - mean_vit) * gb + mean_vit * gb * layout.cp * layout.tp) / world_size
+    timing = estimate.step_time(device, world_size, flops_rank, comm,
                                 counts.trainable_params / world_size)
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
@@ -239,7 +246,7 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
                 "patches": p.patches} for p in packs[:4]],
         trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew,
         reserve_growth=margin.growth, reserve_source=margin.describe(),
-        context_parallel=layout.cp, attention_heads=config.text.num_attention_heads)
+        context_parallel=layout.cp, attention_heads=config.text.num_attention_heads, tensor_parallel=layout.tp)
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -279,6 +286,8 @@ def verdict(r: PlanResult) -> str:
         knobs.append("parallel.activation_checkpointing=full")
     if r.grad_accumulation != "sharded":
         knobs.append("parallel.grad_accumulation=sharded")
+    if part in ("activations", "loss_temporaries", "unsharded_parameters") and r.tensor_parallel < 8:
+        knobs.append("parallel.tensor_parallel (splits activations and gathered layers; inside a node)")
     knobs += ["data.seq_len (lower)", "data.max_pixels (lower)"]
     return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve = "
             f"{_gib(total)} > "
@@ -288,7 +297,9 @@ def verdict(r: PlanResult) -> str:
 
 def format_report(r: PlanResult) -> str:
     d = r.to_dict()
-    lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name} "
+    tp = r.tensor_parallel
+    layout = f", {r.world_size // tp} data shards x TP {tp}" if tp > 1 else ""
+    lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name}{layout} "
              f"({r.accumulation} micro-batch(es) per rank per step, grad accumulation {r.grad_accumulation}, "
              f"activation checkpointing {r.activation_checkpointing})",
              f"model: {r.params['total'] / 1e9:.2f}B parameters ({r.params['trainable'] / 1e9:.2f}B trainable), "
@@ -306,9 +317,15 @@ def format_report(r: PlanResult) -> str:
         f"{r.flops_by_part['projector_and_llm']:.3e})",
         f"collectives per rank per step: all-gather {_gib(c['all_gather'])}, reduce-scatter "
         f"{_gib(c['reduce_scatter'])}" + (f", expert all-to-all {_gib(c['all_to_all'])}" if "all_to_all" in c else "")
-        + (f", context all-to-all {_gib(c['context_all_to_all'])}" if "context_all_to_all" in c else ""),
+        + (f", context all-to-all {_gib(c['context_all_to_all'])}" if "context_all_to_all" in c else "")
+        + (f"; tensor parallel (inside each group of {r.tensor_parallel}): all-gather {_gib(c['tp_all_gather'])}, "
+           f"reduce-scatter {_gib(c['tp_reduce_scatter'])}, all-reduce {_gib(c['tp_all_reduce'])}"
+           if "tp_all_gather" in c else ""),
         f"estimate (roofline, perfect overlap): step {t['step_s']:.2f} s (compute {t['compute_s']:.2f} s, "
-        f"collectives {t['communication_s']:.2f} s, optimizer {t['optimizer_s']:.3f} s), "
+        f"collectives {t['communication_s']:.2f} s, "
+        + (f"tensor-parallel collectives {t['tensor_parallel_s']:.2f} s (not overlapped), "
+           if r.tensor_parallel > 1 else "")
+        + f"optimizer {t['optimizer_s']:.3f} s), "
         f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}",
     ]
     if r.vision_load:

@@ -36,6 +36,9 @@ TEXT_PRESETS = {
                                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                  moe_intermediate_size=768, n_routed_experts=128, num_experts_per_tok=8,
                                  **_QWEN3_VL_ROPE),
+    "qwen2.5-vl-72b-llm": dict(family="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                               num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                               rope_theta=1e6, mrope_section=[16, 24, 24]),
     "deepseek-v3": dict(family="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                         num_hidden_layers=61, num_attention_heads=128, moe_intermediate_size=2048,
                         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
@@ -48,6 +51,7 @@ COMPOSITES = {
     "qwen2.5-vl-7b": "qwen2.5-vl-7b-vit+qwen2.5-vl-7b-llm",
     "qwen3-vl-8b": "qwen3-vl-vit+qwen3-vl-8b-llm",
     "qwen3-vl-30b-a3b": "qwen3-vl-vit+qwen3-vl-30b-a3b-llm",
+    "qwen2.5-vl-72b": "qwen2.5-vl-72b-vit+qwen2.5-vl-72b-llm",
     "mindvl-8b": "qwen2.5-vl-72b-vit+qwen3-8b",
     "mindvl-671b": "qwen2.5-vl-72b-vit+deepseek-v3",
 }

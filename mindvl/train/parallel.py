@@ -5,9 +5,10 @@
   normalisation, data shards, evaluation, the planner's communication estimate) come from it, never from the world
   size.
 - `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
-  freeze (the phase) -> LoRA adapters (train.lora) -> activation checkpointing -> compile -> expert parallelism ->
-  FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step validation and the
-  planner's counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no other edit.
+  freeze (the phase) -> LoRA adapters (train.lora) -> tensor parallelism -> activation checkpointing -> compile ->
+  expert parallelism -> FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step
+  validation and the planner's counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no
+  other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
@@ -35,6 +36,7 @@ from mindvl.config import ParallelSection
 
 from .expert_parallel import EP_KEY
 from .lora import apply_lora, lora_config
+from .tensor_parallel import check_tensor_parallel_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,6 +54,7 @@ class Meshes:
     expert: DeviceMesh | None = None  # ("efsdp", "ep") under expert parallelism: mesh["ep"] splits the experts,
     #                                   mesh["efsdp"] are the ranks holding the same experts (FSDP of their slices)
     cp: DeviceMesh | None = None  # context parallelism: this rank's CP group (dp then holds data shards x context)
+    tp: DeviceMesh | None = None  # the ranks of one tensor-parallel group (the inner dim of a ("dp", "tp") mesh)
 
 
 @dataclass
@@ -63,7 +66,9 @@ class ParallelLayout:
     each MoE layer's experts but still reads N different data shards, so N must divide `dp_shard` and the
     data-parallel size is `dp_shard` with or without EP. Context parallelism (mindvl.train.context_parallel): the
     `cp` consecutive ranks of a group read the same data and split its rows; FSDP shards over data shards x
-    context (`fsdp_size`). Tensor parallelism is not implemented: its size is 1.
+    context (`fsdp_size`). Tensor parallelism (mindvl.train.tensor_parallel) is the innermost dimension: the `tp`
+    consecutive ranks of one data shard read the same packs. Context and tensor parallelism together are refused
+    for now (neither is tested with the other; a 3-D mesh is the next step).
     """
 
     world_size: int
@@ -77,13 +82,15 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.dp_shard == 0:
             self.dp_shard = self.world_size // (self.tp * self.cp)
-        if self.tp != 1:
-            raise ValueError(f"parallel: tensor parallelism ({self.tp}) is not implemented; its size must be 1")
         from .context_parallel import check_context_parallel
 
         if self.cp < 1:
             raise ValueError(f"parallel.context_parallel: must be >= 1, got {self.cp}")
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError(f"parallel: context parallelism ({self.cp}) and tensor parallelism ({self.tp}) together "
+                             "are not supported yet; set parallel.context_parallel or parallel.tensor_parallel to 1")
         check_context_parallel(self.cp, self.world_size, ep=self.ep)
+        check_tensor_parallel_layout(self.tp, self.world_size, self.ep)
         if self.dp_shard * self.cp * self.tp != self.world_size:
             raise ValueError(f"parallel: data shards {self.dp_shard} x context {self.cp} x tensor {self.tp} must "
                              f"equal the world size {self.world_size}")
@@ -96,7 +103,7 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, cfg: ParallelSection, world_size: int, rank: int = 0) -> ParallelLayout:
-        return cls(world_size, rank, ep=cfg.expert_parallel, cp=cfg.context_parallel)
+        return cls(world_size, rank, ep=cfg.expert_parallel, cp=cfg.context_parallel, tp=cfg.tensor_parallel)
 
     @property
     def dp_size(self) -> int:
@@ -138,6 +145,9 @@ class ParallelLayout:
             elif self.cp > 1:
                 grid = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp", "cp"))
                 built = Meshes(grid._flatten("dp_cp"), cp=grid["cp"])
+            elif self.tp > 1:  # FSDP over "dp", tensor parallelism over "tp" (one parent: FSDP2's 2-D sharding)
+                both = init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=("dp", "tp"))
+                built = Meshes(both["dp"], tp=both["tp"])
             else:
                 built = Meshes(init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp",)))
             self._meshes = (*key, built)
@@ -355,6 +365,20 @@ def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+def _tensor_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Tensor + sequence parallelism of the language model over the layout's "tp" mesh (before activation
+    checkpointing and compile wrap the blocks, before FSDP shards the TP shards over "dp")."""
+    from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+    check_tensor_parallel(ctx.layout.tp, model)
+    if ctx.layout.tp > 1 and ctx.lora is not None:  # TP's plans name nn.Linear layers; LoRA wraps them
+        raise ValueError(f"parallel.tensor_parallel: {ctx.layout.tp} with model.lora is not supported yet (the "
+                         "adapted layers are not split); set parallel.tensor_parallel to 1 for a LoRA run")
+    if ctx.layout.tp > 1:
+        apply_tensor_parallel(model, ctx.layout.meshes(ctx.env.device.type).tp)
+    return model
+
+
 def _expert_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     """Experts first (EP over their own mesh dimension, each slice FSDP-sharded over its replicas); FSDP then
     shards the rest over every data shard. Under FSDP only (EP needs more than one process, so FSDP is on unless
@@ -404,11 +428,13 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
-# The preparation, in order (activation checkpointing inside compile inside FSDP; experts sharded before FSDP wraps
-# the blocks that hold them). Add a transform here and the trainer, the planner and its validation all run it.
+# The preparation, in order (tensor parallelism on the plain blocks; activation checkpointing inside compile inside
+# FSDP; experts sharded before FSDP wraps the blocks that hold them). Add a transform here and the trainer, the
+# planner and its validation all run it.
 TRANSFORMS: list[tuple[str, Transform]] = [
     ("freeze", _freeze),
     ("lora", _lora),
+    ("tensor_parallel", _tensor_parallel),
     ("activation_checkpointing", _checkpointing),
     ("compile", _compile),
     ("expert_parallel", _expert_parallel),
@@ -420,7 +446,8 @@ TRANSFORMS: list[tuple[str, Transform]] = [
 def layout_for(env: ParallelEnv, cfg: ParallelSection) -> ParallelLayout:
     """The env's layout (built once by `init_distributed` from the recipe's section); a section that asks for
     another layout than the env carries (an env made by hand: tools, tests) gets its own."""
-    if (env.layout.ep, env.layout.cp) == (cfg.expert_parallel, cfg.context_parallel):
+    if (env.layout.ep, env.layout.cp, env.layout.tp) == (cfg.expert_parallel, cfg.context_parallel,
+                                                         cfg.tensor_parallel):
         return env.layout
     return ParallelLayout.from_config(cfg, env.world_size, env.rank)
 

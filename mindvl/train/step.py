@@ -176,13 +176,14 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
     if real_tokens is None:  # padding (data.pad_to_seq_len) is not throughput; a stream counts real tokens itself
         real_tokens = getattr(micro, "real_tokens", counted_tokens) / cp
     counts = torch.tensor([labelled, real_tokens, flops], dtype=torch.float64)
-    counts = all_reduce_sum(counts.to(env.device), env).cpu()
+    # The ranks of a tensor-parallel group hold the same packs (and the same loss): counted once.
+    counts = all_reduce_sum(counts.to(env.device), env).cpu() / env.layout.tp
     scale = 1.0 / max(1.0, float(counts[0]))
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-    loss_total = all_reduce_sum(loss_total, env)
+    loss_total = all_reduce_sum(loss_total, env) / env.layout.tp
     return StepStats(counts, loss_total, t_fwd, t_bwd, data_s=getattr(micro, "data_s", 0.0))
 
 

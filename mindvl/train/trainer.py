@@ -83,7 +83,7 @@ class RunResult:
 
 def _states_by_shard(old_rank_states: list[dict]) -> dict[int, dict]:
     """Each old data shard's loader state, in shard order (the ranks of a context-parallel group held the same
-    shards: their identical copies count once)."""
+    shards, as do those of a tensor-parallel group: their identical copies count once)."""
     by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
                                                                  strict=True)}
     return dict(sorted(by_shard.items()))
@@ -378,7 +378,9 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
     sinks.stop()
 
     final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files, adapters)
-    reports = sorted((r for rank in gather_objects(batches.report(), env) for r in rank), key=lambda r: r["shard"])
+    # by shard: the ranks of a context- or tensor-parallel group read (and report) the same shards
+    reports = sorted({r["shard"]: r for rank in gather_objects(batches.report(), env) for r in rank}.values(),
+                     key=lambda r: r["shard"])
     if env.is_main:  # every data shard of every rank, in shard order
         (out / "data_report.json").write_text(json.dumps(reports, indent=1))
         sinks.finish()
