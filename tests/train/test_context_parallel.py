@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_expert_parallel import torchrun
-from train_helpers import CLI, load_weights, raw_recipe, run, write_recipe
+from train_helpers import CLI, load_weights, raw_recipe, run, run_ranks, write_recipe
 
 from mindvl.config import load_recipe
 
@@ -46,11 +45,11 @@ def assert_same_run(ref: Path, other: Path, steps: slice = slice(None)) -> None:
         torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=TOL, msg=name)
 
 
-def test_ulysses_attention_equals_plain_attention():
+def test_ulysses_attention_equals_plain_attention(tmp_path):
     """2 and 4 ranks: q/k/v chunks through the all-to-all attention (forward and backward, KV heads fewer than the
     ranks at 4) equal one process's varlen attention on the whole row (see the worker)."""
     for n in (2, 4):
-        r = run(torchrun(n, str(HERE / "cp_attention_worker.py")), timeout=300)
+        r = run_ranks(tmp_path, n, [], timeout=300, script=HERE / "cp_attention_worker.py")
         assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -66,7 +65,7 @@ def test_cp_training_equals_one_process_and_resumes_at_cp1(tmp_path):
     one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=900)
     assert one.returncode == 0, one.stderr[-2000:]
 
-    r = run(torchrun(2, str(script), "train", recipe("cp2", 2)), timeout=900)
+    r = run_ranks(tmp_path, 2, ["train", recipe("cp2", 2)], timeout=900, script=script)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "cp2")
 
@@ -95,7 +94,7 @@ def test_cp2_by_fsdp2_over_4_processes_equals_one_process(tmp_path):
 
     one = run([sys.executable, str(script), "train", recipe("one", 1), "parallel.fsdp=off"], timeout=900)
     assert one.returncode == 0, one.stderr[-2000:]
-    r = run(torchrun(4, str(script), "train", recipe("cp2x2", 2)), timeout=1200)
+    r = run_ranks(tmp_path, 4, ["train", recipe("cp2x2", 2)], timeout=1200, script=script)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "cp2x2")
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_expert_parallel import torchrun
-from train_helpers import CLI, load_weights, raw_recipe, run, write_recipe
+from train_helpers import CLI, load_weights, raw_recipe, run, run_ranks, write_recipe
 
 from mindvl.config import load_recipe
 
@@ -24,8 +23,8 @@ TOL = 1e-5
 def test_tp_forward_backward_equals_one_process(tmp_path, procs, family, checkpointing):
     """Qwen3 (q/k norms on the local heads) at TP=2; Qwen2 (qkv bias: Qwen2.5-VL's LLM) at TP=2 x FSDP=2 with
     every block recomputed in the backward (full activation checkpointing: the sequence gathers run again)."""
-    r = run(torchrun(procs, str(HERE / "tp_worker.py"), str(tmp_path), "2", family, checkpointing), timeout=400,
-            cwd=HERE)
+    r = run_ranks(tmp_path, procs, [str(tmp_path), "2", family, checkpointing], timeout=400,
+                  script=HERE / "tp_worker.py")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -65,7 +64,7 @@ def test_tp_training_equals_one_process_and_resumes_at_tp1(tmp_path):
     assert one.returncode == 0, one.stderr[-2000:]
     # TP=2 on 2 processes (one data shard reading both data shards in turn) and TP=2 x FSDP=2 on 4: 3 steps each
     for name, n in (("tp2x2", 2), ("tp2x4", 4)):
-        r = run(torchrun(n, str(script), "train", recipe(name, 2)), timeout=500)
+        r = run_ranks(tmp_path, n, ["train", recipe(name, 2)], timeout=500, script=script)
         assert r.returncode == 0, r.stderr[-3000:]
         assert_same_run(tmp_path / "one", tmp_path / name)
 
