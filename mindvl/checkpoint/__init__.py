@@ -3,7 +3,7 @@ config.json: `load_model`, `save_pretrained`)."""
 
 from .adapters import load_model  # a model folder, or an adapter folder merged into its base
 from .conv import conv3d_to_matmul, matmul_to_conv3d
-from .hf import compose, convert_from_hf, load_pretrained, save_pretrained
+from .hf import compose, convert_from_hf, save_pretrained
 from .safetensors_io import ShardedWriter, TensorFolder, atomic_output_folder
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "conv3d_to_matmul",
     "convert_from_hf",
     "load_model",
-    "load_pretrained",
     "matmul_to_conv3d",
     "save_pretrained",
 ]

@@ -378,7 +378,6 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
     return model.eval()
 
 
-load_pretrained = load_model  # the name before issue 23 (branches in flight still call it); new code: load_model
 
 
 def _keep_fp32(name: str) -> bool:
