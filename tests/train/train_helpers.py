@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -55,6 +56,27 @@ def raw_recipe(out: Path, cache: Path, **sections) -> dict:
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in TensorFolder(folder).iter_tensors()}
+
+
+def records(out: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(ref: Path, other: Path, tol: float, steps: slice = slice(None)) -> None:
+    """`other` logged the same steps as `ref[steps]` with losses within `tol` relative and the same token counts (a
+    context or tensor group's packs counted once), and its final weights equal `ref`'s within `tol`."""
+    import pytest
+
+    ra, rb = records(ref)[steps], records(other)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] and rb
+    for x, y in zip(ra, rb, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=tol, abs=0), (x["step"], x["loss"], y["loss"])
+        assert x["tokens"] == y["tokens"], (x, y)
+    wa, wb = load_weights(ref / "final"), load_weights(other / "final")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=tol, msg=name)
 
 
 CLI = "import sys; from mindvl.cli import main; sys.exit(main())"
