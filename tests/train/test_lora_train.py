@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import env, load_weights, mindvl_cmd, raw_recipe, run, write_recipe
+from train_helpers import env, latest_step, load_weights, mindvl_cmd, raw_recipe, run, write_recipe
 
 from mindvl.checkpoint.adapters import read_adapter
-from mindvl.checkpoint.training import export_checkpoint, read_latest
+from mindvl.checkpoint.training import export_checkpoint
 from mindvl.config import load_recipe
 from mindvl.data import load_tokenizer
 from mindvl.models import MindVLConfig
@@ -88,13 +88,6 @@ def test_unknown_lora_key_is_refused_before_the_run_folder(tmp_path):
         train(load_recipe(raw=raw))
     assert not (tmp_path / "o").exists()
 
-
-def latest_step(out) -> int:
-    try:
-        found = read_latest(out / "checkpoints")
-    except (ValueError, json.JSONDecodeError, FileNotFoundError):
-        return 0
-    return int(found.name.split("_")[1]) if found else 0
 
 
 @pytest.mark.slow

@@ -63,6 +63,15 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def latest_step(out: Path) -> int:
+    """The step of a run's `latest` checkpoint (0 while none is complete or `latest` is mid-write)."""
+    try:
+        found = read_latest(out / "checkpoints")
+    except (ValueError, json.JSONDecodeError, FileNotFoundError):
+        return 0
+    return int(found.name.split("_")[1]) if found else 0
+
+
 def assert_same_run(ref: Path, other: Path, tol: float, steps: slice = slice(None)) -> None:
     """`other` logged the same steps as `ref[steps]` with losses within `tol` relative and the same token counts (a
     context or tensor group's packs counted once), and its final weights equal `ref`'s within `tol`."""
