@@ -28,7 +28,6 @@ def cp_raw(out: Path, cache: Path, cp: int, batch: dict | None = None, **paralle
     return raw
 
 
-
 def test_ulysses_attention_equals_plain_attention(tmp_path):
     """2 and 4 ranks: q/k/v chunks through the all-to-all attention (forward and backward, KV heads fewer than the
     ranks at 4) equal one process's varlen attention on the whole row (see the worker)."""

@@ -89,7 +89,6 @@ def test_unknown_lora_key_is_refused_before_the_run_folder(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-
 @pytest.mark.slow
 def test_lora_run_killed_with_sigkill_resumes_exactly(tmp_path):
     ref_out, out = tmp_path / "ref", tmp_path / "killed"

@@ -34,7 +34,6 @@ def tp_raw(out: Path, cache: Path, tp: int) -> dict:
     return raw
 
 
-
 @pytest.mark.slow
 def test_tp_training_equals_one_process_and_resumes_at_tp1(tmp_path):
     cache = tmp_path / "cache"

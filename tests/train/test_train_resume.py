@@ -23,7 +23,6 @@ def losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-
 @pytest.mark.slow
 def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path):
     cache = tmp_path / "cache"
