@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mindvl.conventions import IGNORE_INDEX
-from mindvl.models.loss import _vocab_slices
+from mindvl.models.loss import online_logsumexp, slice_gradients
 
 TP_KEY = "parallel.tensor_parallel"  # the recipe key named in every tensor-parallel error
 
@@ -175,21 +175,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, group):
-        n, vocab = hidden.shape[0], weight.shape[0]
-        starts = _vocab_slices(n, vocab, chunk_size)
-        running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
-        running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        for v0 in starts:
-            w = weight[v0 : v0 + starts.step]
-            logits = (hidden @ w.T).float()
-            inside = (targets >= v0) & (targets < v0 + w.shape[0])
-            local = (targets - v0).clamp(0, w.shape[0] - 1)
-            target_logit += torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), 0.0)
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            block_sum = logits.sub_(new_max[:, None]).exp_().sum(1)
-            running_sum = running_sum * torch.exp(running_max - new_max) + block_sum
-            running_max = new_max
+        running_max, running_sum, target_logit = online_logsumexp(hidden, weight, targets, chunk_size)
         # combine the ranks' partial logsumexps: one MAX, then one SUM of (rescaled sum, target logit)
         global_max = running_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
@@ -203,20 +189,8 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, targets, lse = ctx.saved_tensors
-        need_w = ctx.needs_input_grad[1]
-        starts = _vocab_slices(hidden.shape[0], weight.shape[0], ctx.chunk_size)
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_w = torch.empty_like(weight) if need_w else None
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        for v0 in starts:
-            w = weight[v0 : v0 + starts.step]
-            grad_logits = (hidden @ w.T).float().sub_(lse[:, None]).exp_()
-            inside = (targets >= v0) & (targets < v0 + w.shape[0])
-            grad_logits[rows[inside], targets[inside] - v0] -= 1.0
-            grad_logits = grad_logits.mul_(grad_loss).to(hidden.dtype)
-            grad_h += grad_logits @ w.to(hidden.dtype)
-            if need_w:
-                grad_w[v0 : v0 + w.shape[0]] = (grad_logits.T @ hidden).to(weight.dtype)
+        grad_h, grad_w = slice_gradients(hidden, weight, targets, lse, grad_loss, ctx.chunk_size, need_h=True,
+                                         need_w=ctx.needs_input_grad[1])
         # every rank holds its vocabulary rows' share of dL/dh: the full gradient is their sum (always computed,
         # even when no input needs it here, so that every rank of the group runs the same collectives)
         dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.group)
