@@ -88,21 +88,25 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
-        if self.training:
-            with torch.no_grad():
-                flat = ids.reshape(-1)
-                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        self.count_load(ids)
         if self.record:
             with torch.no_grad():
                 w, order = weights.detach().sort(dim=-1, descending=True, stable=True)
                 self.records.append((ids.gather(1, order), w))
         return weights, ids
 
+    def count_load(self, ids: torch.Tensor) -> None:
+        """Tokens routed to each expert during training (the bias balancing and MaxVio read `expert_load`)."""
+        if self.training:
+            with torch.no_grad():
+                flat = ids.reshape(-1)
+                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+
 
 class SoftmaxTopKRouter(TopKRouter):
     """Qwen3-MoE's router (Qwen3-VL-30B-A3B): softmax over all experts in fp32, top-k, weights renormalised to sum
     1. No groups, no scaling; the correction bias stays zero, unused and out of checkpoints (non-persistent), so
-    `update_router_bias` may run on a model of either kind. Load counting and tracing are the parent's."""
+    `update_router_bias` may run on a model of either kind. Load counting is the parent's (`count_load`)."""
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__(cfg)
@@ -114,10 +118,7 @@ class SoftmaxTopKRouter(TopKRouter):
         probs = F.linear(x, self.weight).float().softmax(-1)  # logits in x.dtype, softmax in fp32 (transformers)
         weights, ids = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        if self.training:
-            with torch.no_grad():
-                flat = ids.reshape(-1)
-                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        self.count_load(ids)
         if self.record:
             with torch.no_grad():
                 self.records.append((ids.detach().clone(), weights.detach().float()))  # already descending
