@@ -33,7 +33,8 @@ tail) and the next section runs:
   bf16 with grouped_mm experts against the unbind fallback, step-0 loss against the CPU fp32 forward.
 - tiny: the packaged tiny SFT recipe through `mindvl.train.trainer.train`; tokens/s and MFU from its metrics.jsonl.
 
-Outputs under --out: proof.json (everything, with tracebacks), proof.md (the summary table), proof.log.
+Outputs under --out: proof.json (everything, with tracebacks), proof.md (the summary table), proof.log, and on a GPU
+margin_reserve.json (the planner's reserve as measured: `python -m mindvl.plan.margin --from-proof OUT/proof.json`).
 
 On the lent machine (15 minutes of device time in all, a start included): one call of the device tool with
 `python3 benchmarks/accelerator_proof.py --out $OUT` and timeout_s 540 (the sections stop at --budget-s 450, the
@@ -155,6 +156,25 @@ def plan_recipe(work: Path, s: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+
+
+def record_margin(res: dict, out: Path, say) -> None:
+    """The planner's reserve as this GPU measured it (mindvl.plan.margin), written beside proof.json as
+    margin_reserve.json; `python -m mindvl.plan.margin --from-proof OUT/proof.json` puts it into
+    mindvl/plan/margin.json (a reviewed step: the proof never edits the repository)."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))  # the repository, as the sections' children import it (no install)
+    from mindvl.plan.margin import reserve_from_proof
+
+    try:
+        reserve = reserve_from_proof(res)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        say(f"planner margin not recorded: {exc}")
+        return
+    (out / "margin_reserve.json").write_text(json.dumps(reserve, indent=1))
+    say(f"planner margin measured: allocated/planned {reserve['allocated_over_planned']}, reserved/allocated "
+        f"{reserve['reserved_over_allocated']}, outside the allocator {reserve['runtime_context_gib']} GiB "
+        f"(margin_reserve.json; record it with python -m mindvl.plan.margin --from-proof {out / 'proof.json'})")
 
 
 def sync(device) -> None:
@@ -774,6 +794,7 @@ def main() -> int:
             (out / "proof.md").write_text(report(res))
             shutil.rmtree(work, ignore_errors=True)
             say(f"wrote {out / 'proof.json'} and proof.md")
+            record_margin(res, out, say)
     print((out / "proof.md").read_text())
     ok = all(d.get("ok") for d in res["sections"].values())
     return 0 if ok else 1

@@ -25,12 +25,16 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
-from collections import Counter
+from pathlib import Path
 
-from mindvl.curate.stages.ocr import intersect_lines, normalise, words
+from mindvl.curate.stages.ocr import intersect_lines, normalise
 from mindvl.curate.synth import text_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "curate"))
+from ocr_cases import FRAGMENT_CASES, word_bag  # noqa: E402
 
 # --- the rule before issue 28 (normalised substrings without word boundaries), for comparison -------------------
 
@@ -92,16 +96,12 @@ def substring_rule(a: list[str], b: list[str], min_chars: int = 3) -> list[str]:
 # --- scoring ----------------------------------------------------------------------------------------------------
 
 
-def bag(lines: list[str]) -> Counter:
-    return Counter(w for t in lines for w in words(t))
-
-
 class Score:
     def __init__(self):
         self.pred = self.hit = self.true = self.exact = self.images = 0
 
     def add(self, pred: list[str], truth: list[str]) -> None:
-        p, t = bag(pred), bag(truth)
+        p, t = word_bag(pred), word_bag(truth)
         self.pred += sum(p.values())
         self.true += sum(t.values())
         self.hit += sum((p & t).values())
@@ -134,20 +134,8 @@ def table(title: str, cases: list[tuple[list[str], list[str], list[str]]], names
 
 # --- part 1: fragment cases -------------------------------------------------------------------------------------
 
-FRAGMENTS = [  # (truth, engine A, engine B)
-    (["Room 305"], ["Room 30"], ["Room 305"]),
-    (["Room 305"], ["oom 305"], ["Room 305"]),
-    (["reopened today"], ["open"], ["reopened today"]),
-    (["Room 305 Floor 21"], ["Room 305", "Floor 2"], ["Room 305 Floor 21"]),
-    (["international park"], ["national park"], ["international park"]),
-    (["portal 8080"], ["port 80"], ["portal 8080"]),
-    (["gate 12B"], ["gate 12B"], ["gate 12"]),
-    (["Total: $12.50"], ["Total: $12.50"], ["Total $12.5"]),
-    (["well-known fact"], ["well-known fact"], ["well fact"]),
-    (["第305号房间"], ["第305号房间"], ["第30号房间"]),
-    (["营业时间 9:00-18:00"], ["营业时间 9:00-18:00"], ["营业时间 9:00-18:0"]),
-    (["meadow river 4006"], ["meadowriver 4006"], ["meadow river 4006"]),
-]
+# (truth, engine A, engine B): the tests' fragment cases (tests/curate/ocr_cases.py)
+FRAGMENTS = [(truth, a, b) for truth, a, b, _ in FRAGMENT_CASES]
 
 
 def fragment_cases() -> None:

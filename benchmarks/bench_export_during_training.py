@@ -11,7 +11,6 @@ reader pin disabled (`dcp_io.pinned` patched to pin nothing): what remains then 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -20,18 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "train"))
-from train_helpers import env, mindvl_cmd, raw_recipe, write_recipe  # noqa: E402
+from train_helpers import env, latest_name, mindvl_cmd, raw_recipe, training_in_background, write_recipe  # noqa: E402
 
 NO_PIN = ("import contextlib, sys; import mindvl.checkpoint.training as t; "
           "t.pinned = contextlib.contextmanager(lambda folder: (yield True)); "
           "from mindvl.cli import main; sys.exit(main())")
-
-
-def latest(out: Path) -> str | None:
-    try:
-        return json.loads((out / "checkpoints" / "latest").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def main() -> None:
@@ -44,18 +36,12 @@ def main() -> None:
         out = tmp / "run"
         raw = raw_recipe(out, tmp / "cache", budget={"max_steps": 100000}, checkpoint={"every": 1, "keep": 1})
         recipe = write_recipe(tmp / "r.yaml", raw)
-        trainer = subprocess.Popen(mindvl_cmd("train", str(recipe)), env=env(), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True)
-        try:
-            while latest(out) is None:
-                if trainer.poll() is not None:
-                    raise SystemExit(f"training failed: {trainer.stderr.read()[-2000:]}")
-                time.sleep(0.1)
+        with training_in_background(recipe, out) as trainer:
             ok = one_line = longer = 0
             seen, lines = set(), []
             t0 = time.perf_counter()
             for i in range(args.exports):
-                seen.add(latest(out))
+                seen.add(latest_name(out))
                 cmd = mindvl_cmd("export", str(out), "--out", str(tmp / "exp"), "--overwrite")
                 if args.no_pin:
                     cmd = [sys.executable, "-c", NO_PIN, *cmd[3:]]
@@ -72,9 +58,6 @@ def main() -> None:
                 if trainer.poll() is not None:
                     raise SystemExit(f"training stopped after export {i + 1}: {trainer.stderr.read()[-2000:]}")
             wall = time.perf_counter() - t0
-        finally:
-            trainer.kill()
-            trainer.wait()
     print(f"{args.exports} exports ({'no pin' if args.no_pin else 'pinned'}) during a checkpoint_every=1 keep=1 run, "
           f"{len(seen)} distinct `latest` seen, {wall:.0f} s: {ok} succeeded, {one_line} one-line errors, "
           f"{longer} longer outputs")

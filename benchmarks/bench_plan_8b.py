@@ -70,7 +70,7 @@ def smallest_world(result, device, gb: int) -> tuple[int | None, bool]:
         if gb % w:
             continue
         peak = result.peak_bytes_per_rank if w == result.world_size else extrapolate_peak(result, w)
-        if peak + reserve_bytes(device) <= device.memory_bytes:
+        if peak + reserve_bytes(device, peak) <= device.memory_bytes:
             return w, w == result.world_size
     return None, False
 
@@ -106,7 +106,7 @@ def main() -> None:
             cells = []
             for name in SHOW:
                 dev = DEVICES[name]
-                total = r.peak_bytes_per_rank + reserve_bytes(dev)
+                total = r.peak_bytes_per_rank + reserve_bytes(dev, r.peak_bytes_per_rank)
                 cells.append(f"{'yes' if total <= dev.memory_bytes else 'NO'} ({1 - total / dev.memory_bytes:.0%})")
             smallest = []
             for name in ("h100-80g", "910b2-64g"):

@@ -57,6 +57,9 @@ class ModelSection:
     attention_backend: str = "auto"
     # shape preset for `mindvl plan` when the folders above do not exist yet (mindvl.plan.presets; training ignores it)
     preset: str | None = None
+    # LoRA adapters {r, alpha, dropout, targets, modules, quantize} (mindvl.models.lora.LoRAConfig; built and
+    # checked by mindvl.train.lora, since config may not import models); null: full weights as the phase says
+    lora: dict[str, Any] | None = None
 
 
 @dataclass
@@ -154,6 +157,12 @@ class ParallelSection:
     # ranks sharing one copy of each MoE layer's experts (E / N experts per rank, tokens sent by all-to-all); must
     # divide the routed experts and the world size; 1 = none (FSDP shards experts like every other weight)
     expert_parallel: int = 1
+    # ranks splitting each packed row of the language model (all-to-all over attention heads,
+    # mindvl.train.context_parallel); they read the same data; must divide the world size and the attention heads
+    context_parallel: int = 1
+    # ranks splitting each dense LLM layer (attention heads, MLP width, vocabulary) with sequence parallelism
+    # between them (mindvl.train.tensor_parallel); must divide the heads, KV heads, MLP width and world size
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -174,6 +183,21 @@ class Recipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     # the `data:` mapping as loaded (to_dict writes it back unchanged); None for a recipe built in code
     _data_raw: ClassVar[dict[str, Any] | None] = None
+
+    def _check_tensor_parallel(self) -> None:
+        """`parallel.tensor_parallel` against the architecture in the recipe (a model given by folder is checked
+        when built: mindvl.train.tensor_parallel.check_tensor_parallel)."""
+        tp = self.parallel.tensor_parallel
+        _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "parallel.tensor_parallel",
+               f"must be an integer >= 1, got {tp!r}")
+        text = (self.model.arch or {}).get("text", {}) if tp > 1 else {}
+        _check(text.get("family") != "deepseek_v3", "parallel.tensor_parallel",
+               f"{tp}: tensor parallelism splits dense GQA language models (qwen2/qwen3); a deepseek_v3 model "
+               "splits its experts with parallel.expert_parallel; set it to 1")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = text.get(name)
+            _check(value is None or value % tp == 0, "parallel.tensor_parallel",
+                   f"{tp} must divide model.arch.text.{name} ({value})")
 
     def validate(self) -> None:
         """Cross-field checks; each error names the key to fix."""
@@ -199,6 +223,21 @@ class Recipe:
             experts = text.get("n_routed_experts")
             _check(experts is None or experts % ep == 0, "parallel.expert_parallel",
                    f"{ep} must divide model.arch.text.n_routed_experts ({experts})")
+        cp = self.parallel.context_parallel
+        _check(isinstance(cp, int) and cp >= 1, "parallel.context_parallel", f"must be an integer >= 1, got {cp!r}")
+        heads = (self.model.arch or {}).get("text", {}).get("num_attention_heads") if cp > 1 else None
+        _check(heads is None or heads % cp == 0, "parallel.context_parallel",
+               f"{cp} must divide model.arch.text.num_attention_heads ({heads})")
+        _check(cp == 1 or ep == 1, "parallel.context_parallel",
+               f"{cp} with parallel.expert_parallel {ep} is not supported yet; set one of them to 1")
+        _check(cp == 1 or self.parallel.fsdp not in ("off", False), "parallel.context_parallel",
+               f"{cp} needs FSDP (it sums the context ranks' gradients); set parallel.fsdp to auto or on")
+        self._check_tensor_parallel()
+        tp = self.parallel.tensor_parallel
+        _check(cp == 1 or tp == 1, "parallel.context_parallel",
+               f"{cp} with parallel.tensor_parallel {tp} is not supported yet; set one of them to 1")
+        _check(tp == 1 or not self.model.lora, "parallel.tensor_parallel",
+               f"{tp} with model.lora is not supported yet (the adapted layers are not split); set it to 1")
         _check(self.optim.router_bias_rate >= 0, "optim.router_bias_rate", "must be >= 0")
         _check(0 <= self.schedule.warmup_ratio < 1, "schedule.warmup_ratio", "must lie in [0, 1)")
         _check(self.schedule.decay in ("cosine", "linear", "constant"), "schedule.decay",

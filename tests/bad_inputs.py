@@ -160,10 +160,10 @@ def checkpoint_shard_missing(tmp: Path, model: Path):
     raises a CheckpointException, a BaseException, which the CLI unwraps."""
     import torch
 
-    from mindvl.checkpoint import load_pretrained
+    from mindvl.checkpoint import load_model
     from mindvl.checkpoint.training import save_checkpoint
 
-    net = load_pretrained(model)
+    net = load_model(model)
     ckpt = save_checkpoint(tmp / "checkpoints", 1, net, torch.optim.AdamW(net.parameters()),
                            {"model_config": net.config.to_dict(), "step": 1, "tokens": 0}, {"data": {}})
     shard = next(ckpt.glob("*.distcp"))

@@ -9,3 +9,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 # CPU's matmul peak for the MFU log line: 12 fp32 2048^3 matmuls, ~2-6 CPU-s per rank. MFU is not what these tests
 # check; tests/test_train_metrics.py covers the override and the probe.
 os.environ.setdefault("MINDVL_PEAK_TFLOPS", "0.1")
+
+# Under pytest-xdist (README's `-n 2`: a worker per core) each worker and what it starts computes on one thread: two
+# workers of two intra-op threads each would oversubscribe the cores. (Set before torch is imported; the training
+# subprocesses already run on one thread, train_helpers.env.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+# The files that take longest (benchmarks/RESULTS.md "CI cost"), longest first; then every other file with a `slow`
+# test; then the rest. xdist (`--dist loadfile --no-loadscope-reorder`) hands files to the workers in this order, so
+# the long multi-process files start first rather than leaving one worker busy alone at the end.
+HEAVIEST = ("train/test_longrun_processes.py", "train/test_requeue.py", "test_readme_commands.py",
+            "train/test_expert_parallel.py", "test_accelerator_proof.py", "ablate/test_ablate_smoke.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        rel = item.path.relative_to(here).as_posix() if item.path.is_relative_to(here) else ""
+        if rel in HEAVIEST:
+            return HEAVIEST.index(rel)
+        return len(HEAVIEST) + (0 if item.path in slow_files else 1)
+
+    items.sort(key=rank)  # stable: a file's tests stay together and in their order

@@ -97,7 +97,18 @@ def check_prefill_and_decode_equal_full_forward(model: MindVL, prompts: list[Pro
 def test_prefill_runs_the_last_layer_for_the_last_tokens_only(models, name):
     """The prefill's last layer computes queries and MLP for each prompt's last token alone: its cache is the same
     bits as a full prefill's and its logits are the full forward's last rows (to float rounding)."""
-    model, prompts = models[name][1], PROMPTS[name]()
+    prompts = PROMPTS[name]()
+    mlp_rows, n_tokens, rows, last = full_and_last_only_prefill(models[name][1], prompts)
+    assert mlp_rows == [n_tokens, len(prompts)]
+    assert last.shape == rows.shape == (len(prompts), rows.shape[1])
+    torch.testing.assert_close(last, rows, rtol=1e-5, atol=1e-5)
+
+
+def full_and_last_only_prefill(model: MindVL, prompts: list[Prompt]) -> tuple[list[int], int, torch.Tensor,
+                                                                              torch.Tensor]:
+    """Prefills `prompts` into two empty caches through the language model, once whole and once `last_only`; checks
+    that both caches are the same bits and that `last_only` refuses a filled cache. Returns the rows the last layer's
+    MLP saw per call, the packed token count, the full forward's last row per prompt and the `last_only` output."""
     lm = model.language_model
     packed = pack_prompts(prompts, torch.device("cpu"))
     embeds = model.embed(packed["input_ids"], packed["pixel_values"], packed["image_grid_thw"])
@@ -110,14 +121,12 @@ def test_prefill_runs_the_last_layer_for_the_last_tokens_only(models, name):
         full = lm(embeds, positions, cu, width, cache=full_cache)
         last = lm(embeds, positions, cu, width, cache=last_cache, last_only=True)
     hook.remove()
-    assert mlp_rows == [int(cu[-1]), len(prompts)]
-    assert last.shape == (len(prompts), full.shape[1])
     for a, b in zip(full_cache.keys + full_cache.values, last_cache.keys + last_cache.values, strict=True):
         assert torch.equal(a, b)
     assert full_cache.lengths == last_cache.lengths
-    torch.testing.assert_close(last, full[cu[1:].long() - 1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="last_only"):
         lm(embeds, positions, cu, width, cache=last_cache, last_only=True)  # not an empty cache
+    return mlp_rows, int(cu[-1]), full[cu[1:].long() - 1], last
 
 
 # --------------------------------------------------------------------------------------------- transformers

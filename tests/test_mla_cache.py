@@ -12,6 +12,7 @@ from test_generation import (
     check_greedy_equals_recomputation,
     check_greedy_matches_transformers,
     check_prefill_and_decode_equal_full_forward,
+    full_and_last_only_prefill,
     text_prompts,
     vl_prompts,
 )
@@ -126,26 +127,12 @@ def test_prefill_last_only_keeps_the_last_rows(models, name):
     on fewer rows); a dense MLA last layer runs o_proj and its MLP for those rows alone (equal to float rounding)."""
     model = _dense_mla_model() if name == "dense_mla" else models[name][1]
     prompts = (text_prompts if name != "dsvl" else vl_prompts)()
-    lm = model.language_model
-    packed = pack_prompts(prompts, torch.device("cpu"))
-    embeds = model.embed(packed["input_ids"], packed["pixel_values"], packed["image_grid_thw"])
-    positions = model.default_position_ids(packed["input_ids"], packed["cu_seqlens"], packed["image_grid_thw"])
-    cu, width = packed["cu_seqlens"], int((packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).max())
-    mlp_rows = []
-    hook = lm.layers[-1].mlp.register_forward_hook(lambda m, args, out: mlp_rows.append(args[0].shape[0]))
-    with torch.inference_mode():
-        full_cache, last_cache = model.new_kv_cache(len(prompts), 64), model.new_kv_cache(len(prompts), 64)
-        full = lm(embeds, positions, cu, width, cache=full_cache)
-        last = lm(embeds, positions, cu, width, cache=last_cache, last_only=True)
-    hook.remove()
-    for a, b in zip(full_cache.keys + full_cache.values, last_cache.keys + last_cache.values, strict=True):
-        assert torch.equal(a, b)
-    rows = full[cu[1:].long() - 1]
+    mlp_rows, n_tokens, rows, last = full_and_last_only_prefill(model, prompts)
     if name == "dense_mla":
-        assert mlp_rows == [int(cu[-1]), len(prompts)]
+        assert mlp_rows == [n_tokens, len(prompts)]
         torch.testing.assert_close(last, rows, rtol=1e-5, atol=1e-5)
     else:
-        assert mlp_rows == [int(cu[-1]), int(cu[-1])]
+        assert mlp_rows == [n_tokens, n_tokens]
         assert torch.equal(last, rows)
 
 

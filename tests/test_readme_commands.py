@@ -66,12 +66,15 @@ EXCLUDED: dict[str, str] = {
     'pip install "torch==$(python -c \'import torch; print(torch.__version__.split("+")[0])\')" -e ".[lmms]"':
         "installs packages (network)",
     "pip uninstall -y torchvision": "changes the environment",
-    "python -m pytest -q": "the test suite itself",
+    "python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder": "the test suite itself",
     "mindvl convert --from-hf /models/Qwen2.5-VL-7B-Instruct --out out/qwen25vl-7b": "needs a real checkpoint",
     "mindvl convert --from-hf /models/Qwen3-8B --out out/qwen3-8b": "needs a real checkpoint",
     "mindvl convert --vision-from /models/Qwen2.5-VL-72B-Instruct --language-from /models/Qwen3-8B "
     "--out out/mindvl-8b --seed 0": "needs real checkpoints",
     "mindvl convert --to-hf out/qwen25vl-7b --out out/qwen25vl-7b-hf": "needs the converted 7B model",
+    "mindvl convert --from-hf /models/Qwen3-VL-8B-Instruct --out out/qwen3vl-8b": "needs a real checkpoint",
+    "mindvl convert --vision-from /models/Qwen3-VL-8B-Instruct --language-from /models/Qwen3-8B "
+    "--out out/mindvl-q3vit-8b --seed 0": "needs real checkpoints",
     "torchrun --nproc_per_node 8 $(which mindvl) train recipes/mindvl-8b/warmup.yaml": "8 accelerators, real data",
     "torchrun --nnodes 32 --nproc_per_node 8 $(which mindvl) train recipes/mindvl-671b/sft.yaml": "256 accelerators",
     "mindvl plan recipes/mindvl-8b/sft-8k.yaml --world-size 8 --device h100-80g":

@@ -8,10 +8,13 @@ Supported sources (detected from config.json `model_type`):
   save_pretrained writes) or fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, transformers 5.x's
   in-memory form); both are read and stacked into mindvl's `mlp.experts.{gate,up,down}_proj [E, ...]`. Multi-token
   prediction layers (index >= num_hidden_layers) are dropped; FP8 checkpoints are refused (dequantize them first).
+- `qwen3_vl` / `qwen3_vl_moe`: a Qwen3-VL model (hf_qwen3_vl.py): its merger becomes the projector, its DeepStack
+  mergers `projector.deepstack.{j}`, its Qwen3 / Qwen3-MoE LLM the language model (interleaved M-RoPE).
 - `mindvl`: already ours.
 
-A MindVL *composition* takes the vision tower of a Qwen2.5-VL checkpoint and the language model of another
-(e.g. Qwen3-8B) and adds a freshly, seededly initialised projector, as the paper does.
+A MindVL *composition* takes the vision tower of a Qwen2.5-VL or Qwen3-VL checkpoint and the language model of
+another (e.g. Qwen3-8B) and adds a freshly, seededly initialised projector (and DeepStack mergers for Qwen3-VL), as
+the paper does.
 
 Both config.json generations are read: hub-style flat text fields with `rope_scaling`, and transformers >= 5's
 nested `text_config` with `rope_parameters`. Tensor names may use the hub prefixes (`visual.`, `model.`) or
@@ -31,6 +34,7 @@ import torch
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 from mindvl.models.projector import Projector
 
+from . import hf_qwen3_vl
 from .conv import conv3d_to_matmul
 from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
@@ -58,6 +62,7 @@ def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _FUSED_GATE_UP = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.gate_up_proj$")
+_EXPERT_TENSOR = re.compile(r"^(model\.)?(language_model\.)?layers\.\d+\.mlp\.experts\.(gate_up|down)_proj$")
 _LAYER_INDEX = re.compile(r"^language_model\.layers\.(\d+)\.")
 
 
@@ -75,7 +80,7 @@ class TensorPlan:
         fp8 = [h for h in names if h.endswith("weight_scale_inv")]
         if fp8:
             raise ValueError(f"{folder.folder}: an FP8 checkpoint ({fp8[0]} ...); dequantize it to bf16 first")
-        self.folder, self.num_experts = folder, text.n_routed_experts
+        self.folder, self.num_experts, self.text = folder, text.n_routed_experts, text
         self.direct: dict[str, str] = {}
         self.stacks: dict[str, dict[int, str]] = {}  # mindvl name -> {expert: HF name}
         self.splits: dict[str, tuple[str, str]] = {}  # HF fused gate_up -> (mindvl gate, mindvl up)
@@ -84,7 +89,7 @@ class TensorPlan:
             layer = _LAYER_INDEX.match(name)
             if text.is_moe and layer and int(layer.group(1)) >= text.num_hidden_layers:
                 continue  # DeepSeek-V3's MTP module (model.layers.61 on the hub); transformers ignores it too
-            fused = _FUSED_GATE_UP.match(name) if text.is_moe else None
+            fused = _FUSED_GATE_UP.match(name) if text.has_experts else None
             if target.expert is not None:
                 self.stacks.setdefault(name, {})[target.expert] = hf
             elif fused:
@@ -98,8 +103,15 @@ class TensorPlan:
                 raise ValueError(f"{folder.folder}: {name} has experts {sorted(pieces)[:8]}... but the config has "
                                  f"{self.num_experts} (missing {absent[:8]}, unexpected {extra[:8]})")
 
+    def _transposed(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Qwen3-MoE experts stored in the hub's [E, in, out] layout (hf_qwen3_vl.experts_transposed)."""
+        if self.text.family != "qwen3_moe" or not _EXPERT_TENSOR.match(name):
+            return False
+        return hf_qwen3_vl.experts_transposed("down" if name.endswith("down_proj") else "gate_up", shape, self.text)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         hf = self.folder.shapes()
+        hf = {h: (s[0], s[2], s[1]) if self._transposed(self.direct.get(h, h), s) else s for h, s in hf.items()}
         out = {name: _converted_shape(name, hf[h]) for h, name in self.direct.items()}
         for name, pieces in self.stacks.items():
             out[name] = (len(pieces), *hf[pieces[0]])
@@ -114,8 +126,12 @@ class TensorPlan:
         wanted = [*self.direct, *owner, *self.splits]
         for h, tensor in self.folder.iter_tensors(wanted):
             if h in self.direct:
-                yield self.direct[h], _convert_tensor(self.direct[h], tensor)
+                if self._transposed(self.direct[h], tuple(tensor.shape)):
+                    tensor = tensor.transpose(1, 2)
+                yield self.direct[h], _convert_tensor(self.direct[h], tensor).contiguous()
             elif h in self.splits:
+                if self._transposed(h, tuple(tensor.shape)):
+                    tensor = tensor.transpose(1, 2)
                 gate, up = tensor.chunk(2, dim=1)
                 yield self.splits[h][0], gate.contiguous()
                 yield self.splits[h][1], up.contiguous()
@@ -245,11 +261,11 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
 
 def detect_family(config: dict, where: str) -> str:
     kind = config.get("model_type")
-    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl"):
+    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl", *hf_qwen3_vl.FAMILIES):
         return kind
     raise ValueError(
-        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl (vision+LLM), qwen3, qwen2 and "
-        "deepseek_v3 (LLM)"
+        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl, qwen3_vl and qwen3_vl_moe "
+        "(vision+LLM), qwen3, qwen2 and deepseek_v3 (LLM)"
     )
 
 
@@ -295,6 +311,8 @@ def _mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
     family = detect_family(config, str(folder / CONFIG_NAME))
     if family == "mindvl":
         return MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
+    if family in hf_qwen3_vl.FAMILIES:
+        return hf_qwen3_vl.mindvl_config(config, family, _token_ids(config, folder), {"converted_from": str(folder)})
     if family == "qwen2_5_vl":
         text = text_config_from_hf(config, "qwen2")
         vision = vision_config_from_hf(config)
@@ -336,7 +354,8 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu") -> MindVL:
     """A mindvl model folder (sharded safetensors + config.json, as `mindvl convert`/`export` write) -> MindVL in
     eval mode. Built on the meta device and filled tensor by tensor from the folder (no full-size init). This is
-    where loading lives: models know nothing of files."""
+    where loading lives: models know nothing of files. (`mindvl.checkpoint.load_model` also reads adapter folders:
+    checkpoint.adapters.load_model.)"""
     folder = Path(folder)
     config = read_config(folder)
     if config.get("model_type") != "mindvl":
@@ -359,7 +378,6 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
     return model.eval()
 
 
-load_pretrained = load_model  # the name before issue 23 (branches in flight still call it); new code: load_model
 
 
 def _keep_fp32(name: str) -> bool:
@@ -443,8 +461,11 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     """
     vision_from, language_from = Path(vision_from), Path(language_from)
     vcfg_raw = read_config(vision_from)
-    if detect_family(vcfg_raw, str(vision_from / CONFIG_NAME)) != "qwen2_5_vl":
-        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL checkpoint (model_type qwen2_5_vl)")
+    vision_family = detect_family(vcfg_raw, str(vision_from / CONFIG_NAME))
+    if vision_family not in ("qwen2_5_vl", *hf_qwen3_vl.FAMILIES):
+        raise ValueError(f"{vision_from}: --vision-from must be a Qwen2.5-VL checkpoint (model_type qwen2_5_vl) or a "
+                         "Qwen3-VL one (qwen3_vl, qwen3_vl_moe)")
+    qwen3 = vision_family in hf_qwen3_vl.FAMILIES
     lcfg_raw = read_config(language_from)
     lang_family = detect_family(lcfg_raw, str(language_from / CONFIG_NAME))
     if lang_family not in ("qwen3", "qwen2", "deepseek_v3"):
@@ -453,9 +474,12 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     if position_encoding not in ("mrope", "rope"):
         raise ValueError(f"position_encoding must be 'mrope' or 'rope', not {position_encoding!r}")
     text = text_config_from_hf(lcfg_raw, lang_family)
-    text.mrope_section = default_mrope_section(text.head_dim) if position_encoding == "mrope" else None
+    section = hf_qwen3_vl.default_mrope_section if qwen3 else default_mrope_section
+    text.mrope_section = section(text.head_dim) if position_encoding == "mrope" else None
+    text.mrope_interleaved = qwen3 and position_encoding == "mrope"  # Qwen3-VL's tower was trained with it
+    vision = hf_qwen3_vl.vision_config(vcfg_raw) if qwen3 else vision_config_from_hf(vcfg_raw)
     cfg = MindVLConfig(
-        text=text, vision=vision_config_from_hf(vcfg_raw), projector_seed=seed,
+        text=text, vision=vision, projector_seed=seed,
         tokens_per_second=vcfg_raw["vision_config"].get("tokens_per_second", 2),
         source={"vision_from": str(vision_from), "language_from": str(language_from)},
         **_token_ids(lcfg_raw, language_from),
@@ -463,15 +487,18 @@ def compose(vision_from: str | os.PathLike, language_from: str | os.PathLike, ou
     expected = expected_shapes(cfg)
     vis = TensorFolder(vision_from)
     lang = TensorFolder(language_from)
-    vis_names = {h: n.name for h, n in _import_names(vis, "qwen2_5_vl", False).items()
+    vis_names = {h: n.name for h, n in _import_names(vis, vision_family, False).items()
                  if n.name.startswith("visual.")}
     vis_shapes = vis.shapes()
     lang_plan = TensorPlan(lang, _import_names(lang, lang_family, text.tie_word_embeddings), text)
     found = {n: _converted_shape(n, vis_shapes[h]) for h, n in vis_names.items()}
     found.update(lang_plan.shapes())
-    projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
-    projector.reset_parameters(torch.Generator().manual_seed(seed))
-    proj_state = {f"projector.{k}": v for k, v in projector.state_dict().items()}
+    if qwen3:  # Qwen3-VL's merger layout, with new DeepStack mergers inside the projector
+        proj_state = hf_qwen3_vl.fresh_mergers(cfg.vision, text.hidden_size, seed)
+    else:
+        projector = Projector(cfg.vision.hidden_size, text.hidden_size, cfg.vision.merge_unit)
+        projector.reset_parameters(torch.Generator().manual_seed(seed))
+        proj_state = {f"projector.{k}": v for k, v in projector.state_dict().items()}
     found.update({n: tuple(t.shape) for n, t in proj_state.items()})
     check_tensors(found, expected, f"composition of {vision_from} + {language_from}")
 

@@ -17,8 +17,11 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from mindvl.models import MindVLConfig
 
+from . import hf_qwen3_vl
 from .conv import matmul_to_conv3d
 from .hf import CONFIG_NAME, read_config
 from .hf_keys import key_map
@@ -45,6 +48,8 @@ def hf_config(cfg: MindVLConfig) -> dict:
         "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": t.tie_word_embeddings,
         "hidden_act": t.hidden_act,
     }
+    if hf_qwen3_vl.is_qwen3_vl(cfg):
+        return hf_qwen3_vl.hf_config(cfg)
     if cfg.vision is None:
         arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
         arch = arch[t.family]
@@ -81,9 +86,14 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     config = hf_config(cfg)  # refuses unrepresentable models before anything is written
     keys = key_map(config["model_type"])  # qwen2_5_vl, qwen3, qwen2 or deepseek_v3: the import table, read backwards
     tensors = TensorFolder(src)
+    pending: dict[str, torch.Tensor] = {}  # Qwen3-MoE: a layer's expert gate, until its up arrives
     with atomic_output_folder(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, tensor in tensors.iter_tensors():
+            if cfg.text.family == "qwen3_moe" and name.endswith(("experts.gate_proj", "experts.up_proj",
+                                                                  "experts.down_proj")):
+                _write_qwen3_experts(writer, keys, name, tensor, pending)
+                continue
             if tensor.is_floating_point() and not name.endswith("e_score_correction_bias"):  # that one stays fp32
                 # transformers >= 5 loads in the dtype the config names (4.x reads torch_dtype): state the real one.
                 config["torch_dtype"] = config["dtype"] = str(tensor.dtype).removeprefix("torch.")
@@ -92,6 +102,8 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
                 tensor = matmul_to_conv3d(tensor, v.in_channels, v.temporal_patch_size, v.patch_size)
             for hf, piece in keys.hf_tensors(name, tensor):
                 writer.add(hf, piece)
+        if pending:
+            raise ValueError(f"{src}: expert tensors without their pair: {sorted(pending)}")
         writer.close()
         write_side_files(tmp, cfg, [src])
         # bos/eos/pad at the top level of the flat layout: transformers 5 moves them into text_config, where
@@ -99,3 +111,19 @@ def export_to_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool
         config.update(token_ids_for_config(tmp))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return Path(out)
+
+
+def _write_qwen3_experts(writer: ShardedWriter, keys, name: str, tensor: torch.Tensor,
+                         pending: dict[str, torch.Tensor]) -> None:
+    """Qwen3-MoE experts in the hub's layout: gate and up fused into `gate_up_proj [E, H, 2I]`; `down_proj
+    [E, I, H]`."""
+    base = name.rsplit(".", 1)[0]  # language_model.layers.{l}.mlp.experts
+    hf_base = keys.to_hf(base + ".down_proj")[0].rsplit(".", 1)[0]
+    if name.endswith("down_proj"):
+        writer.add(hf_base + ".down_proj", hf_qwen3_vl.hub_down(tensor))
+        return
+    pending[name] = tensor
+    gate, up = pending.get(base + ".gate_proj"), pending.get(base + ".up_proj")
+    if gate is not None and up is not None:
+        writer.add(hf_base + ".gate_up_proj", hf_qwen3_vl.hub_gate_up(gate, up))
+        del pending[base + ".gate_proj"], pending[base + ".up_proj"]

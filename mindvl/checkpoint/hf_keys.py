@@ -48,8 +48,25 @@ _LLM = (
     KeyRule("lm_head.weight", "language_model.lm_head.weight"),
     KeyRule("model.{rest}", "language_model.{rest}"),
 )
+# Qwen3-VL: hub and transformers (>= 4.57) both use the nested names, so export writes them and no alias applies.
+_QWEN3_VL = (
+    KeyRule("model.visual.patch_embed.proj.{rest}", "visual.patch_embed.{rest}"),
+    KeyRule("model.visual.merger.norm.{rest}", "projector.norm.{rest}"),
+    KeyRule("model.visual.merger.linear_fc1.{rest}", "projector.fc1.{rest}"),
+    KeyRule("model.visual.merger.linear_fc2.{rest}", "projector.fc2.{rest}"),
+    KeyRule("model.visual.deepstack_merger_list.{layer}.norm.{rest}", "projector.deepstack.{layer}.norm.{rest}"),
+    KeyRule("model.visual.deepstack_merger_list.{layer}.linear_fc1.{rest}", "projector.deepstack.{layer}.fc1.{rest}"),
+    KeyRule("model.visual.deepstack_merger_list.{layer}.linear_fc2.{rest}", "projector.deepstack.{layer}.fc2.{rest}"),
+    KeyRule("model.visual.{rest}", "visual.{rest}"),
+    KeyRule("lm_head.weight", "language_model.lm_head.weight"),
+    KeyRule("model.language_model.{rest}", "language_model.{rest}"),
+)
 KEY_TABLES: dict[str, tuple[KeyRule, ...]] = {
     "qwen2_5_vl": _VISION + _LLM,
+    # The MoE's fused experts keep their names (`experts.gate_up_proj` -> split into gate/up, layouts) in
+    # hf.TensorPlan (import) and hf_export (export): a content operation, not a rename.
+    "qwen3_vl": _QWEN3_VL,
+    "qwen3_vl_moe": _QWEN3_VL,
     "qwen3": _LLM,
     "qwen2": _LLM,
     "deepseek_v3": _EXPERTS + _LLM,
@@ -57,6 +74,7 @@ KEY_TABLES: dict[str, tuple[KeyRule, ...]] = {
 }
 # Import-only spellings of HF prefixes (transformers >= 4.52 in memory -> hub), applied before the table.
 _HF_ALIASES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+_NO_ALIASES = ("qwen3_vl", "qwen3_vl_moe")  # tables written in the nested names themselves
 # Non-parameters some exports carry; mindvl recomputes them.
 _SKIPPED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -90,7 +108,7 @@ class KeyMap:
         """An HF tensor name -> its mindvl name, or None for a non-parameter mindvl recomputes (rotary buffers)."""
         if _SKIPPED.search(hf_name):
             return None
-        for alias, hub in _HF_ALIASES:
+        for alias, hub in _HF_ALIASES if self.family not in _NO_ALIASES else ():
             if hf_name.startswith(alias):
                 hf_name = hub + hf_name[len(alias):]
                 break

@@ -228,6 +228,9 @@ def _refuse_training_folder(path: Path) -> None:
     """A run folder or training checkpoint holds DCP shards, which merge never reads: say how to get a model folder."""
     if (path / CONFIG_NAME).is_file():
         return
+    if (path / "adapter_config.json").is_file():  # averaging A and B apart is not averaging the updates B A
+        raise ValueError(f"{path} is a LoRA adapter folder; merge the runs' final/ folders (their merged weights), or "
+                         f"fold it first: mindvl export {path} --merge-adapters --out DIR, and merge DIR")
     if any((path / marker).exists() for marker in ("train_state.json", "latest", "checkpoints")):
         raise ValueError(f"{path} is a training run or checkpoint, not a model folder; export it first "
                          f"(mindvl export {path} --out DIR) and merge DIR")

@@ -36,6 +36,7 @@ from mindvl.data.image import (
     PATCH_SIZE,
     TEMPORAL_PATCH_SIZE,
 )
+from mindvl.data.processors import QWEN3_VL
 from mindvl.data.tokenizer import QWEN2_VL_CHAT_TEMPLATE, TextTokenizer
 from mindvl.models import MindVLConfig
 
@@ -211,13 +212,30 @@ def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[st
         written.append(GENERATION_CONFIG)
     if multimodal:
         image_src = _first_with(srcs, IMAGE_PROCESSOR_CONFIG)
+        qwen3 = config.vision.family == "qwen3_vl"
         trained = pixels or (processor_pixels(image_src) if image_src else None)
-        trained = trained or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+        trained = trained or ((QWEN3_VL.min_pixels, QWEN3_VL.max_pixels) if qwen3 else
+                              (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS))
         for name, build in PROCESSOR_CONFIGS.items():
             src = _first_with(srcs, name)
-            _write_json(out / name, build(read_json(src / name) if src else None, trained))
+            fresh = _qwen3_vl_processor_config(name) if qwen3 else None  # 16-px patches, mean/std 0.5
+            _write_json(out / name, build(read_json(src / name) if src else fresh, trained))
             written.append(name)
     return written
+
+
+def _qwen3_vl_processor_config(name: str) -> dict[str, Any]:
+    """A fresh Qwen3-VL image or video processor config (mindvl.data.processors.QWEN3_VL's settings)."""
+    p = QWEN3_VL
+    common = {"do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+              "do_normalize": True, "image_mean": list(p.image_mean), "image_std": list(p.image_std),
+              "patch_size": p.patch_size, "temporal_patch_size": p.temporal_patch_size, "merge_size": p.merge_size,
+              "processor_class": "Qwen3VLProcessor"}
+    if name == IMAGE_PROCESSOR_CONFIG:
+        return {"image_processor_type": "Qwen2VLImageProcessor", **common}
+    # max_video_tokens is Qwen3VLVideoProcessor's per-frame ceiling (768), not mindvl's per-video context budget
+    return {"video_processor_type": "Qwen3VLVideoProcessor", **common, "max_video_tokens": p.max_video_tokens,
+            "size": {"shortest_edge": p.video_min_pixels, "longest_edge": p.video_max_pixels}}
 
 
 def _template_file(folder: Path) -> str | None:

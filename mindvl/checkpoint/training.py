@@ -384,12 +384,26 @@ def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.O
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = ckpt / f"rank_{rank:05d}.json"
+    # Each rank reads its own file, so a damaged one fails on that rank alone: the verdict is voted, and every rank
+    # raises the same one-line error (or, under resume=auto, falls back to the same older checkpoint).
+    problem, rank_state = None, None
     if not rank_file.is_file():
-        if not require_rank_state:
-            return train_state, None
-        raise ValueError(f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size")
-    rank_state = _read_json(rank_file)
-    set_rng_state(rank_state.pop("rng"))
+        if require_rank_state:
+            problem = f"{ckpt}: no state for rank {rank} ({rank_file.name}); resume with the same world size"
+    else:
+        try:
+            rank_state = _read_json(rank_file)
+            rng = rank_state.pop("rng") if isinstance(rank_state, dict) else None
+            if not isinstance(rng, dict):
+                raise CheckpointReadError(f"{rank_file} is damaged: no RNG state object (key 'rng')")
+            set_rng_state(rng)
+        except CheckpointReadError as exc:
+            problem = f"{exc} [rank {rank}]"
+        except (KeyError, TypeError, ValueError, SyntaxError) as exc:  # a field of the RNG state is unusable
+            problem = f"{rank_file} is damaged: its RNG state does not load ({type(exc).__name__}: {exc}) [rank {rank}]"
+    problem = _agreed_message(problem)
+    if problem is not None:
+        raise CheckpointReadError(problem)  # a ValueError: the CLI prints it as one line
     return train_state, rank_state
 
 
@@ -410,7 +424,14 @@ def load_newest_readable(root: str | Path, model: nn.Module, optimizer: torch.op
     for i, ckpt in enumerate(candidates):
         try:
             train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
-            read_rank_states(ckpt)
+            problem = None
+            try:
+                read_rank_states(ckpt)
+            except CheckpointReadError as exc:
+                problem = str(exc)
+            problem = _agreed_message(problem)  # every rank falls back, or none does
+            if problem is not None:
+                raise CheckpointReadError(problem)
             return ckpt, train_state, rank_state
         except CheckpointReadError as exc:
             if i + 1 == len(candidates):
@@ -463,10 +484,37 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False
 
     side = train_state.get("side_files") or {}  # written by the trainer: the init model's folder, trained pixels
     pixels = side.get("pixels")
+    adapted = _adapted_state(model)
+    if adapted is not None:  # a LoRA run: the merged weights here, the adapters (PEFT layout) in OUT/adapter
+        from mindvl.models.lora import merge_lora
+
+        merge_lora(model)
     written = save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
                               pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))
+    if adapted is not None:
+        _write_run_adapter(adapted, model.config, train_state, written)
     _copy_run_recipe(folder, written)
     return written
+
+
+def _adapted_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    from mindvl.models.lora import lora_layers
+
+    return {k: v.clone() for k, v in model.state_dict().items()} if any(True for _ in lora_layers(model)) else None
+
+
+def _write_run_adapter(state: dict[str, torch.Tensor], config, train_state: dict[str, Any], out: Path) -> None:
+    """OUT/adapter as the trainer writes final/adapter (train_state["adapters"]: the LoRA config, the modules the
+    phase trained in full, the base folder)."""
+    from mindvl.models.lora import LoRAConfig
+    from mindvl.typed import build
+
+    from .adapters import save_adapter
+
+    saved = train_state.get("adapters") or {}
+    lora = build(LoRAConfig, saved.get("lora") or train_state["recipe"]["model"]["lora"], "model.lora")
+    save_adapter(state, config, lora, out / "adapter", base=saved.get("base"),
+                 full_modules=saved.get("full_modules") or [])
 
 
 def _copy_run_recipe(checkpoint: Path, out: Path) -> None:
@@ -491,6 +539,12 @@ def _read_model(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{folder / TRAIN_STATE}: model_config is not a valid model config ({exc})") from None
     model = MindVL(config)
+    lora = (train_state.get("recipe") or {}).get("model", {}).get("lora")
+    if lora is not None:  # a LoRA run's checkpoint holds the adapters beside the (frozen) base weights
+        from mindvl.models.lora import LoRAConfig, inject_lora
+        from mindvl.typed import build
+
+        inject_lora(model, build(LoRAConfig, lora, "model.lora"))
     state = {"model": model.state_dict()}
     read_dcp(folder, state, distributed=False)
     model.load_state_dict(state["model"])

@@ -13,10 +13,11 @@ def register(subparsers) -> None:
     p.add_argument("--device", required=True, help="h100-80g, h200, a100-80g, 910b1, 910b2-64g or custom:...")
     p.add_argument("--preset", help="model shape preset (default: the recipe's model folders or model.preset)")
     p.add_argument("--sample-data", action="store_true", help="pack shapes from the recipe's own sources")
-    p.add_argument("--routing-skew", type=float, default=1.0, metavar="F",
+    p.add_argument("--routing-skew", type=float, default=None, metavar="F",
                    help="MoE under expert parallelism: the busiest rank receives F x its balanced share of routed "
-                        "rows (1 = balanced; a run's MaxVio bounds it: F <= 1 + MaxVio); the report also prints the "
-                        "headroom at 1.25-3 and the largest F that fits")
+                        "rows (1 = balanced; a run's MaxVio bounds it: F <= 1 + MaxVio; default: the measured "
+                        "factor in mindvl/plan/margin.json); the report also prints the headroom at 1.25-3 and the "
+                        "largest F that fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

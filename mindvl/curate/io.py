@@ -25,13 +25,14 @@ import numpy as np
 
 from mindvl.data.records import parse_record
 from mindvl.data.schema import BadSample, ImageRef
-from mindvl.data.sources import RawItem, Unit, item_to_conversation, iter_jsonl, iter_tar
+from mindvl.data.sources import RawItem, Unit, item_to_conversation, iter_jsonl, iter_tar, too_large
 
 from .items import Item, image_extension
 
 SHARDS_DIR = "shards"  # OUT/shards/*.tar: a run's trainable output (the runner writes it, iter_output reads it)
 
 INPUT_FORMATS = ("auto", "jsonl", "tar", "parquet")
+MAX_RECORD_BYTES_KEY = "max_record_bytes"  # the pipeline file's key, as record_too_large messages name it
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,15 @@ class ShardTask:
     kind: str
     part: int = 0
     parts: int = 1
+    max_record_bytes: int | None = None  # a record (JSONL line, tar key's text, parquet record cell) over it is skipped
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "path": self.path, "kind": self.kind, "part": self.part, "parts": self.parts}
+        return {"name": self.name, "path": self.path, "kind": self.kind, "part": self.part, "parts": self.parts,
+                "max_record_bytes": self.max_record_bytes}
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardTask:
-        return cls(d["name"], d["path"], d["kind"], int(d["part"]), int(d["parts"]))
+        return cls(d["name"], d["path"], d["kind"], int(d["part"]), int(d["parts"]), d.get("max_record_bytes"))
 
 
 def input_kind(path: str, fmt: str) -> str:
@@ -62,13 +65,13 @@ def input_kind(path: str, fmt: str) -> str:
     return "jsonl"
 
 
-def input_tasks(files: list[str], fmt: str, split: int) -> list[ShardTask]:
+def input_tasks(files: list[str], fmt: str, split: int, max_record_bytes: int | None = None) -> list[ShardTask]:
     """Shards in a fixed order: file by file, part by part. Names carry no dots (they become tar key prefixes)."""
     tasks = []
     for path in files:
         kind = input_kind(path, fmt)
         for part in range(split):
-            tasks.append(ShardTask(f"s{len(tasks):05d}", os.path.abspath(path), kind, part, split))
+            tasks.append(ShardTask(f"s{len(tasks):05d}", os.path.abspath(path), kind, part, split, max_record_bytes))
     return tasks
 
 
@@ -131,7 +134,19 @@ def _image_bytes(value: Any, where: str) -> bytes:
     return bytes(value)
 
 
+def _record_cells_bytes(row: dict) -> int:
+    """The bytes of a parquet row's record cells (the text the record is parsed from; images do not count)."""
+    cells = [row.get(c) for c in ("json", "record", "messages", "conversations", "system", "caption", "text")]
+    return sum(len(c.encode()) if isinstance(c, str) else len(json.dumps(c).encode()) if c is not None else 0
+               for c in cells)
+
+
 def _parquet_item(task: ShardTask, ordinal: int, row: dict, where: str) -> Item:
+    limit = task.max_record_bytes
+    if limit is not None and (size := _record_cells_bytes(row)) > limit:
+        # pyarrow has read the row group already (its size is the file writer's choice); what is bounded here is
+        # the parsing and everything after it, as the trainer's readers bound it
+        raise too_large(where, size, limit, key=MAX_RECORD_BYTES_KEY)
     raw_record = row.get("json", row.get("record"))
     if raw_record is not None:
         try:
@@ -161,8 +176,12 @@ def iter_input(task: ShardTask) -> Iterator[Item | BadSample]:
         return
     unit = Unit(0, task.part, task.parts)
     opener = iter_tar if task.kind == "tar" else iter_jsonl
-    for ordinal, (raw, _, _) in enumerate(opener(task.path, 0, 0, unit, None, 0)):
+    # mindvl.data's bounded readers: a line or tar key's text over the limit is never held whole nor parsed
+    for ordinal, (raw, _, _) in enumerate(opener(task.path, 0, 0, unit, None, 0, task.max_record_bytes)):
         if isinstance(raw, BadSample):
+            if raw.reason == "record_too_large":  # name the pipeline's setting, not the trainer's
+                text = str(raw).removeprefix(f"{raw.where}: ").replace("data.max_record_bytes", MAX_RECORD_BYTES_KEY)
+                raw = BadSample(raw.reason, raw.where, text)
             yield raw
             continue
         try:

@@ -7,6 +7,7 @@ split: 1                         # cut every input file into this many shards (m
 output: curated/                 # shards/*.tar (trainable by `mindvl train`), report.{md,json}, *.png
 seed: 0
 batch_size: 64                   # records per batch handed to each stage
+max_record_bytes: 8388608        # a JSONL line / tar key's text / parquet record over it is skipped unparsed
 engine: {name: local, workers: 2, address: null}   # inprocess | local | ray (address: an existing Ray cluster)
 stages:                          # in order; each is {stage_name: {options}}
   - image_filter: {min_side: 64, max_aspect_ratio: 4}
@@ -30,13 +31,17 @@ from typing import Any
 
 import yaml
 
+from mindvl.data.config import RECORD_BYTES_PER_TOKEN
 from mindvl.typed import build, check_keys
 
 from .io import INPUT_FORMATS
 from .stages import REGISTRY, Stage
 
 ENGINES = ("inprocess", "local", "ray")
-_TOP_KEYS = ("inputs", "format", "split", "output", "seed", "batch_size", "engine", "stages")
+_TOP_KEYS = ("inputs", "format", "split", "output", "seed", "batch_size", "max_record_bytes", "engine", "stages")
+# The trainer's default record limit at seq_len 32K (mindvl.data.config): curation never drops a record that a recipe
+# of up to 32K tokens would train on, and never holds or parses more than this per record.
+DEFAULT_MAX_RECORD_BYTES = RECORD_BYTES_PER_TOKEN * 32768
 
 
 # Stage options that name local files or folders (model folders, score heads, OCR vocabularies).
@@ -87,6 +92,7 @@ class PipelineConfig:
     batch_size: int = 64
     engine: EngineConfig = field(default_factory=EngineConfig)
     source: str = "<dict>"  # the file it came from, for messages
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>") -> PipelineConfig:
@@ -108,7 +114,8 @@ class PipelineConfig:
         if fmt not in INPUT_FORMATS:
             raise ValueError(f"{source}: format: must be one of {', '.join(INPUT_FORMATS)}, got {fmt!r}")
         ints = {}
-        for key, default, lo in (("split", 1, 1), ("seed", 0, None), ("batch_size", 64, 1)):
+        for key, default, lo in (("split", 1, 1), ("seed", 0, None), ("batch_size", 64, 1),
+                                 ("max_record_bytes", DEFAULT_MAX_RECORD_BYTES, 1)):
             v = d.get(key, default)
             if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
                 raise ValueError(f"{source}: {key}: expected an integer{f' >= {lo}' if lo else ''}, got {v!r}")
@@ -137,7 +144,8 @@ class PipelineConfig:
             if name not in REGISTRY:
                 raise ValueError(f"{source}: {where}: unknown stage {name!r} (known: {', '.join(sorted(REGISTRY))})")
             stages.append((name, dict(opts or {})))
-        cfg = cls(list(inputs), output, stages, fmt, ints["split"], ints["seed"], ints["batch_size"], engine, source)
+        cfg = cls(list(inputs), output, stages, fmt, ints["split"], ints["seed"], ints["batch_size"], engine, source,
+                  ints["max_record_bytes"])
         try:
             cfg.build_stages()  # validate every stage's options (and model folders) now, not hours later
         except (ValueError, FileNotFoundError) as exc:
@@ -179,7 +187,10 @@ class PipelineConfig:
         return {"inputs": self.inputs, "format": self.format, "split": self.split, "output": self.output,
                 "seed": self.seed, "batch_size": self.batch_size,
                 "engine": {"name": self.engine.name, "workers": self.engine.workers, "address": self.engine.address},
-                "stages": [{name: opts} for name, opts in self.stages]}
+                "stages": [{name: opts} for name, opts in self.stages],
+                # only when set: runs from before the key keep their fingerprint (resume)
+                **({"max_record_bytes": self.max_record_bytes}
+                   if self.max_record_bytes != DEFAULT_MAX_RECORD_BYTES else {})}
 
     def fingerprint(self) -> str:
         """What decides the output (not the engine or worker count): a resumed run must match it."""

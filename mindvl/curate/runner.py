@@ -264,7 +264,7 @@ def run_pipeline(cfg: PipelineConfig, execute: Callable[[list[dict]], list[dict]
     layout = Layout(cfg.output)
     stages = cfg.build_stages()
     files = cfg.resolve_inputs()
-    tasks = input_tasks(files, cfg.format, cfg.split)
+    tasks = input_tasks(files, cfg.format, cfg.split, cfg.max_record_bytes)
     _check_fingerprint(layout, cfg)
     own_executor = execute is None
     execute = execute or make_executor(cfg.engine, run_shard)

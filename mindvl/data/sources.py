@@ -176,10 +176,12 @@ def jsonl_where(path: str, offset: int, line: int) -> str:
     return f"{path}:{line}" if line > 0 else f"{path}@byte{offset}"
 
 
-def too_large(where: str, size: int, limit: int, what: str = "record") -> BadSample:
+def too_large(where: str, size: int, limit: int, what: str = "record",
+              key: str = "data.max_record_bytes") -> BadSample:
+    """The `record_too_large` BadSample (`key`: the setting that holds `limit`, as the message names it)."""
     return BadSample("record_too_large", where,
-                     f"{what} is {size} bytes, over data.max_record_bytes = {limit}; it is skipped without being "
-                     "parsed (shorten or split it, or raise data.max_record_bytes)")
+                     f"{what} is {size} bytes, over {key} = {limit}; it is skipped without being "
+                     f"parsed (shorten or split it, or raise {key})")
 
 
 def iter_jsonl(path: str, file_index: int, source: int, unit: Unit, offset: int | None, line: int,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from PIL import Image
 from mindvl.checkpoint import load_model
 from mindvl.checkpoint.side_files import read_json, tokenizer_mismatches
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
+from mindvl.data.processors import QWEN3_VL, VisionProcessing, preprocess_image
 from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
 from mindvl.data.tokenizer import TextTokenizer, load_tokenizer
@@ -74,16 +76,31 @@ def process_videos(videos: Sequence[str | os.PathLike | bytes], settings: VideoS
 
 
 def process_images(images: Sequence[ImageInput], min_pixels: int = DEFAULT_MIN_PIXELS,
-                   max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
-    """Paths, bytes or PIL images -> (pixel rows [P, 1176] float32 or None, grids (t, h, w) per image)."""
+                   max_pixels: int = DEFAULT_MAX_PIXELS, processing: VisionProcessing | None = None
+                   ) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
+    """Paths, bytes or PIL images -> (pixel rows [P, 1176] float32 or None, grids (t, h, w) per image);
+    `processing` (a Qwen3-VL model's, see `vision_processing`) -> its patch size and mean/std instead."""
     if min_pixels > max_pixels:
         raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
     rows, grids = [], []
     for image in images:
-        pixels, grid = preprocess(image, min_pixels, max_pixels)
+        if processing is not None:
+            pixels, grid = preprocess_image(image, replace(processing, min_pixels=min_pixels, max_pixels=max_pixels))
+        else:
+            pixels, grid = preprocess(image, min_pixels, max_pixels)
         rows.append(torch.from_numpy(pixels))
         grids.append(grid)
     return (torch.cat(rows) if rows else None), grids
+
+
+def vision_processing(model: MindVL) -> VisionProcessing | None:
+    """The image processing a Qwen3-VL-towered model takes (16-px patches, mean/std 0.5, its merge sizes), or None
+    for Qwen2.5-VL's (mindvl.data.image)."""
+    v = model.config.vision
+    if v is None or v.family != "qwen3_vl":
+        return None
+    return replace(QWEN3_VL, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                   merge_size=v.spatial_merge_size)
 
 
 def conversation_prompt(tok: TextTokenizer, messages: Sequence[Message], pixel_values: torch.Tensor | None,
@@ -125,7 +142,11 @@ class ChatSession:
         if (images or videos) and model.visual is None:
             raise ValueError("this is a text-only model (no vision tower); it cannot take images or videos")
         self.model, self.tok, self.system = model, tokenizer, system
-        self.pixel_values, self.grids = process_images(images, min_pixels, max_pixels)
+        processing = vision_processing(model)
+        if processing is not None and videos:
+            raise ValueError("videos in chat with a Qwen3-VL-towered model are not supported yet (its prompt needs a "
+                             "timestamp per frame); ask about images")
+        self.pixel_values, self.grids = process_images(images, min_pixels, max_pixels, processing)
         self.video_rows, self.video_grids, self.video_seconds = process_videos(videos, video_settings)
         self.messages: list[Message] = []
         self.last_ids: list[int] = []  # the last answer's generated ids (without its end token) and that end token

@@ -111,17 +111,42 @@ class VisionConfig:
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6  # transformers hard-codes 1e-6 for the vision norms
     rope_theta: float = 10000.0
+    # "qwen2_5_vl" (the fields above) or "qwen3_vl" (vision_qwen3.py: 16-px patches, learned position embeddings
+    # interpolated to each grid, LayerNorm blocks with a GELU MLP, per-frame attention (window fields unused), and
+    # DeepStack: the states after blocks `deepstack_visual_indexes` go through their own mergers into the LLM).
+    family: str = "qwen2_5_vl"
+    num_position_embeddings: int | None = None  # qwen3_vl: a square table (e.g. 2304 = 48 x 48)
+    deepstack_visual_indexes: list[int] | None = None  # qwen3_vl: e.g. [8, 16, 24]; [] turns DeepStack off
+
+    FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
     def __post_init__(self) -> None:
         w = "vision"
         _check_types(self, w)
+        _require(self.family in self.FAMILIES, w, f"family {self.family!r} is not one of {self.FAMILIES}")
+        if self.family == "qwen3_vl":
+            self._check_qwen3(w)
         _require(self.hidden_size % self.num_heads == 0, w, "hidden_size must be divisible by num_heads")
         _require((self.hidden_size // self.num_heads) % 4 == 0, w, "head_dim must be a multiple of 4 (2-D RoPE)")
+        _require(self.family != "qwen2_5_vl" or (self.num_position_embeddings is None
+                                                   and self.deepstack_visual_indexes is None), w,
+                 "num_position_embeddings and deepstack_visual_indexes are only used by family 'qwen3_vl'")
         _require(all(0 <= i < self.depth for i in self.fullatt_block_indexes), w,
                  f"fullatt_block_indexes {self.fullatt_block_indexes} must lie in [0, depth={self.depth})")
         unit = self.spatial_merge_size * self.patch_size
-        _require(self.window_size % unit == 0, w, f"window_size must be a multiple of {unit}")
+        _require(self.family != "qwen2_5_vl" or self.window_size % unit == 0, w,
+                 f"window_size must be a multiple of {unit}")
         self.fullatt_block_indexes = list(self.fullatt_block_indexes)
+
+    def _check_qwen3(self, w: str) -> None:
+        _require(self.num_position_embeddings is not None and self.num_position_embeddings > 0
+                 and int(self.num_position_embeddings**0.5) ** 2 == self.num_position_embeddings, w,
+                 f"family 'qwen3_vl' needs num_position_embeddings, a square number; got "
+                 f"{self.num_position_embeddings}")
+        self.deepstack_visual_indexes = list(self.deepstack_visual_indexes or [])
+        _require(all(0 <= i < self.depth for i in self.deepstack_visual_indexes), w,
+                 f"deepstack_visual_indexes {self.deepstack_visual_indexes} must lie in [0, depth={self.depth})")
+        self.fullatt_block_indexes = []  # every block attends over its whole frame: no windows
 
     @property
     def head_dim(self) -> int:
@@ -191,8 +216,10 @@ class TextConfig:
     rope_interleave: bool | None = None  # rotary pairs stored interleaved (x0,x1),(x2,x3)... as in the checkpoints
     rope_scaling: dict[str, Any] | None = None  # None (plain RoPE) or transformers' yarn parameters
     attention_bias: bool = False  # bias on q_a/q/kv_a/o projections (deepseek_v3; False in released models)
+    # M-RoPE layout: False = Qwen2.5-VL's contiguous t|h|w chunks, True = Qwen3-VL's interleaved t,h,w,t,h,w,...
+    mrope_interleaved: bool = False
 
-    FAMILIES = ("qwen3", "qwen2", "deepseek_v3")
+    FAMILIES = ("qwen3", "qwen2", "deepseek_v3", "qwen3_moe")
 
     def __post_init__(self) -> None:
         w = "text"
@@ -200,6 +227,8 @@ class TextConfig:
         _require(self.family in self.FAMILIES, w, f"family {self.family!r} is not one of {self.FAMILIES}")
         if self.is_moe:
             self._check_deepseek(w)
+        elif self.family == "qwen3_moe":
+            self._check_qwen3_moe(w)
         else:
             for key in _DEEPSEEK_ONLY:
                 _require(getattr(self, key) is None, w, f"{key} is only used by family 'deepseek_v3', not "
@@ -253,9 +282,33 @@ class TextConfig:
         self.head_dim = self.qk_rope_head_dim
         self.num_key_value_heads = self.num_attention_heads
 
+    def _check_qwen3_moe(self, w: str) -> None:
+        """Qwen3-MoE (Qwen3-VL-30B-A3B's LLM): GQA with q/k norm; every layer's MLP is softmax-routed top-k experts
+        (weights renormalised to sum 1), no shared experts, no groups, no correction bias."""
+        for key in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+            _require(getattr(self, key) is not None and getattr(self, key) > 0, w,
+                     f"family 'qwen3_moe' requires a positive {key}")
+        neutral = {"n_shared_experts": 0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+                   "routed_scaling_factor": 1.0, "norm_topk_prob": True}
+        for key, value in neutral.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+            _require(getattr(self, key) == value, w, f"family 'qwen3_moe' has no {key} other than {value!r}")
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rope_interleave", "rope_scaling"):
+            _require(getattr(self, key) is None, w, f"{key} is only used by family 'deepseek_v3'; remove it")
+        _require(not self.attention_bias, w, "attention_bias is only used by family 'deepseek_v3'")
+        _require(self.num_experts_per_tok <= self.n_routed_experts, w,
+                 "num_experts_per_tok must be <= n_routed_experts")
+
     @property
     def is_moe(self) -> bool:
+        """DeepSeek-V3 (MLA + DeepSeek-MoE); Qwen3-MoE is `has_experts` but keeps GQA."""
         return self.family == "deepseek_v3"
+
+    @property
+    def has_experts(self) -> bool:
+        return self.family in ("deepseek_v3", "qwen3_moe")
 
     @property
     def qkv_bias(self) -> bool:
@@ -263,7 +316,7 @@ class TextConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_moe")
 
 
 @dataclass

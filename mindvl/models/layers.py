@@ -74,12 +74,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: list[int] | None = None
+    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: list[int] | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for text tokens: position_ids [T] (1-D RoPE) or [3, T] (M-RoPE) -> cos, sin float32 [T, head_dim].
 
     M-RoPE: frequency slot j of the first half uses the temporal, height or width index depending on which
     `mrope_section` chunk it falls in; the second half of head_dim repeats the pattern (transformers' layout).
+    Interleaved M-RoPE (Qwen3-VL): slot j uses the height index when j % 3 == 1 and j < 3 * sections[1], the width
+    index when j % 3 == 2 and j < 3 * sections[2], else the temporal index, so every axis spans low and high
+    frequencies.
     """
     inv_freq = inverse_frequencies(head_dim, theta, position_ids.device)  # [hd/2]
     if position_ids.dim() == 1:
@@ -92,6 +96,14 @@ def rope_cos_sin(
             if sum(mrope_section) != head_dim // 2:
                 raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
             per_axis = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, hd/2]
+            if interleaved:
+                slot = torch.arange(head_dim // 2, device=position_ids.device)
+                axis = torch.zeros_like(slot)
+                axis[(slot % 3 == 1) & (slot < 3 * mrope_section[1])] = 1
+                axis[(slot % 3 == 2) & (slot < 3 * mrope_section[2])] = 2
+                freqs = per_axis.gather(0, axis[None, None, :].expand(1, per_axis.shape[1], -1))[0]
+                emb = torch.cat((freqs, freqs), dim=-1)
+                return emb.cos(), emb.sin()
             chunks = per_axis.split(list(mrope_section), dim=-1)
             freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [T, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -39,24 +39,55 @@ def _vocab_slices(n_rows: int, vocab: int, chunk_size: int) -> range:
     return range(0, vocab, step)
 
 
+def online_logsumexp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's walk over `weight`'s vocabulary rows: (running max, sum of exp(logit - max), target logit),
+    each [N] float32. A target outside [0, V) adds 0 to its target logit (the vocabulary-parallel loss passes the
+    other ranks' targets that way)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    starts = _vocab_slices(n, vocab, chunk_size)
+    running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    for v0 in starts:
+        w = weight[v0 : v0 + starts.step]
+        logits = (hidden @ w.T).float()  # [N, s]; the matmul in the activation dtype, as transformers does
+        inside = (targets >= v0) & (targets < v0 + w.shape[0])
+        local = (targets - v0).clamp(0, w.shape[0] - 1)
+        target_logit += torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), 0.0)
+        new_max = torch.maximum(running_max, logits.amax(dim=1))
+        block_sum = logits.sub_(new_max[:, None]).exp_().sum(1)  # in place: one logits block at a time
+        running_sum = running_sum * torch.exp(running_max - new_max) + block_sum
+        running_max = new_max
+    return running_max, running_sum, target_logit
+
+
+def slice_gradients(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                    grad_loss: torch.Tensor, chunk_size: int, need_h: bool,
+                    need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward's walk over `weight`'s vocabulary rows: (dL/dhidden float32 [N, H] or None, dL/dweight in the
+    weight's dtype or None), recomputing each slice's softmax from `lse`."""
+    starts = _vocab_slices(hidden.shape[0], weight.shape[0], chunk_size)
+    grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    for v0 in starts:
+        w = weight[v0 : v0 + starts.step]
+        grad_logits = (hidden @ w.T).float().sub_(lse[:, None]).exp_()  # softmax slice, in place: one block
+        inside = (targets >= v0) & (targets < v0 + w.shape[0])
+        grad_logits[rows[inside], targets[inside] - v0] -= 1.0
+        grad_logits = grad_logits.mul_(grad_loss).to(hidden.dtype)
+        if need_h:
+            grad_h += grad_logits @ w.to(hidden.dtype)
+        if need_w:
+            grad_w[v0 : v0 + w.shape[0]] = (grad_logits.T @ hidden).to(weight.dtype)
+    return grad_h, grad_w
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):  # hidden [N, H], weight [V, H], targets [N]
-        n, vocab = hidden.shape[0], weight.shape[0]
-        starts = _vocab_slices(n, vocab, chunk_size)
-        running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
-        running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        for v0 in starts:
-            w = weight[v0 : v0 + starts.step]
-            logits = (hidden @ w.T).float()  # [N, s]; the matmul in the activation dtype, as transformers does
-            inside = (targets >= v0) & (targets < v0 + w.shape[0])
-            local = (targets - v0).clamp(0, w.shape[0] - 1)
-            target_logit += torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), 0.0)
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            block_sum = logits.sub_(new_max[:, None]).exp_().sum(1)  # in place: one logits block at a time
-            running_sum = running_sum * torch.exp(running_max - new_max) + block_sum
-            running_max = new_max
+        running_max, running_sum, target_logit = online_logsumexp(hidden, weight, targets, chunk_size)
         lse = running_max + torch.log(running_sum)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_size = chunk_size
@@ -66,20 +97,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        starts = _vocab_slices(hidden.shape[0], weight.shape[0], ctx.chunk_size)
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        for v0 in starts:
-            w = weight[v0 : v0 + starts.step]
-            grad_logits = (hidden @ w.T).float().sub_(lse[:, None]).exp_()  # softmax slice, in place: one block
-            inside = (targets >= v0) & (targets < v0 + w.shape[0])
-            grad_logits[rows[inside], targets[inside] - v0] -= 1.0
-            grad_logits = grad_logits.mul_(grad_loss).to(hidden.dtype)
-            if need_h:
-                grad_h += grad_logits @ w.to(hidden.dtype)
-            if need_w:
-                grad_w[v0 : v0 + w.shape[0]] = (grad_logits.T @ hidden).to(weight.dtype)
+        grad_h, grad_w = slice_gradients(hidden, weight, targets, lse, grad_loss, ctx.chunk_size, need_h, need_w)
         return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None
 
 

@@ -120,6 +120,7 @@ class MLAttention(nn.Module):
         return mla_rope_cos_sin(position_ids, cfg)
 
     cache_class = MLACache  # latents + rope keys, not per-head K/V
+    attend = staticmethod(attend)  # the varlen core; replaceable per instance from outside (see text.GQAttention)
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -165,7 +166,7 @@ class MLAttention(nn.Module):
             k_pass, v = kv_full.split([self.nope, self.v_dim], dim=-1)
             q = torch.cat([q_pass, q_rot], dim=-1)  # [T, nh, nope + rope]
             k = torch.cat([k_pass, k_rot.expand(n, self.num_heads, self.rope)], dim=-1)
-            out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=self.scale, backend=self.backend)
+            out = self.attend(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=self.scale, backend=self.backend)
         if rows is not None:
             out = out[rows]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))  # out [T or B, nh, v_dim]

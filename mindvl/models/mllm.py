@@ -32,6 +32,7 @@ from .projector import Projector
 from .random_init import seeded_init_tensors
 from .text import TextModel
 from .vision import VisionTransformer
+from .vision_qwen3 import LayerNormMerger, Qwen3VisionTransformer
 
 
 @dataclass
@@ -113,16 +114,39 @@ def mrope_position_ids(
     return pos.to(input_ids.device)
 
 
+def split_frames(grid_thw: torch.Tensor | None) -> torch.Tensor | None:
+    """[N, 3] grids -> one (1, h, w) row per frame: a video of t temporal patches becomes t items (Qwen3-VL)."""
+    if grid_thw is None:
+        return None
+    grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
+    frames = grid_thw.repeat_interleave(grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def _deepstack_kw(deepstack) -> dict:
+    """The language model takes `deepstack` only when there is some (wrappers of it need not know the argument)."""
+    return {} if deepstack is None else {"deepstack": deepstack}
+
+
 class MindVL(nn.Module):
     def __init__(self, config: MindVLConfig) -> None:
         super().__init__()
         self.config = config
-        if config.vision is not None:
-            self.visual = VisionTransformer(config.vision)
-            self.projector = Projector(config.vision.hidden_size, config.text.hidden_size, config.vision.merge_unit)
+        v = config.vision
+        if v is not None and v.family == "qwen3_vl":  # the projector holds the DeepStack mergers too
+            self.visual = Qwen3VisionTransformer(v)
+            self.projector = LayerNormMerger(v.hidden_size, config.text.hidden_size, v.merge_unit,
+                                             deepstack=len(v.deepstack_visual_indexes or []))
+        elif v is not None:
+            self.visual = VisionTransformer(v)
+            self.projector = Projector(v.hidden_size, config.text.hidden_size, v.merge_unit)
         else:
             self.visual, self.projector = None, None
         self.language_model = TextModel(config.text)  # dense or MoE layers, GQA or MLA: text.py's factory
+        # (hidden [N, H], output weight [V, H], targets [N], chunk) -> (loss sum, count): where a vocabulary-parallel
+        # loss plugs in from outside (mindvl.train.tensor_parallel), as a dispatcher does for expert parallelism
+        self.cross_entropy = chunked_cross_entropy
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -152,7 +176,19 @@ class MindVL(nn.Module):
             image_grid_thw = torch.zeros(0, 3, dtype=torch.long)
         if image_grid_thw is None:
             raise ValueError("pixel_values given without image_grid_thw")
-        return self.projector(self.visual(pixel_values, image_grid_thw))
+        return self.vision_features(pixel_values, image_grid_thw)[0]
+
+    def vision_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(features [P/4, hidden], DeepStack features: one [P/4, hidden] per DeepStack block, [] without)."""
+        out = self.visual(pixel_values, grid_thw)
+        if self.config.vision.family != "qwen3_vl":
+            return self.projector(out), []
+        hidden, stack = out
+        mergers = self.projector.deepstack
+        if mergers is None:  # DeepStack off (no indexes, or an ablation)
+            return self.projector(hidden), []
+        return self.projector(hidden), [m(h) for m, h in zip(mergers, stack, strict=True)]
 
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None) -> torch.Tensor:
@@ -162,12 +198,20 @@ class MindVL(nn.Module):
         appearance, filling image-pad and video-pad slots in that order. transformers' form passes videos apart
         (`pixel_values_videos` [Pv, 1176], `video_grid_thw` [Nv, 3]); both run through the tower in one call.
         """
+        return self.embed_with_deepstack(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                         video_grid_thw)[0]
+
+    def embed_with_deepstack(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
+                             pixel_values_videos=None, video_grid_thw=None
+                             ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None]:
+        """`embed`, plus Qwen3-VL's DeepStack input for the language model: (the visual positions [n] int64, one
+        [n, hidden] feature per DeepStack block, in those positions' order), or None for a model without it."""
         embeds = self.language_model.embed_tokens(input_ids)
         has_videos = pixel_values_videos is not None and pixel_values_videos.numel() > 0
         if self.visual is None:
             if (pixel_values is not None and pixel_values.numel()) or has_videos:
                 raise ValueError("this is a text-only model (no vision tower) but pixel_values were given")
-            return embeds
+            return embeds, None
         is_image = input_ids == self.config.image_token_id
         is_video = input_ids == self.config.video_token_id
         if has_videos:
@@ -176,12 +220,12 @@ class MindVL(nn.Module):
             rows = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
             grids = [g for g, p in ((image_grid_thw, pixel_values), (video_grid_thw, pixel_values_videos))
                      if p is not None and p.numel()]
-            features = self.image_features(torch.cat(rows), torch.cat([g.reshape(-1, 3) for g in grids]))
+            features, stack = self._features(torch.cat(rows), torch.cat([g.reshape(-1, 3) for g in grids]))
             n_video = int(pixel_values_videos.shape[0]) // self.config.vision.merge_unit
             slots = [(is_image, features[: features.shape[0] - n_video], "image"),
                      (is_video, features[features.shape[0] - n_video :], "video")]
         else:
-            features = self.image_features(pixel_values, image_grid_thw)
+            features, stack = self._features(pixel_values, image_grid_thw)
             slots = [(is_image | is_video, features, "image/video" if bool(is_video.any()) else "image")]
         features = features.to(embeds.dtype)
         for mask, feats, kind in slots:
@@ -194,10 +238,25 @@ class MindVL(nn.Module):
                 )
             if n_pads:
                 embeds = embeds.masked_scatter(mask[:, None], feats.to(embeds.dtype))
+        deepstack = None
+        if stack:
+            # Features run in slot order (images, then videos in transformers' form); positions in text order.
+            index = torch.cat([mask.nonzero()[:, 0] for mask, _, _ in slots])
+            order = index.argsort()
+            deepstack = (index[order], [f.to(embeds.dtype)[order] for f in stack])
         if not bool((is_image | is_video).any()):
             # Keeps the (empty) vision graph attached so every parameter receives a (zero) gradient on every rank.
-            return embeds + features.sum() * 0.0
-        return embeds
+            return embeds + (features.sum() + sum(f.sum() for f in stack)) * 0.0, None
+        return embeds, deepstack
+
+    def _features(self, pixel_values, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if pixel_values is None:
+            device = self.language_model.embed_tokens.weight.device
+            pixel_values = torch.zeros(0, self.config.vision.patch_dim, device=device)
+            grid_thw = torch.zeros(0, 3, dtype=torch.long)
+        if grid_thw is None:
+            raise ValueError("pixel_values given without image_grid_thw")
+        return self.vision_features(pixel_values, grid_thw)
 
     def default_position_ids(self, input_ids, cu_seqlens, image_grid_thw, video_grid_thw=None,
                              second_per_grid_ts=None) -> torch.Tensor:
@@ -205,6 +264,10 @@ class MindVL(nn.Module):
         sample, vision pads included: what generation feeds a 1-D RoPE model, so training must use the same."""
         if self.config.uses_mrope:
             merge = self.config.vision.spatial_merge_size if self.config.vision else 2
+            if self.config.vision is not None and self.config.vision.family == "qwen3_vl":
+                # Qwen3-VL writes a timestamp before every video frame, so each frame is its own vision item (t = 1):
+                # no temporal offsets, and the text between frames advances the position.
+                image_grid_thw, video_grid_thw = split_frames(image_grid_thw), split_frames(video_grid_thw)
             return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge,
                                       self.config.video_token_id, video_grid_thw, second_per_grid_ts,
                                       self.config.tokens_per_second)
@@ -244,7 +307,8 @@ class MindVL(nn.Module):
         if int(cu_seqlens[-1]) != total:
             raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the row has {total} tokens")
         # Checks the pad counts against the features first.
-        embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        embeds, deepstack = self.embed_with_deepstack(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                      video_grid_thw)
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, video_grid_thw,
                                                      second_per_grid_ts)
@@ -254,10 +318,10 @@ class MindVL(nn.Module):
             # positions it will be served with: each sample's tokens numbered 0, 1, 2, ...
             position_ids = self.default_position_ids(input_ids, cu_seqlens, None)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen)  # [T, H]
+        hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen, **_deepstack_kw(deepstack))
         if labels is not None:
             targets = next_token_targets(labels, cu_seqlens)
-            loss_sum, count = chunked_cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
+            loss_sum, count = self.cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
             return LossOutput(loss_sum, count)
         logits = self.language_model.logits(hidden)
         return MindVLOutput(logits=logits[None] if batched else logits)
@@ -285,12 +349,12 @@ class MindVL(nn.Module):
         The next position is the prompt's largest position + 1 on every M-RoPE axis: text after an image resumes
         at max + 1 (transformers' rope_deltas), and generated text only ever advances all three axes together.
         """
-        embeds = self.embed(input_ids, pixel_values, image_grid_thw)
+        embeds, deepstack = self.embed_with_deepstack(input_ids, pixel_values, image_grid_thw)
         position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, None, second_per_grid_ts)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         # Only the last token's logits are needed: the last layer runs (most of) its work for those alone.
         hidden = self.language_model(embeds, position_ids, cu_seqlens, int(lengths.max()), cache=cache,
-                                     last_only=True)  # [B, H]
+                                     last_only=True, **_deepstack_kw(deepstack))  # [B, H]
         logits = self.language_model.logits(hidden)  # [B, V]
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device), lengths)
         top = position_ids.reshape(-1, position_ids.shape[-1]).amax(0)  # [T]: max over the M-RoPE axes

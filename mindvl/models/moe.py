@@ -88,15 +88,41 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
-        if self.training:
-            with torch.no_grad():
-                flat = ids.reshape(-1)
-                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        self.count_load(ids)
         if self.record:
             with torch.no_grad():
                 w, order = weights.detach().sort(dim=-1, descending=True, stable=True)
                 self.records.append((ids.gather(1, order), w))
         return weights, ids
+
+    def count_load(self, ids: torch.Tensor) -> None:
+        """Tokens routed to each expert during training (the bias balancing and MaxVio read `expert_load`)."""
+        if self.training:
+            with torch.no_grad():
+                flat = ids.reshape(-1)
+                self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+
+
+class SoftmaxTopKRouter(TopKRouter):
+    """Qwen3-MoE's router (Qwen3-VL-30B-A3B): softmax over all experts in fp32, top-k, weights renormalised to sum
+    1. No groups, no scaling; the correction bias stays zero, unused and out of checkpoints (non-persistent), so
+    `update_router_bias` may run on a model of either kind. Load counting is the parent's (`count_load`)."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__(cfg)
+        del self.e_score_correction_bias
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).float().softmax(-1)  # logits in x.dtype, softmax in fp32 (transformers)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        self.count_load(ids)
+        if self.record:
+            with torch.no_grad():
+                self.records.append((ids.detach().clone(), weights.detach().float()))  # already descending
+        return weights.to(x.dtype), ids  # transformers weights each expert's output in the activation dtype
 
 
 def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -207,7 +233,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.gate = TopKRouter(cfg)
+        self.gate = SoftmaxTopKRouter(cfg) if cfg.family == "qwen3_moe" else TopKRouter(cfg)
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(cfg.hidden_size, shared, bias=False, act=cfg.hidden_act) if shared else None

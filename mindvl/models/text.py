@@ -46,9 +46,12 @@ class GQAttention(nn.Module):
 
     @staticmethod
     def rotary(position_ids: torch.Tensor, cfg: TextConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        return rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
     cache_class = KVCache  # per-head keys and values
+    # The varlen attention core; parallelism applied from outside may replace it per instance (context parallelism:
+    # mindvl.train.context_parallel swaps in an all-to-all over heads around it).
+    attend = staticmethod(attend)
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -66,19 +69,20 @@ class GQAttention(nn.Module):
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H]; with `rows` [B] (each cached sequence's last token, prefill only) -> [B, H]: keys and
         values for all T tokens go into the cache, queries only for those rows."""
-        n = x.shape[0]
         xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
-        q = self.q_proj(xq).view(xq.shape[0], self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        # Head counts come from the projections' widths, not the config: a tensor-parallel rank (applied from
+        # outside, mindvl.train.tensor_parallel) holds num_heads / tp query heads and num_kv_heads / tp KV heads.
+        q = self.q_proj(xq).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:  # Qwen3 normalises per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
         if kv is None:
-            out = attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
+            out = self.attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
         else:
             out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None)
-        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
+        return self.o_proj(out.flatten(1))
 
 
 # --------------------------------------------------------------------------------------------- layer factory
@@ -91,8 +95,8 @@ def attention_class(cfg: TextConfig) -> type[GQAttention] | type[MLAttention]:
 
 def mlp_for(cfg: TextConfig, layer_idx: int) -> nn.Module:
     """Layer `layer_idx`'s MLP: DeepSeek-MoE from layer `first_k_dense_replace` on, else a dense SwiGLU."""
-    if cfg.is_moe and layer_idx >= cfg.first_k_dense_replace:
-        return MoE(cfg)
+    if cfg.has_experts and layer_idx >= cfg.first_k_dense_replace:
+        return MoE(cfg)  # DeepSeek-MoE, or Qwen3-MoE's softmax routing (moe.py picks the router)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
 
 
@@ -151,6 +155,7 @@ class TextModel(nn.Module):
         max_seqlen: int,
         cache: KVCache | None = None,
         last_only: bool = False,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
 
@@ -158,13 +163,19 @@ class TextModel(nn.Module):
         [B+1]); a filled one takes a decode step (T = B, one token per sequence, cu_seqlens unused). `last_only` (a
         prefill) returns only each prompt's last hidden state [B, H] and skips most of the rest of the last layer's
         work (see the module docstring).
+
+        `deepstack` (Qwen3-VL): (visual positions [n] int64, features [[n, H], ...]); feature l is added to the
+        hidden states at those positions after layer l, as transformers' Qwen3VLTextModel does.
         """
         cos, sin = attention_class(self.cfg).rotary(position_ids, self.cfg)
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates text in x.dtype
         x = inputs_embeds
+        index, extra = deepstack if deepstack is not None else (None, [])
         if cache is None:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+                if i < len(extra):
+                    x = x.index_add(0, index, extra[i].to(x.dtype))
             return self.norm(x)
         expected = attention_class(self.cfg).cache_class
         if type(cache) is not expected or len(cache.keys) != len(self.layers):
@@ -175,8 +186,14 @@ class TextModel(nn.Module):
         cache.begin(x.shape[0], cu_seqlens, x.device)
         last = len(self.layers) - 1
         rows = cu_seqlens[1:].long() - 1 if last_only else None  # [B]: each prompt's last token
+        narrow_last = rows is not None and len(extra) <= last  # DeepStack into the last layer needs all its rows
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i), rows if i == last else None)
+            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i), rows if i == last and narrow_last
+                      else None)
+            if i < len(extra):
+                x = x.index_add(0, index, extra[i].to(x.dtype))
+        if rows is not None and not narrow_last:
+            x = x[rows]
         cache.commit()
         return self.norm(x)
 

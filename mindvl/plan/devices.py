@@ -44,6 +44,9 @@ DEVICES: dict[str, Device] = {
     # Table 10: 64 GB HBM at 1800 GB/s, no NVLink, 64 GB/s PCIe between cards; 200 Gb/s RoCE per NPU
     "910b1": _dev("910b1", 65536, 400, 1800, 32, 25),
     "910b2-64g": _dev("910b2-64g", 65536, 376, 1800, 32, 25),
+    # the one-card fine-tuner's 24 GB: RTX 4090 (165 dense bf16 TFLOP/s with fp32 accumulation, 1008 GB/s GDDR6X,
+    # PCIe 4.0 x16 between cards, no NVLink)
+    "rtx4090-24g": _dev("rtx4090-24g", 24564, 165, 1008, 32, 12.5),
 }
 ALIASES = {"h100": "h100-80g", "a100": "a100-80g", "910b2": "910b2-64g", "910b1-64g": "910b1"}
 _CUSTOM_KEYS = {"mem_gb": "memory", "tflops": "peak", "hbm_gbs": "hbm", "intra_gbs": "intra", "inter_gbs": "inter",
@@ -89,7 +92,8 @@ def device_for_name(runtime_name: str) -> Device | None:
     """The table entry for a runtime's device name ("NVIDIA H100 80GB HBM3", "Ascend910B2"), if known."""
     key = runtime_name.replace(" ", "").replace("-", "").upper()
     for marker, name in (("H100", "h100-80g"), ("H800", "h100-80g"), ("H200", "h200"), ("A100", "a100-80g"),
-                         ("A800", "a100-80g"), ("910B1", "910b1"), ("910B2", "910b2-64g")):
+                         ("A800", "a100-80g"), ("910B1", "910b1"), ("910B2", "910b2-64g"),
+                         ("4090", "rtx4090-24g")):
         if marker in key:
             return DEVICES[name]
     return None

@@ -4,13 +4,15 @@
     result.fits, result.peak_bytes_per_rank, result.to_dict()
 
 Memory is traced (mindvl.plan.simulate: the real model, parallelize and training step on a fake cluster); FLOPs,
-communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` covers what the trace cannot see:
-the runtime context (CUDA/CANN, ~1 GiB), communication library buffers (~1 GiB), kernel workspaces and allocator
-fragmentation (5% of capacity). A plan fits when peak + reserve (+ the routing-skew term, below) <= capacity.
+communication and time are estimated (mindvl.plan.estimate). `reserve_bytes` covers what the trace cannot see,
+from measurement (mindvl.plan.margin, margin.json): the runtime context and communication buffers (fixed), and the
+allocator's growth over the planned bytes (workspaces, alignment, fragmentation: a measured ratio of the peak).
+A plan fits when peak + the routing-skew term (below) + reserve <= capacity.
 
 Routing skew (mindvl.plan.skew): under expert parallelism the trace routes balanced; `routing_skew_factor` (a capacity
-factor, >= 1; a run's logged MaxVio bounds it: factor <= 1 + MaxVio) adds what the most-loaded EP rank's extra
-routed rows hold at the peak. The report prints the headroom at several factors and the largest factor that fits.
+factor, >= 1; a run's logged MaxVio bounds it: factor <= 1 + MaxVio; default margin.json's) adds what the
+most-loaded EP rank's extra routed rows hold at the peak. The report prints the headroom at several factors and the
+largest factor that fits.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from mindvl.config import Recipe
 from mindvl.data import DataConfig
 from mindvl.models import MindVLConfig
+from mindvl.train.lora import lora_config
 from mindvl.train.parallel import ParallelLayout
+from mindvl.train.qlora import NF4_BYTES_PER_PARAM
 
 from . import estimate
 from .devices import GIB, Device
@@ -34,8 +38,13 @@ from .simulate import PARTS, trace_step
 from .skew import SENSITIVITY, Skew, routing_skew
 
 
-def reserve_bytes(device: Device) -> int:
-    return int(2 * GIB + 0.05 * device.memory_bytes)
+def reserve_bytes(device: Device, planned_bytes: int, margin=None) -> int:
+    """What a rank needs beyond `planned_bytes` (traced peak + routing-skew term) on `device`: margin.json's
+    measured reserve (mindvl.plan.margin.Margin; the same on every device kind until a device records its own)."""
+    from .margin import load_margin  # lazily: `python -m mindvl.plan.margin` runs that module as __main__
+
+    del device  # one measured margin for every device today; the argument keeps callers naming theirs
+    return (margin or load_margin()).reserve_bytes(planned_bytes)
 
 
 def model_config(recipe: Recipe, preset: str | None = None) -> tuple[MindVLConfig, str]:
@@ -94,6 +103,11 @@ class PlanResult:
     vision_load: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
     skew: Skew | None = None  # routing skew under expert parallelism (None / no bytes: no term)
+    reserve_growth: float = 1.0  # reserve bytes per planned byte beyond its fixed part (mindvl.plan.margin)
+    reserve_source: str = ""
+    context_parallel: int = 1  # ranks splitting each pack (parallel.context_parallel)
+    attention_heads: int = 0  # the language model's query heads (context parallelism must divide them)
+    tensor_parallel: int = 1  # the layout's tp: ranks splitting each LLM layer (the data-parallel size is W / tp)
 
     @property
     def skew_bytes(self) -> int:
@@ -112,7 +126,9 @@ class PlanResult:
         if self.skew is None or not self.skew.bytes_per_unit:
             return None
         k = self.skew
-        args = (self.peak_bytes_per_rank, self.reserve_bytes, self.capacity_bytes)
+        # the reserve of the balanced peak: the reserve grows with the skew term as with any planned byte
+        balanced_reserve = self.reserve_bytes - int((self.reserve_growth - 1.0) * k.extra_bytes)
+        args = (self.peak_bytes_per_rank, balanced_reserve, self.capacity_bytes, self.reserve_growth)
         return {"factor": k.factor, "extra_bytes": k.extra_bytes, "bytes_per_unit": k.bytes_per_unit,
                 "rows_balanced": k.rows_balanced, "layers_in_flight": k.layers_in_flight,
                 "headroom_at": {str(f): k.headroom_at(f, *args) for f in (1.0, *SENSITIVITY)},
@@ -125,15 +141,17 @@ class PlanResult:
     def to_dict(self) -> dict:
         return {
             "fits": self.fits, "headroom": self.headroom, "recipe": self.recipe, "model_source": self.model_source,
-            "world_size": self.world_size, "device": self.device.to_dict(),
+            "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
+            "data_parallel": self.world_size // self.tensor_parallel, "device": self.device.to_dict(),
             "peak_bytes_per_rank": self.peak_bytes_per_rank, "capacity_bytes": self.capacity_bytes,
-            "reserve_bytes": self.reserve_bytes, "breakdown": self.breakdown,
+            "reserve_bytes": self.reserve_bytes, "reserve_source": self.reserve_source, "breakdown": self.breakdown,
             "micro_batches_per_rank": self.accumulation, "grad_accumulation": self.grad_accumulation,
             "activation_checkpointing": self.activation_checkpointing,
             "flops_per_step": self.flops_per_step, "flops_by_part": self.flops_by_part,
             "comm_bytes_per_step": self.comm_bytes_per_step, "est_step_time_s": self.timing["step_s"],
             "est_timing": self.timing, "est_tokens_per_s": self.tokens_per_step / self.timing["step_s"],
-            "est_mfu": self.est_mfu, "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
+            "est_mfu": self.est_mfu, "context_parallel": self.context_parallel,
+            "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
             "sharded_bytes_at_peak": self.sharded_bytes, "trace_s": self.trace_s, "notes": self.notes, "estimated": [
                 "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes",
                 "routing_skew"], "routing_skew": self.skew_summary(),
@@ -141,7 +159,8 @@ class PlanResult:
 
 
 def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = None, sample_data: bool = False,
-         recipe_name: str = "", routing_skew_factor: float = 1.0) -> PlanResult:
+         recipe_name: str = "", routing_skew_factor: float | None = None) -> PlanResult:
+    """`routing_skew_factor`: None takes margin.json's measured default."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     recipe = copy.deepcopy(recipe)
@@ -155,6 +174,9 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     accum = gb // layout.dp_size
     trainable = recipe.trainable_modules
     notes = []
+    if layout.cp > 1:
+        notes.append(f"layout: {layout.dp_size} data shards x context {layout.cp} (each pack split over {layout.cp} "
+                     "ranks; FSDP over both)")
     if sample_data:
         from mindvl.data import load_tokenizer
         from mindvl.train.preflight import tokenizer_source
@@ -179,24 +201,52 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         comm["all_to_all"] = estimate.expert_all_to_all_bytes(
             config, sum(p.tokens for p in packs) / len(packs), layout.ep, accum,
             traced.prepared.checkpointing != "off")
-    timing = estimate.step_time(device, world_size, flops_step / world_size, comm,
+    if layout.cp > 1:  # Ulysses all-to-alls of context parallelism
+        comm["context_all_to_all"] = estimate.context_all_to_all_bytes(
+            config, sum(p.tokens for p in packs) / len(packs), layout.cp, accum,
+            traced.prepared.checkpointing != "off")
+    if layout.tp > 1:  # sequence gathers/scatters and the vocabulary-parallel loss inside each TP group
+        comm.update(estimate.tensor_parallel_bytes(
+            config, sum(p.tokens for p in packs) / len(packs), sum(estimate.labelled(config, p) for p in packs)
+            / len(packs), layout.tp, accum, traced.prepared.checkpointing == "full"))
+    # per rank: the LLM's FLOPs split over the world; the vision tower runs whole on every rank of a CP group (all of
+    # its packs' images) and of a TP group (replicated), so it splits over the data shards only
+    flops_rank = ((mean_flops - mean_vit) * gb + mean_vit * gb * layout.cp * layout.tp) / world_size
+    timing = estimate.step_time(device, world_size, flops_rank, comm,
                                 counts.trainable_params / world_size)
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
 
-    skew = routing_skew(config, max(p.tokens for p in packs), layout.ep,
-                        traced.prepared.checkpointing, routing_skew_factor)
+    from .margin import load_margin
+
+    margin = load_margin()
+    factor = margin.skew_factor if routing_skew_factor is None else routing_skew_factor
+    skew = routing_skew(config, max(p.tokens for p in packs), layout.ep, traced.prepared.checkpointing, factor)
+    peak, breakdown = traced.peak_bytes, dict(traced.breakdown)
+    lora = lora_config(recipe)
+    if lora is not None:
+        notes.append(f"LoRA r={lora.r} on {traced.prepared.lora_layers} linear layers of {', '.join(lora.modules)}"
+                     f" (frozen weights stored in the compute dtype)")
+    if lora is not None and lora.quantize is not None:
+        # QLoRA: the trace holds the adapted layers' frozen weights in bf16; NF4 stores them in ~0.52 bytes each
+        saved = int(traced.prepared.lora_base_params * (2 - NF4_BYTES_PER_PARAM))
+        peak -= saved
+        breakdown["parameters"] -= saved
+        notes.append(f"QLoRA ({lora.quantize}): {traced.prepared.lora_base_params / 1e9:.2f}B adapted base weights "
+                     f"counted at {NF4_BYTES_PER_PARAM:.3f} bytes instead of the trace's bf16 (-{_gib(saved)})")
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,
-        peak_bytes_per_rank=traced.peak_bytes, breakdown=traced.breakdown, capacity_bytes=device.memory_bytes,
-        reserve_bytes=reserve_bytes(device), flops_per_step=flops_step,
+        peak_bytes_per_rank=peak, breakdown=breakdown, capacity_bytes=device.memory_bytes,
+        reserve_bytes=reserve_bytes(device, peak + skew.extra_bytes, margin), flops_per_step=flops_step,
         flops_by_part={"vit": mean_vit * gb, "projector_and_llm": (mean_flops - mean_vit) * gb},
         comm_bytes_per_step=comm, timing=timing, tokens_per_step=tokens,
         params={"total": counts.total_params, "trainable": counts.trainable_params},
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
-        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew)
+        trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew,
+        reserve_growth=margin.growth, reserve_source=margin.describe(),
+        context_parallel=layout.cp, attention_heads=config.text.num_attention_heads, tensor_parallel=layout.tp)
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -214,9 +264,10 @@ def skew_lines(r: PlanResult) -> list[str]:
     at = ", ".join(f"{f} {h:.0%}" for f, h in k["headroom_at"].items())
     return [f"  routing skew: the trace routes balanced ({k['rows_balanced']:,} rows per micro-batch per EP rank, "
             f"{k['layers_in_flight']} MoE layer(s) in flight); each +0.1 of capacity factor on the hot rank adds "
-            f"{_gib(k['bytes_per_unit'] / 10)}; headroom at factor {at}; fits up to factor "
-            f"{k['break_even_factor']:.2f}" + (f"; planned at {k['factor']}: +{_gib(k['extra_bytes'])}"
-                                               if k["factor"] > 1 else "")]
+            f"{_gib(k['bytes_per_unit'] / 10)}; headroom at factor {at}; "
+            + (f"fits up to factor {k['break_even_factor']:.2f}" if k["break_even_factor"] >= 1
+               else "does not fit even balanced")
+            + (f"; planned at {k['factor']}: +{_gib(k['extra_bytes'])}" if k["factor"] > 1 else "")]
 
 
 def verdict(r: PlanResult) -> str:
@@ -228,10 +279,15 @@ def verdict(r: PlanResult) -> str:
                 f"{_gib(r.capacity_bytes)} per {r.device.name} ({r.headroom:.0%} headroom)")
     part = max(r.breakdown, key=r.breakdown.get)
     knobs = [f"--world-size {2 * r.world_size}"]
+    cp = 2 * r.context_parallel  # activations of one pack split over twice the ranks
+    if part == "activations" and r.attention_heads % cp == 0 and r.world_size % cp == 0:
+        knobs.insert(0, f"parallel.context_parallel={cp}")
     if r.activation_checkpointing != "full":
         knobs.append("parallel.activation_checkpointing=full")
     if r.grad_accumulation != "sharded":
         knobs.append("parallel.grad_accumulation=sharded")
+    if part in ("activations", "loss_temporaries", "unsharded_parameters") and r.tensor_parallel < 8:
+        knobs.append("parallel.tensor_parallel (splits activations and gathered layers; inside a node)")
     knobs += ["data.seq_len (lower)", "data.max_pixels (lower)"]
     return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve = "
             f"{_gib(total)} > "
@@ -241,7 +297,9 @@ def verdict(r: PlanResult) -> str:
 
 def format_report(r: PlanResult) -> str:
     d = r.to_dict()
-    lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name} "
+    tp = r.tensor_parallel
+    layout = f", {r.world_size // tp} data shards x TP {tp}" if tp > 1 else ""
+    lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name}{layout} "
              f"({r.accumulation} micro-batch(es) per rank per step, grad accumulation {r.grad_accumulation}, "
              f"activation checkpointing {r.activation_checkpointing})",
              f"model: {r.params['total'] / 1e9:.2f}B parameters ({r.params['trainable'] / 1e9:.2f}B trainable), "
@@ -250,7 +308,7 @@ def format_report(r: PlanResult) -> str:
     for part in PARTS:
         lines.append(f"  {part:<21} {_gib(r.breakdown[part]):>10}")
     lines.append(f"  {'peak':<21} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
-                 f"{_gib(r.reserve_bytes)} (runtime, comm buffers, workspaces, fragmentation: not traced)")
+                 f"{_gib(r.reserve_bytes)} (not traced: {r.reserve_source or 'runtime, comm buffers, allocator'})")
     lines += skew_lines(r)
     c = r.comm_bytes_per_step
     t = r.timing
@@ -258,9 +316,16 @@ def format_report(r: PlanResult) -> str:
         f"FLOPs per step: {r.flops_per_step:.3e} (ViT {r.flops_by_part['vit']:.3e}, projector + LLM "
         f"{r.flops_by_part['projector_and_llm']:.3e})",
         f"collectives per rank per step: all-gather {_gib(c['all_gather'])}, reduce-scatter "
-        f"{_gib(c['reduce_scatter'])}" + (f", expert all-to-all {_gib(c['all_to_all'])}" if "all_to_all" in c else ""),
+        f"{_gib(c['reduce_scatter'])}" + (f", expert all-to-all {_gib(c['all_to_all'])}" if "all_to_all" in c else "")
+        + (f", context all-to-all {_gib(c['context_all_to_all'])}" if "context_all_to_all" in c else "")
+        + (f"; tensor parallel (inside each group of {r.tensor_parallel}): all-gather {_gib(c['tp_all_gather'])}, "
+           f"reduce-scatter {_gib(c['tp_reduce_scatter'])}, all-reduce {_gib(c['tp_all_reduce'])}"
+           if "tp_all_gather" in c else ""),
         f"estimate (roofline, perfect overlap): step {t['step_s']:.2f} s (compute {t['compute_s']:.2f} s, "
-        f"collectives {t['communication_s']:.2f} s, optimizer {t['optimizer_s']:.3f} s), "
+        f"collectives {t['communication_s']:.2f} s, "
+        + (f"tensor-parallel collectives {t['tensor_parallel_s']:.2f} s (not overlapped), "
+           if r.tensor_parallel > 1 else "")
+        + f"optimizer {t['optimizer_s']:.3f} s), "
         f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}",
     ]
     if r.vision_load:

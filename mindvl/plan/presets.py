@@ -12,7 +12,13 @@ from mindvl.models.config import MindVLConfig, TextConfig, VisionConfig
 # output width differs, and MindVL replaces the merger with its own projector).
 _QWEN25_VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
                    fullatt_block_indexes=[7, 15, 23, 31])
-VISION_PRESETS = {"qwen2.5-vl-7b-vit": _QWEN25_VIT, "qwen2.5-vl-72b-vit": _QWEN25_VIT}
+# Qwen3-VL's vision tower (2B ... 32B dense and 30B-A3B share it; its mergers are built to the LLM's width).
+_QWEN3_VIT = dict(family="qwen3_vl", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                  hidden_act="gelu_pytorch_tanh", num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+VISION_PRESETS = {"qwen2.5-vl-7b-vit": _QWEN25_VIT, "qwen2.5-vl-72b-vit": _QWEN25_VIT, "qwen3-vl-vit": _QWEN3_VIT}
+# Qwen3-VL's LLMs: interleaved M-RoPE [24, 20, 20], rope_theta 5e6, untied.
+_QWEN3_VL_ROPE = dict(rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True,
+                      max_position_embeddings=262144)
 
 TEXT_PRESETS = {
     "qwen3-1.7b": dict(family="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -23,6 +29,16 @@ TEXT_PRESETS = {
     "qwen2.5-vl-7b-llm": dict(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                               rope_theta=1e6, mrope_section=[16, 24, 24]),
+    "qwen3-vl-8b-llm": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            **_QWEN3_VL_ROPE),
+    "qwen3-vl-30b-a3b-llm": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                 moe_intermediate_size=768, n_routed_experts=128, num_experts_per_tok=8,
+                                 **_QWEN3_VL_ROPE),
+    "qwen2.5-vl-72b-llm": dict(family="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                               num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                               rope_theta=1e6, mrope_section=[16, 24, 24]),
     "deepseek-v3": dict(family="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                         num_hidden_layers=61, num_attention_heads=128, moe_intermediate_size=2048,
                         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
@@ -33,6 +49,9 @@ TEXT_PRESETS = {
 # Whole models, by their usual names.
 COMPOSITES = {
     "qwen2.5-vl-7b": "qwen2.5-vl-7b-vit+qwen2.5-vl-7b-llm",
+    "qwen3-vl-8b": "qwen3-vl-vit+qwen3-vl-8b-llm",
+    "qwen3-vl-30b-a3b": "qwen3-vl-vit+qwen3-vl-30b-a3b-llm",
+    "qwen2.5-vl-72b": "qwen2.5-vl-72b-vit+qwen2.5-vl-72b-llm",
     "mindvl-8b": "qwen2.5-vl-72b-vit+qwen3-8b",
     "mindvl-671b": "qwen2.5-vl-72b-vit+deepseek-v3",
 }
@@ -42,10 +61,11 @@ def known_presets() -> str:
     return ", ".join([*COMPOSITES, *VISION_PRESETS, *TEXT_PRESETS]) + " (or VIT+LLM, e.g. qwen2.5-vl-7b-vit+qwen3-8b)"
 
 
-def _mrope(head_dim: int) -> list[int]:
+def _mrope(head_dim: int, qwen3: bool = False) -> list[int]:
+    from mindvl.checkpoint import hf_qwen3_vl
     from mindvl.checkpoint.hf import default_mrope_section
 
-    return default_mrope_section(head_dim)
+    return hf_qwen3_vl.default_mrope_section(head_dim) if qwen3 else default_mrope_section(head_dim)
 
 
 def preset_config(name: str) -> MindVLConfig:
@@ -59,7 +79,9 @@ def preset_config(name: str) -> MindVLConfig:
                          f"first; known: {known_presets()}")
     t = dict(TEXT_PRESETS[text[0]])
     if vision and t.get("mrope_section") is None:  # as `mindvl compose` sets up a composed MindVL
-        t["mrope_section"] = _mrope(t.get("qk_rope_head_dim") or t["head_dim"])
+        qwen3 = VISION_PRESETS[vision[0]].get("family") == "qwen3_vl"  # Qwen3-VL's tower: interleaved M-RoPE
+        t["mrope_section"] = _mrope(t.get("qk_rope_head_dim") or t["head_dim"], qwen3)
+        t["mrope_interleaved"] = qwen3
     vcfg = VisionConfig(**VISION_PRESETS[vision[0]]) if vision else None
     ids = {}
     if t["vocab_size"] <= 151655:  # Qwen's vision token ids lie outside this vocabulary: use its last four ids

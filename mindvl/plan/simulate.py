@@ -77,6 +77,14 @@ class PlanTracker(FSDPMemTracker):
         self.loss_base = 0
         self.peak_loss_bytes = 0
 
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        # Under tensor parallelism FSDP's post-backward may hold a gradient the tracker never saw allocated (made
+        # inside a DTensor collective, outside its dispatch mode); torch raises KeyError there: track it from here.
+        try:
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        except KeyError:
+            return super()._update_and_maybe_create_winfos(t, reftype, False)
+
     def current_total(self) -> int:
         return sum(snap["Total"] for snap in self.get_tracker_snapshot("current").values())
 
@@ -91,8 +99,10 @@ class PlanTracker(FSDPMemTracker):
 @contextlib.contextmanager
 def loss_region(tracker: PlanTracker) -> Iterator[None]:
     """Mark the chunked loss head's forward and backward so its temporaries are reported as their own part."""
-    fn = loss_module.ChunkedLinearCrossEntropy
-    fwd, bwd = fn.forward, fn.backward
+    from mindvl.train.tensor_parallel import _VocabParallelCE
+
+    fns = (loss_module.ChunkedLinearCrossEntropy, _VocabParallelCE)  # one process / the vocabulary-parallel loss
+    saved = [(fn.forward, fn.backward) for fn in fns]
 
     def wrap(inner):
         def run(ctx, *args):
@@ -103,11 +113,13 @@ def loss_region(tracker: PlanTracker) -> Iterator[None]:
                 tracker.in_loss = False
         return staticmethod(run)
 
-    fn.forward, fn.backward = wrap(fwd), wrap(bwd)
+    for fn, (fwd, bwd) in zip(fns, saved, strict=True):
+        fn.forward, fn.backward = wrap(fwd), wrap(bwd)
     try:
         yield
     finally:
-        fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
+        for fn, (fwd, bwd) in zip(fns, saved, strict=True):
+            fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
 
 
 @contextlib.contextmanager

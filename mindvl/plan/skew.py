@@ -49,14 +49,16 @@ class Skew:
     def extra_bytes(self) -> int:
         return int(max(0.0, self.factor - 1.0) * self.bytes_per_unit)
 
-    def headroom_at(self, factor: float, peak: int, reserve: int, capacity: int) -> float:
-        return 1.0 - (peak + reserve + max(0.0, factor - 1.0) * self.bytes_per_unit) / capacity
+    def headroom_at(self, factor: float, peak: int, reserve: int, capacity: int, growth: float = 1.0) -> float:
+        """Headroom at `factor` given the balanced peak and its reserve; `growth`: the reserve's bytes per planned
+        byte (mindvl.plan.margin), so the skew term costs growth x its bytes."""
+        return 1.0 - (peak + reserve + growth * max(0.0, factor - 1.0) * self.bytes_per_unit) / capacity
 
-    def break_even(self, peak: int, reserve: int, capacity: int) -> float | None:
+    def break_even(self, peak: int, reserve: int, capacity: int, growth: float = 1.0) -> float | None:
         """The largest factor that still fits (None: no skew term)."""
         if not self.bytes_per_unit:
             return None
-        return 1.0 + (capacity - peak - reserve) / self.bytes_per_unit
+        return 1.0 + (capacity - peak - reserve) / (growth * self.bytes_per_unit)
 
 
 def routing_skew(config: MindVLConfig, tokens_per_micro_batch: int, expert_parallel: int, checkpointing: str,

@@ -7,6 +7,16 @@ its own data shard (the trainer's data config: `data.seed` defaults to the recip
 steps as `simulate.trace_step` (one of 1 micro-batch, one of 2) under FSDP2's memory tracker, and rank 0 prints one
 JSON line: the tracker's peak and breakdown, and the process's peak-RSS increase over the step (`ru_maxrss` after
 building the model vs after the steps).
+
+    python -m mindvl.plan.validate --allocator RECIPE.yaml [key=value ...]     # one process
+
+adds the CPU allocator's high-water (`allocator_peak_bytes`): c10's CPU allocator keeps a running total of the bytes it
+has handed out while the profiler records memory (`profile_memory=True`), and every allocation event carries that
+total; its maximum over the model build and the steps is the allocator's high-water. The total only moves on the
+threads the profiler watches (allocations and frees on other threads, e.g. gloo's, are missed: then it is an upper
+bound), so it is read honestly in ONE process, where the backward runs on the calling thread. With it come the
+peak-RSS increase over the same window (`rss_window_bytes`, from before the build: what the C library's heap
+holds on to, plus memory outside the allocator).
 """
 
 from __future__ import annotations
@@ -18,7 +28,42 @@ import sys
 import torch
 
 
-def measure_real_step(recipe, micro_batches: tuple[int, ...] = (1, 2)) -> dict:
+def allocator_high_water(prof) -> int:
+    """The largest running total c10's CPU allocator reported to `prof` (a finished torch.profiler.profile with
+    profile_memory=True): its high-water over the profiled window."""
+    from torch._C._profiler import _EventType
+
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            peak = max(peak, e.extra_fields.total_allocated)
+    return peak
+
+
+def measure_real_step(recipe, micro_batches: tuple[int, ...] = (1, 2), allocator: bool = False) -> dict:
+    """The tracker's peak of the real step; with `allocator` (one process only), also the CPU allocator's
+    high-water and the peak-RSS increase over the build and the steps (see the module docstring)."""
+    import contextlib
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if allocator and int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ValueError("--allocator reads the CPU allocator's total honestly in one process only "
+                         f"(WORLD_SIZE is {os.environ['WORLD_SIZE']})")
+    window = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if allocator else None
+    rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with window if window is not None else contextlib.nullcontext():
+        out = _measure(recipe, micro_batches)
+    if window is not None:
+        out["allocator_peak_bytes"] = allocator_high_water(window)
+        out["rss_window_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start
+    return out
+
+
+def _measure(recipe, micro_batches: tuple[int, ...]) -> dict:
     import dataclasses
 
     from mindvl.data import DataConfig, load_tokenizer
@@ -66,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     from mindvl.config import load_recipe
 
     argv = sys.argv[1:] if argv is None else argv
+    allocator = bool(argv) and argv[0] == "--allocator"
+    argv = argv[1:] if allocator else argv
     torch.manual_seed(0)
-    out = measure_real_step(load_recipe(argv[0], argv[1:]))
+    out = measure_real_step(load_recipe(argv[0], argv[1:]), allocator=allocator)
     if out["rank"] == 0:
         print(json.dumps(out), flush=True)
     return 0

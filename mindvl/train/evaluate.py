@@ -24,6 +24,7 @@ from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 
 from .agree import agreed_error
+from .context_parallel import shard_labels
 from .parallel import ParallelEnv, all_reduce_sum
 
 
@@ -56,6 +57,7 @@ class Evaluator:
         try:
             for pack in itertools.islice(loader, self.recipe.eval.batches):
                 batch = {k: (v.to(env.device) if torch.is_tensor(v) else v) for k, v in pack.to_torch().items()}
+                batch = shard_labels(batch, env.layout.cp, env.layout.cp_rank)  # context parallelism: own chunk
                 loss_sum, _ = model(**batch)
                 targets = (next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum()
                 totals += torch.stack([loss_sum.detach().double().cpu(), targets.double().cpu()])

@@ -21,6 +21,7 @@ from torch import nn
 
 from mindvl.config import Recipe
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+from mindvl.models.lora import initial_adapter, lora_layers
 from mindvl.models.random_init import seeded_init_tensors
 
 from .parallel import ParallelEnv, barrier
@@ -119,11 +120,27 @@ def fill_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], 
         raise ValueError(f"weights: no value for {sorted(unfilled)[:5]} ({len(unfilled)} tensors)")
 
 
+def adapter_init_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict name, full float32 tensor) of every adapter's starting value, drawn in layer order from one
+    generator of its own (so the starting adapters do not depend on the parallel layout, like the base weights)."""
+    gen = torch.Generator().manual_seed(seed + 7919)  # not the seeded base weights' stream
+    for name, layer in lora_layers(model):
+        a, b = initial_adapter(tuple(layer.lora_A.shape), tuple(layer.lora_B.shape), gen)
+        name = canonical_name(name)
+        yield f"{name}.lora_A", a
+        yield f"{name}.lora_B", b
+
+
 def build_model(recipe: Recipe, tok, env: ParallelEnv,
                 prepare: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """The training model on `env.device`, its weights filled after `prepare` (freezing, parallelism) was applied
     on the meta device. Without `prepare`: a plain float32 model (tests, single-process tools)."""
     config, source = model_source(recipe, tok, env)
+    if prepare is not None:  # refused before anything is built (QLoRA's backend)
+        from .lora import check_lora_recipe
+        from .parallel import uses_fsdp
+
+        check_lora_recipe(recipe, uses_fsdp(recipe.parallel, env))
     with torch.device("meta"):
         model: nn.Module = MindVL(config)
     if recipe.model.attention_backend != "auto":
@@ -131,5 +148,13 @@ def build_model(recipe: Recipe, tok, env: ParallelEnv,
     if prepare is not None:
         model = prepare(model)
     model.to_empty(device=env.device)
-    fill_weights(model, source.tensors(config), env.device)
+    from itertools import chain
+
+    # LoRA adapters (none without model.lora) start from their own seed
+    fill_weights(model, chain(source.tensors(config), adapter_init_tensors(model, init_seed(recipe))), env.device)
+    lora = recipe.model.lora or {}
+    if lora.get("quantize"):
+        from .qlora import quantize_frozen_base
+
+        quantize_frozen_base(model, lora["quantize"])
     return model.train()

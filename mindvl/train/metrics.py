@@ -53,7 +53,10 @@ def _text_layer_flops(t: TextConfig) -> tuple[int, int]:
     h = t.hidden_size
     if not t.is_moe:
         q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-        per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * t.intermediate_size)
+        mlp = 3 * h * t.intermediate_size
+        if t.has_experts:  # Qwen3-MoE: the router and the top-k experts a token uses, on every layer
+            mlp = h * t.n_routed_experts + t.num_experts_per_tok * 3 * h * t.moe_intermediate_size
+        per_token = 2 * (h * (q + 2 * kv) + q * h + mlp)
         return t.num_hidden_layers * per_token, t.num_hidden_layers * 2 * 2 * q  # QK^T and AV
     heads, qk = t.num_attention_heads, t.qk_nope_head_dim + t.qk_rope_head_dim
     q_proj = h * heads * qk if t.q_lora_rank is None else h * t.q_lora_rank + t.q_lora_rank * heads * qk
@@ -88,14 +91,16 @@ def flops_by_module(config: MindVLConfig, text_lengths: list[int], labelled_toke
             rows = [side] * (gh // side) + ([gh % side] if gh % side else [])
             cols = [side] * (gw // side) + ([gw % side] if gw % side else [])
             window_pairs += gt * sum((r * c) ** 2 for r in rows for c in cols)
-        per_patch = 2 * (4 * d * d + 3 * d * v.intermediate_size)
-        n_full = len(v.fullatt_block_indexes)
+        gated = 2 if v.family == "qwen3_vl" else 3  # Qwen3-VL's ViT MLP has no gate
+        per_patch = 2 * (4 * d * d + gated * d * v.intermediate_size)
+        n_full = v.depth if v.family == "qwen3_vl" else len(v.fullatt_block_indexes)  # Qwen3-VL: no windows
         vision_attention = 2 * 2 * d * (n_full * frame_pairs + (v.depth - n_full) * window_pairs)
         merged = patches // (merge * merge)
         inner = d * merge * merge
         out["visual"] = (float(2 * patches * v.patch_dim * d + v.depth * patches * per_patch),
                          float(vision_attention))
-        out["projector"] = (float(2 * merged * (inner * inner + inner * t.hidden_size)), 0.0)
+        mergers = 1 + len(v.deepstack_visual_indexes or [])  # Qwen3-VL: one more merger per DeepStack block
+        out["projector"] = (float(mergers * 2 * merged * (inner * inner + inner * t.hidden_size)), 0.0)
     return out
 
 

@@ -5,9 +5,10 @@
   normalisation, data shards, evaluation, the planner's communication estimate) come from it, never from the world
   size.
 - `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
-  freeze (the phase) -> activation checkpointing -> compile -> expert parallelism -> FSDP2 (`TRANSFORMS`, in that
-  order). The trainer, the planner's simulation, its real-step validation and the planner's counts all run it, so a
-  transform added to `TRANSFORMS` is seen by the planner with no other edit.
+  freeze (the phase) -> LoRA adapters (train.lora) -> tensor parallelism -> activation checkpointing -> compile ->
+  expert parallelism -> FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step
+  validation and the planner's counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no
+  other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
@@ -34,11 +35,14 @@ from torch import nn
 from mindvl.config import ParallelSection
 
 from .expert_parallel import EP_KEY
+from .lora import apply_lora, lora_config
+from .tensor_parallel import check_tensor_parallel_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from mindvl.config import Recipe
+    from mindvl.models.lora import LoRAConfig
 
 
 
@@ -49,6 +53,8 @@ class Meshes:
     dp: DeviceMesh  # every data shard: FSDP of everything but EP-sharded experts (1-D, "dp")
     expert: DeviceMesh | None = None  # ("efsdp", "ep") under expert parallelism: mesh["ep"] splits the experts,
     #                                   mesh["efsdp"] are the ranks holding the same experts (FSDP of their slices)
+    cp: DeviceMesh | None = None  # context parallelism: this rank's CP group (dp then holds data shards x context)
+    tp: DeviceMesh | None = None  # the ranks of one tensor-parallel group (the inner dim of a ("dp", "tp") mesh)
 
 
 @dataclass
@@ -58,9 +64,11 @@ class ParallelLayout:
     Dimensions, outermost first: data shards (FSDP; each reads its own data) x context x tensor, whose product is
     the world size. Expert parallelism borrows its ranks from the data shards: an EP group of N ranks holds E/N of
     each MoE layer's experts but still reads N different data shards, so N must divide `dp_shard` and the
-    data-parallel size is `dp_shard` with or without EP. Tensor and context parallelism are not implemented: their
-    sizes are 1, and the dimensions are here so that every user of the data-parallel size and rank already asks
-    the layout, not the world size.
+    data-parallel size is `dp_shard` with or without EP. Context parallelism (mindvl.train.context_parallel): the
+    `cp` consecutive ranks of a group read the same data and split its rows; FSDP shards over data shards x
+    context (`fsdp_size`). Tensor parallelism (mindvl.train.tensor_parallel) is the innermost dimension: the `tp`
+    consecutive ranks of one data shard read the same packs. Context and tensor parallelism together are refused
+    for now (neither is tested with the other; a 3-D mesh is the next step).
     """
 
     world_size: int
@@ -74,9 +82,15 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.dp_shard == 0:
             self.dp_shard = self.world_size // (self.tp * self.cp)
-        if self.tp != 1 or self.cp != 1:
-            raise ValueError(f"parallel: tensor ({self.tp}) and context ({self.cp}) parallelism are not implemented; "
-                             "their sizes must be 1")
+        from .context_parallel import check_context_parallel
+
+        if self.cp < 1:
+            raise ValueError(f"parallel.context_parallel: must be >= 1, got {self.cp}")
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError(f"parallel: context parallelism ({self.cp}) and tensor parallelism ({self.tp}) together "
+                             "are not supported yet; set parallel.context_parallel or parallel.tensor_parallel to 1")
+        check_context_parallel(self.cp, self.world_size, ep=self.ep)
+        check_tensor_parallel_layout(self.tp, self.world_size, self.ep)
         if self.dp_shard * self.cp * self.tp != self.world_size:
             raise ValueError(f"parallel: data shards {self.dp_shard} x context {self.cp} x tensor {self.tp} must "
                              f"equal the world size {self.world_size}")
@@ -89,7 +103,7 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, cfg: ParallelSection, world_size: int, rank: int = 0) -> ParallelLayout:
-        return cls(world_size, rank, ep=cfg.expert_parallel)
+        return cls(world_size, rank, ep=cfg.expert_parallel, cp=cfg.context_parallel, tp=cfg.tensor_parallel)
 
     @property
     def dp_size(self) -> int:
@@ -100,6 +114,17 @@ class ParallelLayout:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (context and tensor ranks of one index share data)."""
         return self.rank // (self.cp * self.tp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group (which chunk of each row it holds)."""
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP shards over and averages gradients over: data shards x context (CP ranks hold different
+        tokens of the same batch, so their gradients sum like data-parallel ones)."""
+        return self.dp_shard * self.cp
 
     @property
     def expert_replicas(self) -> int:
@@ -117,6 +142,12 @@ class ParallelLayout:
                 expert = init_device_mesh(device_type, (self.expert_replicas, self.ep),
                                           mesh_dim_names=("efsdp", "ep"))
                 built = Meshes(expert._flatten("dp"), expert)  # the rest of the model: over both dimensions
+            elif self.cp > 1:
+                grid = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp", "cp"))
+                built = Meshes(grid._flatten("dp_cp"), cp=grid["cp"])
+            elif self.tp > 1:  # FSDP over "dp", tensor parallelism over "tp" (one parent: FSDP2's 2-D sharding)
+                both = init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=("dp", "tp"))
+                built = Meshes(both["dp"], tp=both["tp"])
             else:
                 built = Meshes(init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp",)))
             self._meshes = (*key, built)
@@ -277,6 +308,8 @@ class Prepared:
     checkpointing: str = "off"  # off | full | selective
     fsdp: bool = False
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
+    lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
+    lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
 
 
 @dataclass
@@ -289,6 +322,11 @@ class PrepareContext:
     env: ParallelEnv
     layout: ParallelLayout
     done: Prepared
+    lora: LoRAConfig | None = None  # model.lora, checked (train.lora): the `lora` step adapts the model
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return param_dtype(self.parallel, self.env.device)
 
     def mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -307,6 +345,13 @@ def _freeze(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    if ctx.lora is not None:  # adapters on the chosen linear layers; only they train in lora.modules (train.lora)
+        trainable, ctx.done.lora_layers, ctx.done.lora_base_params = apply_lora(model, ctx.lora, ctx.compute_dtype)
+        ctx.done.trainable.update(trainable)
+    return model
+
+
 def _checkpointing(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     ctx.done.checkpointing = checkpointing_mode(ctx.parallel)
     apply_activation_checkpointing(model, ctx.done.checkpointing)
@@ -317,6 +362,20 @@ def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     if ctx.parallel.compile:
         for b in blocks(model):
             b.compile()
+    return model
+
+
+def _tensor_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Tensor + sequence parallelism of the language model over the layout's "tp" mesh (before activation
+    checkpointing and compile wrap the blocks, before FSDP shards the TP shards over "dp")."""
+    from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+    check_tensor_parallel(ctx.layout.tp, model)
+    if ctx.layout.tp > 1 and ctx.lora is not None:  # TP's plans name nn.Linear layers; LoRA wraps them
+        raise ValueError(f"parallel.tensor_parallel: {ctx.layout.tp} with model.lora is not supported yet (the "
+                         "adapted layers are not split); set parallel.tensor_parallel to 1 for a LoRA run")
+    if ctx.layout.tp > 1:
+        apply_tensor_parallel(model, ctx.layout.meshes(ctx.env.device.type).tp)
     return model
 
 
@@ -331,6 +390,22 @@ def _expert_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     check_expert_parallel(ctx.layout.ep, ctx.layout.dp_shard, model)
     if ctx.layout.ep > 1:
         shard_experts(model, ctx.layout.meshes(ctx.env.device.type).expert, ctx.mp_policy())
+    return model
+
+
+def _context_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Split each packed row of the language model over the layout's CP group (all-to-all over heads around the
+    varlen attention); FSDP then shards over data shards x context. Needs FSDP (it sums the CP ranks' gradients)."""
+    if ctx.layout.cp == 1:
+        return model
+    from .context_parallel import CP_KEY, apply_context_parallel, check_context_parallel
+
+    if not uses_fsdp(ctx.parallel, ctx.env):
+        raise ValueError(f"{CP_KEY}: {ctx.layout.cp} needs FSDP to sum the context ranks' gradients; set "
+                         "parallel.fsdp to auto or on")
+    check_context_parallel(ctx.layout.cp, ctx.layout.world_size, model, ctx.layout.ep)
+    mesh = ctx.layout.meshes(ctx.env.device.type).cp
+    apply_context_parallel(model, mesh.get_group(), ctx.layout.cp, ctx.layout.cp_rank)
     return model
 
 
@@ -353,13 +428,17 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
-# The preparation, in order (activation checkpointing inside compile inside FSDP; experts sharded before FSDP wraps
-# the blocks that hold them). Add a transform here and the trainer, the planner and its validation all run it.
+# The preparation, in order (tensor parallelism on the plain blocks; activation checkpointing inside compile inside
+# FSDP; experts sharded before FSDP wraps the blocks that hold them). Add a transform here and the trainer, the
+# planner and its validation all run it.
 TRANSFORMS: list[tuple[str, Transform]] = [
     ("freeze", _freeze),
+    ("lora", _lora),
+    ("tensor_parallel", _tensor_parallel),
     ("activation_checkpointing", _checkpointing),
     ("compile", _compile),
     ("expert_parallel", _expert_parallel),
+    ("context_parallel", _context_parallel),
     ("fsdp", _fsdp),
 ]
 
@@ -367,7 +446,8 @@ TRANSFORMS: list[tuple[str, Transform]] = [
 def layout_for(env: ParallelEnv, cfg: ParallelSection) -> ParallelLayout:
     """The env's layout (built once by `init_distributed` from the recipe's section); a section that asks for
     another layout than the env carries (an env made by hand: tools, tests) gets its own."""
-    if env.layout.ep == cfg.expert_parallel:
+    if (env.layout.ep, env.layout.cp, env.layout.tp) == (cfg.expert_parallel, cfg.context_parallel,
+                                                         cfg.tensor_parallel):
         return env.layout
     return ParallelLayout.from_config(cfg, env.world_size, env.rank)
 
@@ -383,7 +463,7 @@ def prepare_model(model: nn.Module, recipe: Recipe, env: ParallelEnv, report: Pr
     """The built (meta-device) model made trainable for `recipe` on `env`: every step of `TRANSFORMS`, in order.
     `report` (optional) receives what was done (trainable counts, checkpointing mode, the steps)."""
     ctx = PrepareContext(list(recipe.trainable_modules), recipe.parallel, env, layout_for(env, recipe.parallel),
-                         report if report is not None else Prepared())
+                         report if report is not None else Prepared(), lora_config(recipe))
     return _run_transforms(model, ctx)
 
 

@@ -10,12 +10,14 @@ overlaps the previous micro-batch's compute) only `window - 1` micro-batches ahe
 keeps 2 packs resident, not 128.
 
 Loss normalisation (paper: the mean over every labelled token of the global batch) without holding the step's packs:
-each micro-batch backpropagates `loss_sum * dp_size` (the layout's data-parallel size: FSDP averages over the
-data-parallel ranks; the factor turns that average back into a sum), the labelled-target counts of the packs
+each micro-batch backpropagates `loss_sum * fsdp_size` (the layout's data shards x context ranks: FSDP averages
+over them; the factor turns that average back into a sum), the labelled-target counts of the packs
 (their metadata, counted once as each pack arrives) are all-reduced once after the last forward, and the
 accumulated gradients are multiplied by 1 / N_global before clipping. By linearity this is exactly d(sum of every
 loss_sum)/N_global, whatever the split of tokens between micro-batches and ranks (the reference test compares it
-with one joined batch).
+with one joined batch). Under context parallelism the ranks of a group share each pack: `shard_labels` keeps on
+each only the labels its chunk predicts, so loss sums and labelled counts add up over the group to the pack's own;
+real tokens and FLOPs (counted per pack) are divided by the group size.
 
 Gradient accumulation under FSDP (`parallel.grad_accumulation`):
 - `sharded` (default): every micro-batch's backward reduce-scatters its gradients into the sharded float32
@@ -37,6 +39,7 @@ import torch
 from mindvl.models.config import MindVLConfig
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
 
+from .context_parallel import shard_labels
 from .metrics import MODULE_ORDER, pack_training_flops
 from .optim import clip_grad_norm
 from .parallel import ParallelEnv, all_reduce_sum
@@ -152,30 +155,35 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
     loss_total = torch.zeros((), dtype=torch.float64, device=env.device)
     t_fwd = t_bwd = 0.0
     sync_each = accumulation == "sharded"
+    cp = env.layout.cp  # ranks sharing each pack (context parallelism): per-pack counts are split over them
     for i, batch in enumerate(micro):
         n = labelled_targets(batch)  # labels are metadata: counted as the pack arrives, before its forward
+        flops += pack_training_flops(config, batch, n, trainable) / cp
+        if cp > 1:
+            batch = shard_labels(batch, cp, env.layout.cp_rank)
+            n = labelled_targets(batch)  # this rank's share of the pack's targets
         labelled += n
-        flops += pack_training_flops(config, batch, n, trainable)
         counted_tokens += int(batch["input_ids"].numel())
         if env.distributed and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(sync_each or (n_micro is not None and i == n_micro - 1))
         ta = time.perf_counter()
         loss_sum, _ = model(**batch)
         tb = time.perf_counter()
-        (loss_sum * env.layout.dp_size).backward()
+        (loss_sum * env.layout.fsdp_size).backward()
         t_fwd += tb - ta
         t_bwd += time.perf_counter() - tb
         loss_total += loss_sum.detach().double()
     if real_tokens is None:  # padding (data.pad_to_seq_len) is not throughput; a stream counts real tokens itself
-        real_tokens = getattr(micro, "real_tokens", counted_tokens)
+        real_tokens = getattr(micro, "real_tokens", counted_tokens) / cp
     counts = torch.tensor([labelled, real_tokens, flops], dtype=torch.float64)
-    counts = all_reduce_sum(counts.to(env.device), env).cpu()
+    # The ranks of a tensor-parallel group hold the same packs (and the same loss): counted once.
+    counts = all_reduce_sum(counts.to(env.device), env).cpu() / env.layout.tp
     scale = 1.0 / max(1.0, float(counts[0]))
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-    loss_total = all_reduce_sum(loss_total, env)
+    loss_total = all_reduce_sum(loss_total, env) / env.layout.tp
     return StepStats(counts, loss_total, t_fwd, t_bwd, data_s=getattr(micro, "data_s", 0.0))
 
 

@@ -1,7 +1,15 @@
-"""The training loop: one readable function, `train(recipe)`.
+"""The training loop: `train(recipe)` runs one phase; `Trainer.run` is the loop, one method per step of it:
 
-    step:  mindvl.train.step.optimizer_step (streamed micro-batches, global loss normalisation, clipping, AdamW;
-           the planner runs the same function) -> bad-step vote -> LR schedule; log; evaluate; checkpoint.
+    while not done():
+        train_step()        mindvl.train.step.optimizer_step (streamed micro-batches, global loss normalisation,
+                            clipping, AdamW; the planner runs the same function), the step's agreed vote taken
+                            inside it (control.StepControl: bad step, stop signal, checkpoint due), LR schedule
+        maybe_evaluate()    validation loss / benchmark every eval.every steps and at the end
+        log()               metrics.jsonl and the other sinks
+        check_bad_steps()   optim.max_bad_steps bad steps in a row: stop (exit 3)
+        maybe_checkpoint()  checkpoint.every, every_minutes, the last step, a stop signal
+        should_stop()       a stop signal: preempt() (PREEMPTED marker, exit 75)
+    finish()                final/ exported, data report
 
 Data shards: the stream is split into `batch.data_shards` shards (default: the parallel layout's data-parallel size
 D); data-parallel rank r reads shards r, r + D, ... round-robin over its micro-batches. With data_shards=2 one
@@ -35,9 +43,11 @@ from mindvl.data import DataConfig, build_loader
 from mindvl.models import MindVL, MindVLConfig
 from mindvl.models.moe import update_router_bias
 
-from .agree import agreed_error, gather_objects
+from .agree import gather_objects
+from .control import StepControl
 from .evaluate import Evaluator
 from .guard import BadStepGuard
+from .lora import AdapterExport
 from .materialize import build_model
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -52,14 +62,13 @@ from .parallel import (
     prepare_model,
 )
 from .plan_headline import PlannerHeadline
-from .preempt import StepVotes, StopSignals, clear_marker, resume_hint, write_marker
+from .preempt import StopSignals, clear_marker, resume_hint, write_marker
 from .preflight import preflight
 from .runfolder import claim_run_folder
 from .seeding import data_section, seed_everything
 from .sinks import MetricSinks
 from .step import (  # noqa: F401  (accumulate_gradients, labelled_targets, to_device, StepStats: public names here)
     MicroBatchStream,
-    StepHooks,
     StepStats,
     accumulate_gradients,
     labelled_targets,
@@ -78,6 +87,14 @@ class RunResult:
 
 
 # -------------------------------------------------------------------------------------------------------- data
+
+
+def _states_by_shard(old_rank_states: list[dict]) -> dict[int, dict]:
+    """Each old data shard's loader state, in shard order (the ranks of a context-parallel group held the same
+    shards, as do those of a tensor-parallel group: their identical copies count once)."""
+    by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
+                                                                 strict=True)}
+    return dict(sorted(by_shard.items()))
 
 
 class ShardedBatches:
@@ -111,14 +128,13 @@ class ShardedBatches:
 
     def same_layout(self, old_rank_states: list[dict]) -> bool:
         """Was the checkpoint written with this many data shards and loader workers (exact resume)?"""
-        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        old = list(_states_by_shard(old_rank_states).values())
         return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
 
     def load_shards(self, old_rank_states: list[dict]) -> None:
         """Exact resume with the same data shards and workers, whichever rank held which shard before (a step
         always ends with every rank's round-robin back at its first shard: accum is a multiple of its shards)."""
-        by_shard = {s: ld for r in old_rank_states for s, ld in zip(r["data"]["shards"], r["data"]["loaders"],
-                                                                     strict=True)}
+        by_shard = _states_by_shard(old_rank_states)
         for s, ld in zip(self.shard_ids, self.loaders, strict=True):
             ld.load_state_dict(by_shard[s])
         self.turn = 0
@@ -129,7 +145,7 @@ class ShardedBatches:
         no record lost or repeated within the epoch; the order differs."""
         from mindvl.data.elastic import reshard_loader_states
 
-        old = [ld for r in old_rank_states for ld in r["data"]["loaders"]]
+        old = list(_states_by_shard(old_rank_states).values())
         new = reshard_loader_states(old, self.data_cfg, self.loaders[0].files, self.n_shards)
         for s, ld in zip(self.shard_ids, self.loaders, strict=True):
             ld.load_state_dict(new[s])
@@ -198,20 +214,15 @@ def train(recipe: Recipe) -> RunResult:
         if env.is_main:
             clear_marker(recipe.output_dir)  # an earlier attempt's PREEMPTED: this one is the run now
         with StopSignals() as signals:
-            return _train(recipe, env, signals, data_cfg, checked)
+            return Trainer(recipe, env, signals, data_cfg, checked).run()
     finally:
         if lock is not None:
             lock.release()
         destroy(env)
 
 
-def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: DataConfig,
-           checked: tuple[Any, str, dict]) -> RunResult:
-    out = Path(recipe.output_dir)
-    ckpt_root = out / "checkpoints"
-    seed_everything(recipe.seed + env.rank)
-    tok, tokenizer_dir, side_files = checked
-
+def batch_split(recipe: Recipe, env: ParallelEnv) -> tuple[int, int]:
+    """(data shards, micro-batches per rank and step), checked against the recipe's batch section."""
     dp = env.layout.dp_size
     shards = recipe.batch.data_shards or dp
     gb = recipe.batch.global_batch_size
@@ -222,13 +233,11 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
     if recipe.batch.gradient_accumulation not in (None, accum):
         raise ValueError(f"batch.gradient_accumulation: {recipe.batch.gradient_accumulation} does not match "
                          f"global_batch_size / data-parallel size = {accum}")
-    total_steps = plan_steps(recipe, data_cfg.seq_len)
+    return shards, accum
 
-    prepared = Prepared()  # prepare_model on the meta device (freeze, checkpointing, compile, EP, FSDP): no allocation
-    headline = PlannerHeadline(recipe, env, out)  # accelerators: `mindvl plan` in a child process, printed when ready
-    model = build_model(recipe, tok, env, lambda meta: prepare_model(meta, recipe, env, prepared))
-    trainable = prepared.trainable
-    config = model.config
+
+def match_video_time(data_cfg: DataConfig, config: MindVLConfig) -> None:
+    """data.video.tokens_per_second defaults to the model's; with M-RoPE a different one is refused."""
     if data_cfg.video.tokens_per_second is None:
         data_cfg.video.tokens_per_second = config.tokens_per_second
     elif config.uses_mrope and data_cfg.video.tokens_per_second != config.tokens_per_second:
@@ -236,152 +245,222 @@ def _train(recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: Dat
         # generation (the model's own M-RoPE) never produces.
         raise ValueError(f"data.video.tokens_per_second is {data_cfg.video.tokens_per_second} but the model's "
                          f"tokens_per_second is {config.tokens_per_second}; set them equal")
-    optimizer = build_optimizer(model, recipe.optim)
-    scheduler = build_scheduler(optimizer, total_steps, recipe.optim, recipe.schedule)
-    batches = ShardedBatches(data_cfg, tok, env, shards)
 
-    step, tokens_seen = 0, 0
-    resume = recipe.checkpoint.resume
-    ckpt, resumed_how = None, ""
-    if resume == "auto":  # `latest`, or the newest older checkpoint that reads, if it is truncated or damaged
-        found = load_newest_readable(ckpt_root, model, optimizer)
-        if found is not None:
-            ckpt, train_state, rank_state = found
-    elif resume:
-        ckpt = resolve_checkpoint(resume)
-        train_state, rank_state = load_checkpoint(ckpt, model, optimizer, require_rank_state=False)
-    if ckpt is not None:
-        resume_schedule(scheduler, optimizer, train_state, recipe, ckpt)
+
+class Trainer:
+    """One phase: everything built (model, optimizer, data, sinks), resumed if asked; `run()` is the loop.
+
+    Each step's decisions (skip a bad step, checkpoint, stop on a signal) are one agreed vote held by
+    `self.control` (control.StepControl), taken inside the step and read after it."""
+
+    def __init__(self, recipe: Recipe, env: ParallelEnv, signals: StopSignals, data_cfg: DataConfig,
+                 checked: tuple[Any, str, dict]):
+        self.recipe, self.env, self.data_cfg = recipe, env, data_cfg
+        self.out = Path(recipe.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        seed_everything(recipe.seed + env.rank)
+        self.tok, self.tokenizer_dir, self.side_files = checked
+        self.adapters = AdapterExport.of(recipe, self.side_files)  # a LoRA run: final/adapter, `mindvl export`
+        shards, self.accum = batch_split(recipe, env)
+        self.total_steps = plan_steps(recipe, data_cfg.seq_len)
+
+        prepared = Prepared()  # prepare_model on the meta device (freeze, checkpointing, compile, EP, FSDP)
+        self.headline = PlannerHeadline(recipe, env, self.out)  # accelerators: `mindvl plan` in a child process
+        self.model = build_model(recipe, self.tok, env, lambda meta: prepare_model(meta, recipe, env, prepared))
+        self.config = self.model.config
+        match_video_time(data_cfg, self.config)
+        self.optimizer = build_optimizer(self.model, recipe.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, recipe.optim, recipe.schedule)
+        self.batches = ShardedBatches(data_cfg, self.tok, env, shards)
+
+        self.step, self.tokens_seen = 0, 0
+        ckpt, resumed_how = self.resume()
+        self.sinks = MetricSinks(self.out, recipe, env, resume_step=self.step if ckpt is not None else 0)
+        self.peak, peak_how = device_peak_flops(env.device, param_dtype(recipe.parallel, env.device))
+        if env.is_main:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            self.sinks.info(f"phase {recipe.phase.name}: {self.total_steps} steps x "
+                            f"{recipe.batch.global_batch_size} packs of {data_cfg.seq_len} tokens; "
+                            f"{env.world_size} rank(s) on {env.device.type}; trainable {prepared.trainable} of "
+                            f"{n_params:,} params; peak {self.peak / 1e12:.2f} TFLOP/s ({peak_how})"
+                            + (f"; resumed from {ckpt.name}{resumed_how}" if ckpt else ""))
+
+        self.balance_routers = (self.config.text.is_moe and "language_model" in recipe.trainable_modules
+                                and recipe.optim.router_bias_rate > 0)
+        guard = BadStepGuard(recipe.optim.max_bad_steps, self.step, ckpt, recipe.optim.loss_spike_factor,
+                             recipe.optim.loss_spike_window)
+        self.saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
+        self.control = StepControl(recipe, env, signals, guard, self.saver)
+        self.evaluator = Evaluator(recipe, data_cfg, self.tok, env, self.out)
+
+    def resume(self) -> tuple[Path | None, str]:
+        """checkpoint.resume (`auto`: `latest`, or the newest older checkpoint that reads, if it is truncated or
+        damaged): weights, optimizer, LR schedule, data position, step and tokens. Returns the checkpoint (None: a
+        fresh start) and how the data position was restored."""
+        resume = self.recipe.checkpoint.resume
+        ckpt, resumed_how = None, ""
+        if resume == "auto":
+            found = load_newest_readable(self.ckpt_root, self.model, self.optimizer)
+            if found is not None:
+                ckpt, train_state, _ = found
+        elif resume:
+            ckpt = resolve_checkpoint(resume)
+            train_state, _ = load_checkpoint(ckpt, self.model, self.optimizer, require_rank_state=False)
+        if ckpt is None:
+            return None, ""
+        resume_schedule(self.scheduler, self.optimizer, train_state, self.recipe, ckpt)
         old_ranks = read_rank_states(ckpt)
-        if batches.same_layout(old_ranks):
-            batches.load_shards(old_ranks)  # exact: the same packs as an uninterrupted run
+        if self.batches.same_layout(old_ranks):
+            self.batches.load_shards(old_ranks)  # exact: the same packs as an uninterrupted run
         else:  # elastic: another world size, data_shards or num_workers (DCP resharded the model and optimizer)
-            batches.load_elastic(old_ranks)
+            self.batches.load_elastic(old_ranks)
             resumed_how = f" (elastic: written by {len(old_ranks)} rank(s))"
-        step, tokens_seen = train_state["step"], train_state["tokens"]
+        self.step, self.tokens_seen = train_state["step"], train_state["tokens"]
+        return ckpt, resumed_how
 
-    sinks = MetricSinks(out, recipe, env, resume_step=step if ckpt is not None else 0)
-    peak, peak_how = device_peak_flops(env.device, param_dtype(recipe.parallel, env.device))
-    if env.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
-        sinks.info(f"phase {recipe.phase.name}: {total_steps} steps x {gb} packs of {data_cfg.seq_len} tokens; "
-                   f"{env.world_size} rank(s) on {env.device.type}; trainable {trainable} of {n_params:,} params; "
-                   f"peak {peak / 1e12:.2f} TFLOP/s ({peak_how})"
-                   + (f"; resumed from {ckpt.name}{resumed_how}" if ckpt else ""))
+    # ------------------------------------------------------------------------------------------------ the loop
 
-    def train_state() -> dict:
-        return {"tokens": tokens_seen, "scheduler": scheduler.state_dict(), "model_config": config.to_dict(),
-                "tokenizer_dir": tokenizer_dir, "side_files": side_files, "phase": recipe.phase.name,
-                "total_steps": total_steps, "recipe": recipe.to_dict()}
+    def run(self) -> RunResult:
+        """Raises stops.Preempted after a stop signal (a checkpoint was written) and stops.TooManyBadSteps after
+        optim.max_bad_steps bad steps in a row, on every rank alike."""
+        self.sinks.start(self.step, self.total_steps)
+        while not self.done():
+            record = self.train_step()
+            self.maybe_evaluate(record)
+            self.log(record)
+            self.control.check_bad_steps(self.batches.position())
+            self.maybe_checkpoint()
+            if self.should_stop():
+                raise self.preempt()
+        return self.finish()
 
-    balance_routers = (config.text.is_moe and "language_model" in recipe.trainable_modules
-                       and recipe.optim.router_bias_rate > 0)
-    every = recipe.checkpoint.every
-    votes = StepVotes(env, recipe.checkpoint.every_minutes)
-    guard = BadStepGuard(recipe.optim.max_bad_steps, step, ckpt, recipe.optim.loss_spike_factor,
-                         recipe.optim.loss_spike_window)
-    saver = AsyncCheckpointer() if recipe.checkpoint.async_save else None
-    evaluator = Evaluator(recipe, data_cfg, tok, env, out)
+    def done(self) -> bool:
+        max_tokens = self.recipe.budget.max_tokens
+        return self.step >= self.total_steps or (max_tokens is not None and self.tokens_seen >= max_tokens)
 
-    def checkpoint() -> Path:
-        args = (ckpt_root, step, model, optimizer, train_state(), {"data": batches.state_dict()})
-        kw = {"keep": recipe.checkpoint.keep, "protect": guard.protected, "trusted": guard.trusts}
-        path = saver.save(*args, **kw) if saver is not None else save_checkpoint(*args, **kw)
-        guard.saved(path)
-        votes.checkpointed()
-        return path
-
-    sinks.start(step, total_steps)
-    while step < total_steps and (recipe.budget.max_tokens is None or tokens_seen < recipe.budget.max_tokens):
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step (a bad one skipped on every rank), then the LR schedule and the MoE router biases;
+        returns the step's metrics."""
+        env, recipe = self.env, self.recipe
         t0 = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        vote = None
-
-        def allow_update(stats: StepStats, step: int = step) -> bool:
-            # One vote per step: stop signal, bad step (loss or grad norm not finite), time-based checkpoint due.
-            nonlocal vote
-            loss = stats.loss_sum / max(1.0, float(stats.counts[0]))
-            vote = votes.vote(signals.received is not None, guard.is_bad(loss, stats.grad_norm),
-                              writing=saver is not None and not saver.written_here())
-            guard.record(step + 1, vote.bad_step, loss)
-            return not vote.bad_step
-
-        hooks = StepHooks(agree=lambda problem: agreed_error(problem, env),  # no rank fails a fetch alone
-                          after_backward=lambda params, step=step: guard.inject(step + 1, env.rank, params),
-                          allow_update=allow_update)
-        micro = MicroBatchStream(batches.next, accum, env.device, agree=hooks.agree)  # a small prefetch window
-        stats = optimizer_step(model, optimizer, micro, env, config, recipe.trainable_modules,
+        lr = self.scheduler.get_last_lr()[0]
+        hooks = self.control.hooks(self.step + 1)
+        micro = MicroBatchStream(self.batches.next, self.accum, env.device, agree=hooks.agree)  # a prefetch window
+        stats = optimizer_step(self.model, self.optimizer, micro, env, self.config, recipe.trainable_modules,
                                recipe.optim.grad_clip, recipe.parallel.grad_accumulation, hooks)
-        if guard.began and env.is_main:  # the weights this streak began on are suspect: `latest` goes back
-            point_latest(ckpt_root, guard.last_good())
-        counts, loss_total, t_data = stats.counts, stats.loss_sum, stats.data_s
-        t_fwd, t_bwd, grad_norm = stats.forward_s, stats.backward_s, stats.grad_norm
-        n_global = max(1.0, float(counts[0]))
+        if self.control.streak_began and env.is_main:  # the weights this streak began on are suspect
+            point_latest(self.ckpt_root, self.control.guard.last_good())  # `latest` goes back
         tc = time.perf_counter()
-        if not vote.bad_step:
-            scheduler.step()
+        if not self.control.skipped:
+            self.scheduler.step()
         moe_violation = None
-        if balance_routers and not vote.bad_step:  # after the step, from the loads this step's forwards counted
-            moe_violation = update_router_bias(model, recipe.optim.router_bias_rate,
-                                               all_reduce=lambda loads: all_reduce_sum(loads, env))
+        if self.balance_routers and not self.control.skipped:  # from the loads this step's forwards counted
+            moe_violation = update_router_bias(self.model, recipe.optim.router_bias_rate, all_reduce=self.all_reduce)
         t_opt = stats.optimizer_s + time.perf_counter() - tc
-        loss = loss_total / n_global
-        step += 1
-        tokens_seen += int(counts[1])
-        dt = time.perf_counter() - t0
-        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": float(counts[1]) / dt,
-                  "mfu": float(counts[2]) / (dt * peak * env.world_size), "grad_norm": grad_norm,
-                  "tokens": tokens_seen, "labelled_tokens": int(n_global), "step_time_s": dt, "data_s": t_data,
-                  "forward_s": t_fwd, "backward_s": t_bwd, "optimizer_s": t_opt}
+        self.step += 1
+        self.tokens_seen += int(stats.counts[1])
+        return self.step_record(stats, lr, time.perf_counter() - t0, t_opt, moe_violation)
+
+    def all_reduce(self, loads: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(loads, self.env)
+
+    def step_record(self, stats: StepStats, lr: float, dt: float, t_opt: float,
+                    moe_violation: float | None) -> dict[str, Any]:
+        counts = stats.counts
+        n_global = max(1.0, float(counts[0]))
+        record = {"step": self.step, "loss": stats.loss_sum / n_global, "lr": lr, "tokens_per_s": float(counts[1]) / dt,
+                  "mfu": float(counts[2]) / (dt * self.peak * self.env.world_size), "grad_norm": stats.grad_norm,
+                  "tokens": self.tokens_seen, "labelled_tokens": int(n_global), "step_time_s": dt,
+                  "data_s": stats.data_s, "forward_s": stats.forward_s, "backward_s": stats.backward_s,
+                  "optimizer_s": t_opt}
         if moe_violation is not None:
             record["moe_max_violation"] = moe_violation  # DeepSeek's MaxVio: max expert load / mean - 1
-        if guard.total:
-            record.update(bad_step=vote.bad_step, bad_steps=guard.total)
-        done = step >= total_steps or (recipe.budget.max_tokens is not None and tokens_seen >= recipe.budget.max_tokens)
-        if evaluator.due(step, done):
-            record.update(evaluator.run(model, config, step))
-        sinks.log(record, step % recipe.logging.every == 0 or step == total_steps or vote.bad_step)
-        if (line := headline.poll()) is not None:
-            sinks.info(line)
-        guard.check(f"after step {step}, {batches.position()}")
-        if saver is not None and saver.pending is not None and vote.saves_written:
-            saver.finish()  # every rank's background write is done: rename into place, move `latest`
-        if (every and step % every == 0) or done or vote.checkpoint_due or vote.stop:
-            checkpoint()
-        if vote.stop and not done:
-            if saver is not None:
-                saver.finish()
-            sinks.stop()
-            if env.is_main:
-                sinks.finish()
-            where = ckpt_root / f"step_{step:08d}"
-            msg = (f"preempted ({signals.received or 'signal on another rank'}) after step {step}/{total_steps}: "
-                   f"checkpoint {where}; resume with: {resume_hint(recipe.output_dir)}")
-            sinks.info(msg)
-            if env.is_main:  # for schedulers: the checkpoint is complete (saved and finished above)
-                write_marker(out, step, total_steps, where, signals.received or "signal on another rank")
-            barrier(env)  # no rank exits 75 before the marker exists (torchrun stops the others on the first exit)
-            raise Preempted(msg)
-    if saver is not None:
-        saver.finish()
-    sinks.stop()
+        if self.control.guard.total:
+            record.update(bad_step=self.control.skipped, bad_steps=self.control.guard.total)
+        return record
 
-    final_dir = export_final(model, config, out / "final", tokenizer_dir, env, side_files)
-    reports = sorted((r for rank in gather_objects(batches.report(), env) for r in rank), key=lambda r: r["shard"])
-    if env.is_main:  # every data shard of every rank, in shard order
-        (out / "data_report.json").write_text(json.dumps(reports, indent=1))
-        sinks.finish()
-    barrier(env)  # no rank tears the process group down while another still talks (gloo aborts on a closed peer)
-    return RunResult(out, final_dir, step, sinks.losses)
+    def maybe_evaluate(self, record: dict[str, Any]) -> None:
+        if self.evaluator.due(self.step, self.done()):
+            record.update(self.evaluator.run(self.model, self.config, self.step))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """The step's metrics (printed every logging.every steps, the last and every bad one), the planner's line."""
+        self.sinks.log(record, self.step % self.recipe.logging.every == 0 or self.step == self.total_steps
+                       or self.control.skipped)
+        if (line := self.headline.poll()) is not None:
+            self.sinks.info(line)
+
+    def maybe_checkpoint(self) -> None:
+        if self.saver is not None and self.saver.pending is not None and self.control.saves_written:
+            self.saver.finish()  # every rank's background write is done: rename into place, move `latest`
+        if self.control.checkpoint_wanted(self.done()):
+            self.checkpoint()
+
+    def checkpoint(self) -> Path:
+        guard = self.control.guard
+        args = (self.ckpt_root, self.step, self.model, self.optimizer, self.train_state(),
+                {"data": self.batches.state_dict()})
+        kw = {"keep": self.recipe.checkpoint.keep, "protect": guard.protected, "trusted": guard.trusts}
+        path = self.saver.save(*args, **kw) if self.saver is not None else save_checkpoint(*args, **kw)
+        self.control.checkpointed(path)
+        return path
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint records beside the weights, optimizer and data position (the step is added)."""
+        return {"tokens": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
+                "model_config": self.config.to_dict(), "tokenizer_dir": self.tokenizer_dir,
+                "side_files": self.side_files, "phase": self.recipe.phase.name, "total_steps": self.total_steps,
+                "recipe": self.recipe.to_dict(),
+                **({"adapters": self.adapters.to_dict()} if self.adapters is not None else {})}
+
+    def should_stop(self) -> bool:
+        return self.control.preempted(self.done())
+
+    def preempt(self) -> Preempted:
+        """After a stop signal's checkpoint: finish it, tell the scheduler (PREEMPTED), return what to raise."""
+        env = self.env
+        if self.saver is not None:
+            self.saver.finish()
+        self.sinks.stop()
+        if env.is_main:
+            self.sinks.finish()
+        where = self.ckpt_root / f"step_{self.step:08d}"
+        msg = (f"preempted ({self.control.signal_name}) after step {self.step}/{self.total_steps}: "
+               f"checkpoint {where}; resume with: {resume_hint(self.recipe.output_dir)}")
+        self.sinks.info(msg)
+        if env.is_main:  # for schedulers: the checkpoint is complete (saved and finished above)
+            write_marker(self.out, self.step, self.total_steps, where, self.control.signal_name)
+        barrier(env)  # no rank exits 75 before the marker exists (torchrun stops the others on the first exit)
+        return Preempted(msg)
+
+    def finish(self) -> RunResult:
+        """The budget is spent: the last checkpoint into place, `final/` exported, the data report written."""
+        env = self.env
+        if self.saver is not None:
+            self.saver.finish()
+        self.sinks.stop()
+        final_dir = export_final(self.model, self.config, self.out / "final", self.tokenizer_dir, env,
+                                 self.side_files, self.adapters)
+        # by shard: the ranks of a context- or tensor-parallel group read (and report) the same shards
+        reports = sorted({r["shard"]: r for rank in gather_objects(self.batches.report(), env) for r in rank}.values(),
+                         key=lambda r: r["shard"])
+        if env.is_main:  # every data shard of every rank, in shard order
+            (self.out / "data_report.json").write_text(json.dumps(reports, indent=1))
+            self.sinks.finish()
+        barrier(env)  # no rank tears the process group down while another still talks (gloo aborts on a closed peer)
+        return RunResult(self.out, final_dir, self.step, self.sinks.losses)
 
 
 def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env: ParallelEnv,
-                 side_files: dict | None = None) -> Path | None:
+                 side_files: dict | None = None, adapters: AdapterExport | None = None) -> Path | None:
     """Collective: gather the full weights and write `OUTPUT_DIR/final` (a `mindvl.checkpoint.load_model` folder, with
-    the side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0."""
+    the side files of `side_files`: {"from": folders, "pixels": [min, max]}) on rank 0. A LoRA run writes its
+    adapters merged into the weights there, and in PEFT's layout in `final/adapter` (train.lora)."""
     from mindvl.checkpoint import save_pretrained
 
-    state = full_model_state(model)
+    state = adapted = full_model_state(model)
+    if adapters is not None:
+        state = adapters.merged(adapted)
     if env.is_main:
         with torch.device("meta"):
             plain = MindVL(config)
@@ -389,5 +468,7 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
         side = side_files or {}
         save_pretrained(plain, out, overwrite=True, side_files_from=side.get("from") or [],
                         pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
+        if adapters is not None:
+            adapters.write(adapted, config, out)
     barrier(env)
     return out if env.is_main else None

@@ -4,38 +4,31 @@ trained with."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import shutil
 
 import pytest
-from tiny_mindvl import tiny_model_folder
+from eval_helpers import eval_setup, generate_module
 
 from mindvl.cli import main as cli_main
 from mindvl.data.template import DEFAULT_SYSTEM
 from mindvl.eval.resolution_search import best_lines, best_settings, box_plot_figure
 from mindvl.eval.runner import EvalSettings, NoItemsScored, evaluate_benchmark
-from mindvl.eval.synth_bench import write_synthetic_benchmarks
 from mindvl.infer import load_for_chat
 from mindvl.infer.chat import template_default_system, training_system
-
-PX = 28 * 28
-generate_module = importlib.import_module("mindvl.infer.generate")
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("misleading")
-    benches = write_synthetic_benchmarks(root / "bench", n=4, seed=1, ocr_task="digits")
-    return root, tiny_model_folder(root / "model", 1), benches
+    return eval_setup(tmp_path_factory.mktemp("misleading"), n=4)
 
 
 # ------------------------------------------------------------------------------------------- zero scored items
 
 
 def test_ocrbench_files_read_as_docvqa_are_an_error_naming_why(setup, tmp_path):
-    _, folder, benches = setup
+    _, folder, _, benches = setup
     model, tok = load_for_chat(folder, device="cpu")
     with pytest.raises(NoItemsScored) as err:
         evaluate_benchmark(model, tok, "docvqa", benches["ocrbench"], EvalSettings(system=None, max_new_tokens=2),
@@ -51,7 +44,7 @@ def test_ocrbench_files_read_as_docvqa_are_an_error_naming_why(setup, tmp_path):
 
 
 def test_eval_cli_exits_2_with_the_message(setup, tmp_path, capsys):
-    _, folder, benches = setup
+    _, folder, _, benches = setup
     code = cli_main(["eval", str(folder), "--bench", f"docvqa={benches['ocrbench']}", "--out", str(tmp_path / "e"),
                      "--no-system", "--device", "cpu"])
     assert code == 2
@@ -87,8 +80,7 @@ def test_best_settings_name_no_best_when_every_score_ties():
 
 
 def test_search_cli_with_all_zero_scores_says_so(setup, tmp_path, monkeypatch, capsys):
-    root, folder, benches = setup
-    other = tiny_model_folder(root / "other", 2)
+    _, folder, other, benches = setup
     _, tok = load_for_chat(folder, device="cpu")
     monkeypatch.setattr(generate_module, "generate", lambda model, prompts, *a, **kw: [[tok.special.im_end]
                                                                                      for _ in prompts])
@@ -141,7 +133,7 @@ def test_box_plot_explains_itself(n_ckpt):
 
 
 def test_training_system_follows_the_run_then_the_merge_then_the_template(setup, tmp_path):
-    _, folder, _ = setup
+    _, folder, _, _ = setup
     # A run's final/ beside the run's recipe.json (what the trainer writes): the recipe's data.default_system.
     runs = []
     for name, system in (("r1", None), ("r2", None), ("r3", "Be brief.")):
@@ -181,7 +173,7 @@ def test_template_default_system_by_rendering():
 
 
 def test_eval_uses_and_prints_the_training_system(setup, tmp_path, capsys):
-    _, folder, benches = setup
+    _, folder, _, benches = setup
     run = tmp_path / "run"
     shutil.copytree(folder, run / "final")
     (run / "recipe.json").write_text(json.dumps({"data": {"default_system": None}}))
@@ -202,7 +194,7 @@ def test_eval_uses_and_prints_the_training_system(setup, tmp_path, capsys):
 
 
 def test_eval_counts_empty_answers(setup, tmp_path, monkeypatch, capsys):
-    _, folder, benches = setup
+    _, folder, _, benches = setup
     _, tok = load_for_chat(folder, device="cpu")
     answers = iter([[tok.special.im_end], [*tok.encode("7"), tok.special.im_end], [*tok.encode("  "),
                                                                                    tok.special.im_end]])

@@ -3,29 +3,21 @@ same rows, settings cannot be mixed, the best setting and the box plots come out
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import pytest
-from tiny_mindvl import tiny_model_folder
+from eval_helpers import PX, eval_setup, generate_module
 
 from mindvl.cli import main as cli_main
 from mindvl.eval.benchmarks import BENCHMARKS
 from mindvl.eval.resolution_search import best_settings, parse_grid
 from mindvl.eval.runner import EvalSettings, evaluate_benchmark, read_predictions, truncate_at_stop
-from mindvl.eval.synth_bench import write_synthetic_benchmarks
 from mindvl.infer import chat, load_for_chat
-
-PX = 28 * 28
-# The module (mindvl.infer re-exports a function of the same name); the runner looks `generate` up at call time.
-generate_module = importlib.import_module("mindvl.infer.generate")
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runner")
-    benches = write_synthetic_benchmarks(root / "bench", n=5, seed=1, ocr_task="digits")
-    return root, tiny_model_folder(root / "a", 1), tiny_model_folder(root / "b", 2), benches
+    return eval_setup(tmp_path_factory.mktemp("runner"), n=5)
 
 
 SETTINGS = dict(min_pixels=4 * PX, max_pixels=16 * PX, system=None, batch_size=2, max_new_tokens=6)

@@ -64,7 +64,8 @@ def test_planner_at_64_ranks_and_verdicts(tmp_path):
     # the same trace against a device too small for it: a one-line verdict naming the largest part and the knobs
     tiny = get_device("custom:mem_gb=0.1,tflops=100,hbm_gbs=1000,intra_gbs=100,inter_gbs=10")
     small = dataclasses.replace(result, device=tiny, capacity_bytes=tiny.memory_bytes,
-                                reserve_bytes=reserve_bytes(tiny), activation_checkpointing="off")
+                                reserve_bytes=reserve_bytes(tiny, result.peak_bytes_per_rank),
+                                activation_checkpointing="off")
     line = verdict(small)
     assert not small.fits and "\n" not in line and line.startswith("does not fit")
     part = max(small.breakdown, key=small.breakdown.get)
@@ -117,7 +118,7 @@ def result_config(recipe):
 
 
 def test_bad_input_names_what_is_known(tmp_path):
-    with pytest.raises(ValueError, match="known: h100-80g, h200, a100-80g, 910b1, 910b2-64g, custom"):
+    with pytest.raises(ValueError, match="known: h100-80g, h200, a100-80g, 910b1, 910b2-64g, rtx4090-24g, custom"):
         get_device("v100")
     with pytest.raises(ValueError, match="known: .*qwen3-8b"):
         preset_config("llama-3-8b")

@@ -84,9 +84,11 @@ def test_a_traced_ep_plan_carries_the_skew_term(tmp_path):
     recipe = load_recipe(raw=raw)
     r = plan(recipe, 2, get_device("h100-80g"), routing_skew_factor=1.5)
     assert r.skew.bytes_per_unit > 0 and r.skew_bytes == r.skew.bytes_per_unit // 2
+    # balanced: no skew term, and the reserve of the balanced peak (the reserve grows with planned bytes)
     balanced = dataclasses.replace(r, skew=Skew(1.0, r.skew.bytes_per_unit, r.skew.rows_balanced,
-                                                r.skew.layers_in_flight))
-    assert r.headroom == pytest.approx(balanced.headroom - r.skew_bytes / r.capacity_bytes)
+                                                r.skew.layers_in_flight),
+                                   reserve_bytes=r.reserve_bytes - int((r.reserve_growth - 1) * r.skew_bytes))
+    assert r.headroom == pytest.approx(balanced.headroom - r.reserve_growth * r.skew_bytes / r.capacity_bytes)
     summary = r.to_dict()["routing_skew"]
     assert summary["factor"] == 1.5 and summary["headroom_at"]["1.0"] == pytest.approx(balanced.headroom)
     report = format_report(r)

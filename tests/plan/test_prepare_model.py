@@ -64,5 +64,8 @@ def test_layout_dimensions_multiply_to_the_world_and_give_the_data_parallel_size
         ParallelLayout(6, ep=4)
     with pytest.raises(ValueError, match=r"^parallel\.expert_parallel: expert parallelism needs more than one"):
         ParallelLayout(1, ep=2)
-    with pytest.raises(ValueError, match=r"tensor \(2\) and context \(1\) parallelism are not implemented"):
-        ParallelLayout(4, tp=2)
+    assert (ParallelLayout(4, rank=3, tp=2).dp_size, ParallelLayout(4, rank=3, tp=2).dp_rank) == (2, 1)
+    cp = ParallelLayout(8, rank=5, cp=2)  # context parallelism: ranks 4 and 5 share data shard 2
+    assert (cp.dp_size, cp.dp_rank, cp.cp_rank, cp.fsdp_size) == (4, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"context parallelism \(2\) and tensor parallelism \(2\) together"):
+        ParallelLayout(8, cp=2, tp=2)

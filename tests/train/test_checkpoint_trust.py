@@ -17,7 +17,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from train_helpers import env, load_weights, mindvl_cmd, raw_recipe, run, write_recipe
+from train_helpers import (
+    latest_name,
+    load_weights,
+    mindvl_cmd,
+    raw_recipe,
+    run,
+    training_in_background,
+    write_recipe,
+)
 
 from mindvl.checkpoint import dcp_io
 from mindvl.checkpoint.dcp_io import (
@@ -271,34 +279,17 @@ def test_a_pinned_checkpoint_is_not_pruned_and_a_pruned_one_is_seen_as_gone(tmp_
 def test_exports_during_a_keep_1_training_succeed_or_print_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     raw = raw_recipe(out, tmp_path / "cache", budget={"max_steps": 40}, checkpoint={"every": 1, "keep": 1})
-    recipe = write_recipe(tmp_path / "r.yaml", raw)
-    trainer = subprocess.Popen(mindvl_cmd("train", str(recipe)), env=env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while read_latest_or_none(out) is None and time.time() < deadline and trainer.poll() is None:
-            time.sleep(0.05)
+    with training_in_background(write_recipe(tmp_path / "r.yaml", raw), out) as trainer:
         results, seen_latest = [], set()
         while trainer.poll() is None and len(results) < 12:
-            seen_latest.add(read_latest_or_none(out))
+            seen_latest.add(latest_name(out))
             rc = main(["export", str(out), "--out", str(tmp_path / "exp"), "--overwrite"])
             results.append((rc, capsys.readouterr().err))
         assert trainer.wait(600) == 0, trainer.stderr.read()[-3000:]
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
     assert len(results) >= 5 and len(seen_latest) >= 3, "the training finished before the exports could overlap it"
     for rc, err in results:
         assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1), err[-3000:]
     assert sum(rc == 0 for rc, _ in results) >= len(results) - 1
-
-
-def read_latest_or_none(out: Path) -> str | None:
-    try:
-        found = read_latest(out / "checkpoints")
-    except (ValueError, FileNotFoundError):
-        return None
-    return found.name if found else None
 
 
 # ----------------------------------------------------------------------------------------------- good means good

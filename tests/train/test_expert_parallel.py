@@ -5,14 +5,13 @@ checkpoints written at EP=4 resume at EP=2 and load at EP=1; bad EP sizes get on
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_train_moe import moe_raw
-from train_helpers import CLI, load_weights, run, write_recipe
+from train_helpers import CLI, load_weights, run, run_ranks, write_recipe
 
 from mindvl.checkpoint.training import export_checkpoint
 from mindvl.config import load_recipe
@@ -21,20 +20,9 @@ HERE = Path(__file__).parent
 TOL = 1e-5  # float32; measured ~5e-7
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(n: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-            str(free_port()), *args]
-
-
-def test_all_to_all_dispatch_equals_one_process():
+def test_all_to_all_dispatch_equals_one_process(tmp_path):
     """2 ranks, 16 experts; rank 0 sends nothing to rank 1, experts 1 and 15 get no token (see the worker)."""
-    r = run(torchrun(2, str(HERE / "ep_dispatch_worker.py")), timeout=300)
+    r = run_ranks(tmp_path, 2, [], script=HERE / "ep_dispatch_worker.py")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -79,7 +67,7 @@ def test_ep_training_equals_one_process_and_resumes_across_ep_sizes(tmp_path):
 
     # EP=2 over 2 processes and EP=4 over 4 (8 and 4 experts per rank, no expert replicas): 3 steps each
     for name, n in (("ep2x2", 2), ("ep4x4", 4)):
-        r = run(torchrun(n, str(script), "train", recipe(name, n)), timeout=400)
+        r = run_ranks(tmp_path, n, ["train", recipe(name, n)], timeout=400, script=script)
         assert r.returncode == 0, r.stderr[-3000:]
         assert_same_run(tmp_path / "one", tmp_path / name)
 
@@ -87,7 +75,8 @@ def test_ep_training_equals_one_process_and_resumes_across_ep_sizes(tmp_path):
     # resumes at EP=2 on the same 4 processes (each expert slice now FSDP-sharded over 2 replicas): step 3 and the
     # final weights equal the uninterrupted run. (The data state is per rank, so resuming needs the same world.)
     step2 = tmp_path / "ep4x4" / "checkpoints" / "step_00000002"
-    r = run(torchrun(4, str(script), "train", recipe("ep2x4", 2), f"checkpoint.resume={step2}"), timeout=400)
+    r = run_ranks(tmp_path, 4, ["train", recipe("ep2x4", 2), f"checkpoint.resume={step2}"], timeout=400,
+                  script=script)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "ep2x4", steps=slice(2, None))
     # ... and loads at EP=1 in one process: the same weights as the 1-process run's own step-2 checkpoint.

@@ -2,7 +2,7 @@
 README's batch script with `scontrol requeue` replaced by running it again. Mid-run the "scheduler" sends the time
 limit's warning (USR1 to the batch script, `--signal=B:USR1`) or preempts (SIGTERM to every process of the job);
 the run leaves OUTPUT_DIR/PREEMPTED, the loop requeues, and the run finishes with the losses and weights of an
-uninterrupted run."""
+uninterrupted run. Also against that run: SIGTERM to one of two ranks started by hand, then resume=auto."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_longrun_processes import free_port, losses, steps_logged, two_rank_recipe
-from train_helpers import CLI, env, load_weights, raw_recipe
+from test_longrun_processes import losses, steps_logged, two_rank_recipe
+from train_helpers import CLI, env, finish, free_port, launch, load_weights, raw_recipe
 
+from mindvl.checkpoint.training import read_latest
 from mindvl.config import load_recipe
 from mindvl.train.preempt import MARKER, clear_marker, write_marker
+from mindvl.train.stops import EXIT_PREEMPTED
 from mindvl.train.trainer import train
 
 # The README's batch script, with `scontrol requeue` turned into a loop; each attempt on a fresh port.
@@ -86,7 +88,8 @@ def schedule(tmp_path: Path, recipe: Path, out: Path) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The same recipe, never interrupted, through the same scheduler loop (one attempt)."""
+    """The same recipe, never interrupted, through the same scheduler loop (one attempt): the run every preempted
+    run of this module (through the loop, or ranks started by hand) must reproduce bit for bit."""
     tmp = tmp_path_factory.mktemp("reference")
     proc = schedule(tmp, two_rank_recipe(tmp, "ref"), tmp / "ref")
     out, err = proc.communicate(timeout=600)
@@ -125,6 +128,34 @@ def test_a_preempted_torchrun_job_requeues_until_done_with_an_uninterrupted_runs
     assert losses(out) == losses(reference)
     ours, ref = load_weights(out / "final"), load_weights(reference / "final")
     assert all(torch.equal(ours[n], ref[n]) for n in ref)
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_checkpoints_on_both_and_resume_is_bit_identical(tmp_path, reference):
+    """Ranks started by hand (no torchrun, no scheduler loop), SIGTERM to rank 1 only: both ranks finish the step,
+    checkpoint, exit 75; resume=auto on 2 ranks ends with the weights and losses of the uninterrupted run of the
+    same recipe (`reference`), bit for bit."""
+    # The interrupted run also writes a checkpoint every step in the background (async DCP on its own gloo group).
+    recipe = two_rank_recipe(tmp_path, "run", checkpoint={"every": 1, "keep": 2, "async_save": True})
+    out = tmp_path / "run"
+    procs = launch(tmp_path, ["train", str(recipe)])
+    deadline = time.time() + 240
+    while steps_logged(out) < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the decision must still be shared
+    (code0, out0, err0), (code1, _, err1) = finish(procs)
+    assert code0 == code1 == EXIT_PREEMPTED, (err0[-2000:], err1[-2000:])
+    ckpt = read_latest(out / "checkpoints")
+    stopped_at = int(ckpt.name.split("_")[1])
+    assert 2 <= stopped_at < 6 and steps_logged(out) == stopped_at
+    assert f"checkpoint {ckpt}" in err0 and "resume=auto" in err0 and "Traceback" not in err0 + err1
+    assert "SIGTERM received" in err1
+
+    resumed = finish(launch(tmp_path, ["train", str(recipe), "resume=auto"]))
+    assert [r[0] for r in resumed] == [0, 0], resumed[0][2][-3000:]
+    ours, ref = load_weights(out / "final"), load_weights(reference / "final")
+    assert all(torch.equal(ours[n], ref[n]) for n in ref)
+    assert losses(out) == losses(reference)
 
 
 @pytest.mark.slow

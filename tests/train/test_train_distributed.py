@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
 import torch
-from train_helpers import CLI, load_weights, raw_recipe, run, write_recipe
+from train_helpers import CLI, load_weights, raw_recipe, run, run_ranks, write_recipe
 
 from mindvl.checkpoint.training import export_checkpoint
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(out) -> list[float]:
@@ -24,11 +17,11 @@ def losses(out) -> list[float]:
 
 
 def train_one_and_two(script, one, two, *one_overrides: str) -> None:
-    """Train recipe `one` in one process and `two` on two torchrun processes (gloo); both must succeed."""
+    """Train recipe `one` in one process and `two` on two processes (gloo, torchrun's environment); both must
+    succeed."""
     r1 = run([sys.executable, str(script), "train", str(one), *one_overrides], timeout=300)
     assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), str(script), "train", str(two)], timeout=300)
+    r2 = run_ranks(script.parent, 2, ["train", str(two)], script=script)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "2 rank(s)" in r2.stdout
 

@@ -3,12 +3,9 @@ exactly the weights of the plain paths: `MindVL.init_weights(seed)` and `load_mo
 
 from __future__ import annotations
 
-import socket
-import sys
-
 import pytest
 import torch
-from train_helpers import raw_recipe, run
+from train_helpers import raw_recipe, run_ranks
 
 from mindvl.checkpoint import load_model, save_pretrained
 from mindvl.config import load_recipe
@@ -101,11 +98,7 @@ def test_two_ranks_fill_their_shards_from_a_folder(tiny, tmp_path):
     _, _, _, folder = tiny
     script = tmp_path / "fill.py"
     script.write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-             str(script), str(folder)], timeout=300)
+    r = run_ranks(tmp_path, 2, [str(folder)], script=script)
     assert r.returncode == 0, r.stderr[-3000:]
     local, total = (int(x) for x in r.stdout.split("OK local ")[1].split(" of "))
     assert local < 0.6 * total  # each rank holds about half of every sharded tensor

@@ -64,10 +64,9 @@ def test_moe_language_model_trains_balances_and_resumes(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_moe_two_processes_fsdp_match_one_process(tmp_path):
     """Experts live inside the decoder blocks, so FSDP2 shards them with the block; 2 ranks = 1 process."""
-    import socket
     import sys
 
-    from train_helpers import CLI, run, write_recipe
+    from train_helpers import CLI, run, run_ranks, write_recipe
 
     cache = tmp_path / "cache"
     script = tmp_path / "cli.py"
@@ -76,13 +75,9 @@ def test_moe_two_processes_fsdp_match_one_process(tmp_path):
                                                       batch={"global_batch_size": 2, "data_shards": 2}))
     two = write_recipe(tmp_path / "two.yaml", moe_raw(tmp_path / "two", cache, budget={"max_steps": 3},
                                                       batch={"global_batch_size": 2}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     r1 = run([sys.executable, str(script), "train", str(one), "parallel.fsdp=off"], timeout=300)
     assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-              str(script), "train", str(two)], timeout=300)
+    r2 = run_ranks(tmp_path, 2, ["train", str(two)], script=script)
     assert r2.returncode == 0, r2.stderr[-3000:]
 
     def records(out):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from train_helpers import env, load_weights, mindvl_cmd, raw_recipe, run, write_recipe
+from train_helpers import env, latest_step, load_weights, mindvl_cmd, raw_recipe, run, write_recipe
 
 import mindvl.checkpoint.training as training
 from mindvl.checkpoint.training import export_checkpoint, read_latest
@@ -21,14 +21,6 @@ STEPS = 6
 
 def losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def latest_step(out) -> int:
-    try:
-        found = read_latest(out / "checkpoints")
-    except (ValueError, json.JSONDecodeError, FileNotFoundError):
-        return 0
-    return int(found.name.split("_")[1]) if found else 0
 
 
 @pytest.mark.slow
