@@ -48,9 +48,13 @@ def test_prepare_synth_makes_every_set_the_stages_read(tmp_path):
 @pytest.mark.slow
 def test_parallel_seeds_match_one_process(tmp_path):
     recipes = small_recipes(tmp_path / "recipes")
-    one = run_ablation(["merge"], 2, tmp_path / "one", TWO, recipes, verdicts=False, log=lambda line: None)
-    two = run_ablation(["merge"], 2, tmp_path / "two", TWO, recipes, verdicts=False, log=lambda line: None, jobs=2)
-    assert two["claims"]["merge"]["seeds"] == [0, 1]
+    # lm-merge's chain (text, warm-up, multitask, one SFT) is the shortest that has every kind of stage: a trained
+    # one from seeded init, trained ones from a parent, and a merge.
+    one = run_ablation(["lm-merge"], 2, tmp_path / "one", TWO, recipes, verdicts=False, log=lambda line: None)
+    two = run_ablation(["lm-merge"], 2, tmp_path / "two", TWO, recipes, verdicts=False, log=lambda line: None,
+                       jobs=2)
+    assert two["claims"]["lm-merge"]["seeds"] == [0, 1]
+    assert set(one["training"]) == {"text", "warmup", "multitask", "sft-1024"}
     for stage, t in one["training"].items():
         assert two["training"][stage]["steps"] == t["steps"]
         # Another thread count may reorder float sums, nothing more: the same data, init and steps per seed.
