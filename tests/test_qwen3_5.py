@@ -1,0 +1,173 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, natively multimodal) against transformers 5.23 on a tiny random
+model: logits (text, images + a video), positions, vision features, greedy generation with the hybrid cache, and
+conversion both ways (bit-exact round trip, transformers loads the export, `mtp.*` dropped)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import qwen3vl_tiny as V
+import torch
+from qwen35_tiny import qwen35
+
+from mindvl.checkpoint import convert_from_hf, load_model
+from mindvl.checkpoint.hf_export import export_to_hf
+from mindvl.checkpoint.safetensors_io import TensorFolder
+
+IMAGES = torch.tensor([[1, 6, 10], [1, 4, 4]])
+VIDEOS = torch.tensor([[2, 4, 6]])
+ITEMS = [("image", [1, 6, 10]), ("video", [2, 4, 6]), ("image", [1, 4, 4])]
+TOL = 1e-4
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen35")
+    hf = qwen35(root / "hf")
+    convert_from_hf(root / "hf", root / "mv")
+    ours = load_model(root / "mv")
+    ours.set_attention_backend("sdpa")
+    return hf, ours, root
+
+
+def _inputs():
+    ids, kinds = V.prompt(ITEMS)
+    return ids, kinds, V.patch_rows(IMAGES, 1), V.patch_rows(VIDEOS, 2)
+
+
+def _chunk(model, size: int) -> None:
+    for layer in model.language_model.layers:
+        if layer.token_mixer == "linear_attn":
+            layer.linear_attn.chunk_size = size
+
+
+def test_config_is_read(pair):
+    _, ours, root = pair
+    t, v = ours.config.text, ours.config.vision
+    assert t.family == "qwen3_5" and t.layer_types == json.loads((root / "hf" / "config.json").read_text())[
+        "text_config"]["layer_types"]
+    assert (t.rotary_dim, t.mrope_section, t.mrope_interleaved) == (8, [2, 1, 1], True)
+    assert (t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim) == \
+        (2, 4, 8, 12)
+    assert v.family == "qwen3_vl" and v.deepstack_visual_indexes == [] and ours.projector.deepstack is None
+
+
+@torch.no_grad()
+def test_text_only_logits_match(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(2, 140, (1, 150), generator=torch.Generator().manual_seed(5))  # > 2 chunks of 64
+    ref = hf(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits
+    assert rel(ours(input_ids=ids).logits, ref) <= TOL
+    _chunk(ours, 16)  # the chunked recurrence does not depend on the chunk size
+    try:
+        assert rel(ours(input_ids=ids).logits, ref) <= TOL
+    finally:
+        _chunk(ours, 64)
+
+
+@torch.no_grad()
+def test_logits_with_images_and_a_video_match(pair):
+    hf, ours, _ = pair
+    ids, kinds, px, pv = _inputs()
+    ref = hf(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS,
+             mm_token_type_ids=kinds).logits
+    got = ours(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv,
+               video_grid_thw=VIDEOS).logits
+    assert rel(got, ref) <= TOL
+    n1 = int(IMAGES[0].prod())  # mindvl's packed one-stream form
+    stream_px = torch.cat([px[:n1], pv, px[n1:]])
+    stream = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:]])
+    assert rel(ours(input_ids=ids[0], pixel_values=stream_px, image_grid_thw=stream).logits, ref[0]) <= TOL
+
+
+@torch.no_grad()
+def test_positions_and_vision_features_match(pair):
+    hf, ours, _ = pair
+    ids, kinds, px, _ = _inputs()
+    pos, _ = hf.model.get_rope_index(ids, kinds, IMAGES, VIDEOS)
+    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+    assert torch.equal(ours.default_position_ids(ids[0], cu, IMAGES, VIDEOS), pos[:, 0])
+    ref = hf.model.visual(px, grid_thw=IMAGES).pooler_output
+    features, stack = ours.vision_features(px, IMAGES)
+    assert rel(features, ref) <= TOL and stack == []
+
+
+def test_round_trip_is_bit_exact_and_transformers_loads_the_export(pair):
+    hf, _, root = pair
+    export_to_hf(root / "mv", root / "back")
+    convert_from_hf(root / "back", root / "mv2")
+    first, second = dict(TensorFolder(root / "mv").iter_tensors()), dict(TensorFolder(root / "mv2").iter_tensors())
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    import transformers
+
+    again = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(root / "back",
+                                                                          attn_implementation="eager").eval()
+    assert set(again.state_dict()) == set(hf.state_dict())
+    ids, kinds, px, pv = _inputs()
+    kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS,
+              mm_token_type_ids=kinds)
+    with torch.no_grad():
+        assert torch.equal(again(**kw).logits, hf(**kw).logits)
+
+
+def test_mtp_tensors_are_dropped_on_import(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, _, root = pair
+    src = tmp_path / "hf"
+    src.mkdir()
+    for f in (root / "hf").iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    convert_from_hf(src, tmp_path / "mv")
+    got = dict(TensorFolder(tmp_path / "mv").iter_tensors())
+    want = dict(TensorFolder(root / "mv").iter_tensors())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_greedy_generation_with_the_hybrid_cache_equals_transformers_generate(pair):
+    """Three prompts batched in mindvl (images, a video, text only): the prefill stores each prompt's conv window
+    and recurrent state, decode steps advance them; transformers generates each prompt alone."""
+    from mindvl.infer import Prompt, generate
+
+    hf, ours, _ = pair
+    specs = [[("image", [1, 6, 10])], [("video", [2, 4, 6]), ("image", [1, 4, 4])], []]
+    prompts, hf_inputs = [], []
+    for i, items in enumerate(specs):
+        ids, kinds = V.prompt(items, seed=10 + i)
+        kw = {"input_ids": ids, "mm_token_type_ids": kinds, "attention_mask": torch.ones_like(ids)}
+        rows = [V.patch_rows(torch.tensor([g]), seed=20 + i + j) for j, (_, g) in enumerate(items)]
+        for kind, key, grid_key in (("image", "pixel_values", "image_grid_thw"),
+                                    ("video", "pixel_values_videos", "video_grid_thw")):
+            picked = [(r, g) for r, (k, g) in zip(rows, items, strict=True) if k == kind]
+            if picked:
+                kw[key] = torch.cat([r for r, _ in picked])
+                kw[grid_key] = torch.tensor([g for _, g in picked])
+        grids = torch.tensor([g for _, g in items]) if items else None
+        prompts.append(Prompt(ids[0], torch.cat(rows) if rows else None, grids))
+        hf_inputs.append(kw)
+    got = generate(ours, prompts, max_new_tokens=8)
+    for tokens, kw, prompt in zip(got, hf_inputs, prompts, strict=True):
+        with torch.no_grad():
+            out = hf.generate(**kw, do_sample=False, max_new_tokens=8, min_new_tokens=8, eos_token_id=None,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        ref = out.sequences[0, kw["input_ids"].shape[1]:].tolist()
+        assert tokens == ref
+        cu = torch.tensor([0, len(prompt.input_ids)], dtype=torch.int32)
+        with torch.inference_mode():  # step logits pin the conv window and recurrent state across decode steps
+            cache = ours.new_kv_cache(1, len(prompt.input_ids) + 8)
+            logits, pos = ours.prefill(prompt.input_ids, cu, cache, prompt.pixel_values, prompt.image_grid_thw)
+            steps = [logits[0]]
+            for k, token in enumerate(ref[:-1]):
+                steps.append(ours.decode_step(torch.tensor([token]), pos + k, cache)[0])
+        for step, want in zip(steps, out.logits, strict=True):
+            assert rel(step, want[0]) <= TOL
