@@ -171,3 +171,34 @@ def test_greedy_generation_with_the_hybrid_cache_equals_transformers_generate(pa
                 steps.append(ours.decode_step(torch.tensor([token]), pos + k, cache)[0])
         for step, want in zip(steps, out.logits, strict=True):
             assert rel(step, want[0]) <= TOL
+
+
+def test_flops_count_linear_layers_per_token_and_attention_pairs_only_in_full_layers():
+    """The planner's/MFU count for a Qwen3.5 LLM: a linear-attention layer's matmuls as the chunked rule runs them
+    (measured with FlopCounterMode; the triangular solves and the conv, which it does not see, added by hand), and
+    query-key pairs only for the full-attention layers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mindvl.models import TextConfig
+    from mindvl.models.linear_attention import GatedDeltaNet
+    from mindvl.train.metrics import _text_layer_flops
+
+    kw = dict(family="qwen3_5", vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, mrope_section=[2, 1, 1],
+              mrope_interleaved=True, partial_rotary_factor=1.0, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4)
+    all_linear = TextConfig(**kw, layer_types=["linear_attention"] * 4)
+    layer = GatedDeltaNet(all_linear)
+    c = layer.chunk_size
+    lengths = [c, 2 * c]  # whole chunks: no padding, which the count leaves out
+    x = torch.randn(sum(lengths), 32)
+    with FlopCounterMode(display=False) as counter:
+        layer(x, None, None, torch.tensor([0, c, 3 * c], dtype=torch.int32), 2 * c)
+    hv, dk, dv, conv_dim = 4, 8, 12, 2 * 2 * 8 + 4 * 12
+    unseen = hv * c * (dk + dv) + 2 * conv_dim * 4  # triangular solves, depthwise conv
+    mlp = 2 * 3 * 32 * 40
+    per_token, per_pair = _text_layer_flops(all_linear)
+    assert per_pair == 0
+    assert per_token == 4 * (counter.get_total_flops() / sum(lengths) + unseen + mlp)
+    mixed = TextConfig(**kw, layer_types=["linear_attention", "full_attention"] * 2)
+    assert _text_layer_flops(mixed)[1] == 2 * 2 * 2 * 4 * 8  # two full layers: QK^T and AV over 4 x 8 query dims
