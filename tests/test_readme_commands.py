@@ -73,6 +73,7 @@ EXCLUDED: dict[str, str] = {
     "--out out/mindvl-8b --seed 0": "needs real checkpoints",
     "mindvl convert --to-hf out/qwen25vl-7b --out out/qwen25vl-7b-hf": "needs the converted 7B model",
     "mindvl convert --from-hf /models/Qwen3-VL-8B-Instruct --out out/qwen3vl-8b": "needs a real checkpoint",
+    "mindvl convert --from-hf /models/Qwen3.5-27B --out out/qwen35-27b": "needs a real checkpoint",
     "mindvl convert --vision-from /models/Qwen3-VL-8B-Instruct --language-from /models/Qwen3-8B "
     "--out out/mindvl-q3vit-8b --seed 0": "needs real checkpoints",
     "torchrun --nproc_per_node 8 $(which mindvl) train recipes/mindvl-8b/warmup.yaml": "8 accelerators, real data",
