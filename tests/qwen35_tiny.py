@@ -27,19 +27,32 @@ TEXT_KW = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_at
                                 "mrope_interleaved": True, "partial_rotary_factor": 0.5})
 
 
-def qwen35(folder: Path | None = None, seed: int = 0, tie: bool = False):
-    """A tiny Qwen3_5ForConditionalGeneration (eager attention, eval mode); saved if `folder`."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+# MoE: H = 48 != 2I = 40, so a transposed expert tensor cannot pass for an untransposed one; a shared expert of
+# another width.
+MOE_KW = dict(moe_intermediate_size=20, num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=28)
+
+
+def qwen35(folder: Path | None = None, seed: int = 0, tie: bool = False, moe: bool = False):
+    """A tiny Qwen3_5ForConditionalGeneration, or the MoE one (eager attention, eval mode); saved if `folder`."""
+    if moe:
+        from transformers import Qwen3_5MoeConfig as Config
+        from transformers import Qwen3_5MoeForConditionalGeneration as Model
+    else:
+        from transformers import Qwen3_5Config as Config
+        from transformers import Qwen3_5ForConditionalGeneration as Model
 
     text = {**TEXT_KW, "bos_token_id": 0, "eos_token_id": 1}
-    cfg = Qwen3_5Config(vision_config=dict(VISION_KW), text_config=text, image_token_id=IMAGE_TOKEN,
+    if moe:
+        del text["intermediate_size"]
+        text.update(MOE_KW)
+    cfg = Config(vision_config=dict(VISION_KW), text_config=text, image_token_id=IMAGE_TOKEN,
                         video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                         vision_end_token_id=VISION_END, tie_word_embeddings=tie)
     cfg._attn_implementation = "eager"
     for sub in (cfg.vision_config, cfg.text_config):
         sub._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = randomise(Qwen3_5ForConditionalGeneration(cfg), seed)
+    model = randomise(Model(cfg), seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,6 +1,6 @@
-"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, natively multimodal) against transformers 5.23 on a tiny random
-model: logits (text, images + a video), positions, vision features, greedy generation with the hybrid cache, and
-conversion both ways (bit-exact round trip, transformers loads the export, `mtp.*` dropped)."""
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, natively multimodal; dense and MoE) against transformers 5.23
+on a tiny random model: logits (text, images + a video), positions, vision features, greedy generation with the
+hybrid cache, and conversion both ways (bit-exact round trip, transformers loads the export, `mtp.*` dropped)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen35")
-    hf = qwen35(root / "hf")
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"qwen35_{request.param}")
+    hf = qwen35(root / "hf", moe=request.param == "moe")
     convert_from_hf(root / "hf", root / "mv")
     ours = load_model(root / "mv")
     ours.set_attention_backend("sdpa")
@@ -49,8 +49,8 @@ def _chunk(model, size: int) -> None:
 def test_config_is_read(pair):
     _, ours, root = pair
     t, v = ours.config.text, ours.config.vision
-    assert t.family == "qwen3_5" and t.layer_types == json.loads((root / "hf" / "config.json").read_text())[
-        "text_config"]["layer_types"]
+    hf_text = json.loads((root / "hf" / "config.json").read_text())["text_config"]
+    assert t.family == hf_text["model_type"].removesuffix("_text") and t.layer_types == hf_text["layer_types"]
     assert (t.rotary_dim, t.mrope_section, t.mrope_interleaved) == (8, [2, 1, 1], True)
     assert (t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim) == \
         (2, 4, 8, 12)
@@ -106,8 +106,8 @@ def test_round_trip_is_bit_exact_and_transformers_loads_the_export(pair):
     assert all(torch.equal(first[k], second[k]) for k in first)
     import transformers
 
-    again = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(root / "back",
-                                                                          attn_implementation="eager").eval()
+    arch = type(hf).__name__  # the MoE's experts go back per expert, as on the hub; transformers fuses them
+    again = getattr(transformers, arch).from_pretrained(root / "back", attn_implementation="eager").eval()
     assert set(again.state_dict()) == set(hf.state_dict())
     ids, kinds, px, pv = _inputs()
     kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS,

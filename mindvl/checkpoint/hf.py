@@ -10,8 +10,8 @@ Supported sources (detected from config.json `model_type`):
   prediction layers (index >= num_hidden_layers) are dropped; FP8 checkpoints are refused (dequantize them first).
 - `qwen3_vl` / `qwen3_vl_moe`: a Qwen3-VL model (hf_qwen3_vl.py): its merger becomes the projector, its DeepStack
   mergers `projector.deepstack.{j}`, its Qwen3 / Qwen3-MoE LLM the language model (interleaved M-RoPE).
-- `qwen3_5`: a Qwen3.5 model (hf_qwen3_5.py): Qwen3-VL's tower without DeepStack, a hybrid linear/full-attention
-  LLM; its `mtp.*` tensors are dropped.
+- `qwen3_5` / `qwen3_5_moe`: a Qwen3.5 model (hf_qwen3_5.py): Qwen3-VL's tower without DeepStack, a hybrid
+  linear/full-attention LLM (dense, or MoE with a gated shared expert); its `mtp.*` tensors are dropped.
 - `mindvl`: already ours.
 
 A MindVL *composition* takes the vision tower of a Qwen2.5-VL or Qwen3-VL checkpoint and the language model of
@@ -317,7 +317,7 @@ def _mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
     if family in hf_qwen3_vl.FAMILIES:
         return hf_qwen3_vl.mindvl_config(config, family, _token_ids(config, folder), {"converted_from": str(folder)})
     if family in hf_qwen3_5.FAMILIES:
-        return hf_qwen3_5.mindvl_config(config, _token_ids(config, folder), {"converted_from": str(folder)})
+        return hf_qwen3_5.mindvl_config(config, family, _token_ids(config, folder), {"converted_from": str(folder)})
     if family == "qwen2_5_vl":
         text = text_config_from_hf(config, "qwen2")
         vision = vision_config_from_hf(config)

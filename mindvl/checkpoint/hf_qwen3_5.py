@@ -1,10 +1,13 @@
-"""Qwen3.5 (`qwen3_5`, transformers >= 5.x) config.json <-> MindVLConfig.
+"""Qwen3.5 (`qwen3_5`, and the MoE `qwen3_5_moe`; transformers >= 5.x) config.json <-> MindVLConfig.
 
 Qwen3.5 is natively multimodal: Qwen3-VL's vision tower without DeepStack (its merger becomes mindvl's projector)
 and a hybrid LLM (text family `qwen3_5`: Gated DeltaNet layers and gated full-attention layers, `layer_types`).
 Tensor names are Qwen3-VL's nested ones (`model.visual.*`, `model.language_model.*`, `lm_head`), so the key table
 is Qwen3-VL's (hf_keys); the hub's multi-token-prediction tensors (`mtp.*`) are dropped on import, as transformers
-does on load.
+does on load. Qwen3.5-MoE's experts: the hub stores them per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`,
+stacked on import by the key table's `{expert}` rule, written back so on export); transformers 5's in-memory fused
+`experts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` (what its save_pretrained writes) is read too. Each layer
+also has one shared expert (`mlp.shared_expert.*`) scaled by sigmoid(`mlp.shared_expert_gate`).
 
 Config traps (transformers 5.23): `partial_rotary_factor` lives in `rope_parameters` (default 0.25 when absent);
 the text rotary always uses the interleaved M-RoPE layout, whatever `mrope_interleaved` says, with
@@ -18,10 +21,10 @@ from mindvl.models import MindVLConfig, TextConfig
 
 from . import hf_qwen3_vl
 
-FAMILIES = ("qwen3_5",)
+FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
-def text_config(config: dict) -> TextConfig:
+def text_config(config: dict, family: str = "qwen3_5") -> TextConfig:
     text = {**config, **(config.get("text_config") or {})}
     params = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
@@ -34,11 +37,19 @@ def text_config(config: dict) -> TextConfig:
     layer_types = text.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                               for i in range(layers)]
     heads = text["num_attention_heads"]
+    moe: dict = {}
+    if family == "qwen3_5_moe":
+        if text.get("mlp_only_layers"):
+            raise ValueError("text_config: mlp_only_layers is not supported (every layer of Qwen3.5-MoE is sparse)")
+        moe = dict(moe_intermediate_size=text["moe_intermediate_size"], n_routed_experts=text["num_experts"],
+                   num_experts_per_tok=text["num_experts_per_tok"],
+                   shared_expert_intermediate_size=text["shared_expert_intermediate_size"])
     return TextConfig(
-        family="qwen3_5",
+        family=family,
         vocab_size=text["vocab_size"],
         hidden_size=text["hidden_size"],
-        intermediate_size=text["intermediate_size"],
+        # Qwen3.5-MoE has no dense MLP; the field is unused there
+        intermediate_size=text.get("intermediate_size") or text.get("moe_intermediate_size", 1),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=text.get("num_key_value_heads") or heads,
@@ -57,11 +68,12 @@ def text_config(config: dict) -> TextConfig:
         linear_value_head_dim=text.get("linear_value_head_dim", 128),
         linear_num_key_heads=text.get("linear_num_key_heads", 16),
         linear_num_value_heads=text.get("linear_num_value_heads", 32),
+        **moe,
     )
 
 
-def mindvl_config(config: dict, token_ids: dict[str, int], source: dict) -> MindVLConfig:
-    text = text_config(config)
+def mindvl_config(config: dict, family: str, token_ids: dict[str, int], source: dict) -> MindVLConfig:
+    text = text_config(config, family)
     raw_vision = dict(config["vision_config"])
     raw_vision["deepstack_visual_indexes"] = []  # Qwen3.5's tower has no DeepStack mergers
     vision = hf_qwen3_vl.vision_config({"vision_config": raw_vision})
@@ -72,17 +84,19 @@ def mindvl_config(config: dict, token_ids: dict[str, int], source: dict) -> Mind
 
 
 def is_qwen3_5(cfg: MindVLConfig) -> bool:
-    return cfg.text.family == "qwen3_5"
+    return cfg.text.family in FAMILIES
 
 
 def hf_config(cfg: MindVLConfig) -> dict:
-    """A Qwen3.5 MindVLConfig -> transformers' nested config.json (`Qwen3_5ForConditionalGeneration`)."""
+    """A Qwen3.5 MindVLConfig -> transformers' nested config.json (`Qwen3_5ForConditionalGeneration`, or
+    `Qwen3_5MoeForConditionalGeneration`)."""
     t, v = cfg.text, cfg.vision
+    model_type = t.family
     if v is None or v.family != "qwen3_vl" or v.deepstack_visual_indexes:
         raise ValueError("only a Qwen3.5-shaped model (Qwen3-VL-style vision tower without DeepStack + the Qwen3.5 "
                          "LLM) has a transformers class; keep this one in mindvl's format")
     text = {
-        "model_type": "qwen3_5_text", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
+        "model_type": f"{model_type}_text", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
         "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_hidden_layers,
         "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
         "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps, "max_position_embeddings": t.max_position_embeddings,
@@ -93,8 +107,13 @@ def hf_config(cfg: MindVLConfig) -> dict:
         "linear_key_head_dim": t.linear_key_head_dim, "linear_value_head_dim": t.linear_value_head_dim,
         "linear_num_key_heads": t.linear_num_key_heads, "linear_num_value_heads": t.linear_num_value_heads,
     }
+    if model_type == "qwen3_5_moe":
+        del text["intermediate_size"]
+        text.update(moe_intermediate_size=t.moe_intermediate_size, num_experts=t.n_routed_experts,
+                    num_experts_per_tok=t.num_experts_per_tok,
+                    shared_expert_intermediate_size=t.shared_expert_intermediate_size)
     vision = {
-        "model_type": "qwen3_5_vision", "depth": v.depth, "hidden_size": v.hidden_size,
+        "model_type": f"{model_type}_vision", "depth": v.depth, "hidden_size": v.hidden_size,
         "intermediate_size": v.intermediate_size, "num_heads": v.num_heads, "in_channels": v.in_channels,
         "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
         "spatial_merge_size": v.spatial_merge_size, "hidden_act": v.hidden_act, "out_hidden_size": t.hidden_size,
@@ -102,7 +121,8 @@ def hf_config(cfg: MindVLConfig) -> dict:
         "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
     }
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if model_type == "qwen3_5_moe"
+                          else "Qwen3_5ForConditionalGeneration"], "model_type": model_type, "text_config": text,
         "vision_config": vision, "tie_word_embeddings": t.tie_word_embeddings, "image_token_id": cfg.image_token_id,
         "video_token_id": cfg.video_token_id, "vision_start_token_id": cfg.vision_start_token_id,
         "vision_end_token_id": cfg.vision_end_token_id,

@@ -228,8 +228,9 @@ class TextConfig:
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor channels (Qwen3.5: 0.25)
+    shared_expert_intermediate_size: int | None = None  # qwen3_5_moe: one shared expert behind a sigmoid gate
 
-    FAMILIES = ("qwen3", "qwen2", "deepseek_v3", "qwen3_moe", "qwen3_5")
+    FAMILIES = ("qwen3", "qwen2", "deepseek_v3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 
     def __post_init__(self) -> None:
         w = "text"
@@ -239,15 +240,15 @@ class TextConfig:
             self._check_deepseek(w)
         elif self.family == "qwen3_moe":
             self._check_qwen3_moe(w)
-        elif self.family == "qwen3_5":
+        elif self.is_hybrid:
             self._check_qwen3_5(w)
         else:
             for key in _DEEPSEEK_ONLY:
                 _require(getattr(self, key) is None, w, f"{key} is only used by family 'deepseek_v3', not "
                          f"{self.family!r}; remove it")
             _require(not self.attention_bias, w, "attention_bias is only used by family 'deepseek_v3'")
-        if self.family != "qwen3_5":
-            for key in _QWEN3_5_ONLY:
+        if not self.is_hybrid:
+            for key in (*_QWEN3_5_ONLY, "shared_expert_intermediate_size"):
                 _require(getattr(self, key) is None, w, f"{key} is only used by family 'qwen3_5'; remove it")
             _require(self.partial_rotary_factor == 1.0, w, "partial_rotary_factor is only used by family 'qwen3_5'")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, w,
@@ -335,9 +336,14 @@ class TextConfig:
                  "linear_num_value_heads must be a multiple of linear_num_key_heads")
         _require(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0, w,
                  f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary dim in (0, head_dim]")
-        for key in (*_DEEPSEEK_ONLY, "moe_intermediate_size"):
-            _require(getattr(self, key) is None, w, f"{key} is not used by family 'qwen3_5'; remove it")
         _require(not self.attention_bias, w, "attention_bias is not supported for family 'qwen3_5'")
+        if self.family == "qwen3_5_moe":  # Qwen3-MoE's softmax routing on every layer, plus a gated shared expert
+            _require(self.shared_expert_intermediate_size is not None and self.shared_expert_intermediate_size >= 0,
+                     w, "family 'qwen3_5_moe' requires shared_expert_intermediate_size (>= 0)")
+            self._check_qwen3_moe(w)
+            return
+        for key in (*_DEEPSEEK_ONLY, "moe_intermediate_size", "shared_expert_intermediate_size"):
+            _require(getattr(self, key) is None, w, f"{key} is not used by family 'qwen3_5'; remove it")
 
     @property
     def rotary_dim(self) -> int:
@@ -347,7 +353,7 @@ class TextConfig:
     @property
     def is_hybrid(self) -> bool:
         """Qwen3.5: linear-attention and full-attention layers (text.py picks per layer)."""
-        return self.family == "qwen3_5"
+        return self.family in ("qwen3_5", "qwen3_5_moe")
 
     def layer_kind(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types is not None else "full_attention"
@@ -359,7 +365,7 @@ class TextConfig:
 
     @property
     def has_experts(self) -> bool:
-        return self.family in ("deepseek_v3", "qwen3_moe")
+        return self.family in ("deepseek_v3", "qwen3_moe", "qwen3_5_moe")
 
     @property
     def qkv_bias(self) -> bool:

@@ -83,6 +83,9 @@ def _hybrid_layer_flops(t: TextConfig, chunk: int = 64) -> tuple[int, int]:
     full = sum(1 for i in range(layers) if t.layer_kind(i) == "full_attention")
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     mlp = 3 * h * t.intermediate_size
+    if t.has_experts:  # Qwen3.5-MoE: router, the top-k experts a token uses, the gated shared expert
+        mlp = (h * t.n_routed_experts + t.num_experts_per_tok * 3 * h * t.moe_intermediate_size
+               + 3 * h * t.shared_expert_intermediate_size + h)
     full_token = 2 * (h * (2 * q + 2 * kv) + q * h + mlp)
     hv, dk, dv = t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim
     key_dim, value_dim = t.linear_num_key_heads * dk, hv * dv
