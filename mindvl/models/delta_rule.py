@@ -20,7 +20,8 @@ is a unit lower-triangular system (I + L) U = beta V - diag(beta Gamma) K S0, so
 right-hand sides; then O = diag(Gamma) Q S0 + (QK^T * M) U with M_ij = Gamma_i/Gamma_j for j <= i, and the state
 after the chunk is Gamma_C S0 + (K * Gamma_C/Gamma)^T U. Only the chunk-to-chunk step is sequential, and it runs
 for all samples at once: step j advances the j-th chunk of every sample that has one. Each sample is padded to a
-multiple of C with k = v = q = beta = g = 0, which leaves its state unchanged, so the final state is exact.
+multiple of C with k = v = q = beta = g = 0, which leaves its state unchanged, so the final state is exact. The
+chunks are stored step by step (samples with more chunks first), so each step works on contiguous slices.
 
 `gated_delta_step` is the one-token recurrence (decoding); `causal_conv1d` / `causal_conv1d_step` the depthwise
 convolution (kernel K over the previous K-1 inputs of the same sample, then SiLU).
@@ -127,10 +128,20 @@ def gated_delta_rule(
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     chunks = (lengths + c - 1) // c  # per sample
-    base = F.pad(chunks.cumsum(0), (1, 0))  # first chunk of each sample
-    total_chunks = int(base[-1])
+    # Chunks are laid out step-major: all samples' first chunks, then all second chunks, ... with the samples
+    # ordered by decreasing chunk count, so the samples still running at step j are a prefix and the chunks of
+    # step j are one contiguous slice (no gathers in the sequential loop).
+    order = torch.argsort(chunks, descending=True, stable=True)
+    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(n, device=order.device))
+    counts = chunks[order].tolist()
+    running = [sum(1 for m in counts if m > j) for j in range(counts[0] if n else 0)]  # samples at step j
+    offsets = [0]
+    for m in running:
+        offsets.append(offsets[-1] + m)
+    total_chunks = offsets[-1]
     seq, pos = sample_index(cu_seqlens, total)
-    slot = base[seq] * c + pos  # where each token sits in the chunk-padded layout
+    step = pos // c
+    slot = (torch.tensor(offsets[:-1] or [0], device=cu.device)[step] + rank[seq]) * c + pos % c
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [N, Hv, C, ...]
         out = x.new_zeros(total_chunks * c, *x.shape[1:]).index_copy(0, slot, x)
@@ -153,22 +164,20 @@ def gated_delta_rule(
     k_dec = k * (gam[..., -1:] - gam).exp()[..., None]  # K * Gamma_C/Gamma
     chunk_decay = gam[..., -1].exp()[..., None, None]  # Gamma_C [N, Hv, 1, 1]
 
-    # Across chunks: step j advances the j-th chunk of every sample that has one.
+    # Across chunks: step j advances the j-th chunk of every sample that has one (the first running[j] samples).
     state = (torch.zeros(n, hv, dk, dv, device=v.device, dtype=v.dtype) if initial_state is None
-             else initial_state.to(v.dtype))
-    outs, done = [], []
-    for j in range(int(chunks.max()) if n else 0):
-        active = (chunks > j).nonzero()[:, 0]
-        idx = base[active] + j
-        s0 = state[active]
-        u = w_v[idx] - w_k[idx] @ s0
-        outs.append(q_dec[idx] @ s0 + attn[idx] @ u)
-        done.append(idx)
-        state = state.index_copy(0, active, chunk_decay[idx] * s0 + k_dec[idx].transpose(-1, -2) @ u)
+             else initial_state.to(v.dtype)[order])
+    outs = []
+    for a, m in zip(offsets[:-1], running, strict=True):
+        s0 = state[:m]
+        u = w_v[a:a + m] - w_k[a:a + m] @ s0
+        outs.append(q_dec[a:a + m] @ s0 + attn[a:a + m] @ u)
+        new = chunk_decay[a:a + m] * s0 + k_dec[a:a + m].transpose(-1, -2) @ u
+        state = new if m == n else torch.cat([new, state[m:]])
+    state = state[rank]  # back to the samples' order
     if not outs:
         return v.new_zeros(total, hv, dv).to(dtype), state
-    o = torch.empty_like(v).index_copy(0, torch.cat(done), torch.cat(outs))  # [N, Hv, C, dv]
-    o = o.transpose(1, 2).flatten(0, 1)[slot]  # [T, Hv, dv]
+    o = torch.cat(outs).transpose(1, 2).flatten(0, 1)[slot]  # [N, C, Hv, dv] -> [T, Hv, dv]
     return o.to(dtype), state
 
 
