@@ -97,6 +97,22 @@ def test_positions_and_vision_features_match(pair):
     assert rel(features, ref) <= TOL and stack == []
 
 
+@torch.no_grad()
+def test_bf16_is_as_accurate_as_transformers_bf16(pair):
+    """In bf16 both implementations round (the delta rule itself runs in fp32 in both); ours must be no further from
+    the fp32 reference than transformers'."""
+    hf, _, root = pair
+    ids, kinds, px, pv = _inputs()
+    kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS)
+    ref = hf(**kw, mm_token_type_ids=kinds).logits
+    hf16 = type(hf).from_pretrained(root / "hf", dtype=torch.bfloat16, attn_implementation="eager",
+                                    experts_implementation="eager").eval()
+    ours16 = load_model(root / "mv", dtype=torch.bfloat16)
+    err_hf = rel(hf16(**kw, mm_token_type_ids=kinds).logits.float(), ref)
+    err_ours = rel(ours16(**kw).logits.float(), ref)
+    assert err_ours <= 1.5 * err_hf + 1e-3, (err_ours, err_hf)
+
+
 def test_round_trip_is_bit_exact_and_transformers_loads_the_export(pair):
     hf, _, root = pair
     export_to_hf(root / "mv", root / "back")
