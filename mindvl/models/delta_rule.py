@@ -58,16 +58,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
 
     y_t = silu(sum_{j<K} weight[:, K-1-j] * x_{t-j}), where inputs before the sample's first token count as zero.
     Written as K shifted multiply-adds (K is 4 in Qwen3.5): each shift is masked where it would reach into the
-    previous sample. Computed in the weight's dtype, returned in x's (as transformers does).
+    previous sample. The sum accumulates in float32 (as a conv kernel does), then, as in transformers, it is rounded
+    to the weight's dtype, activated there, and returned in x's.
     """
     k = weight.shape[1]
     _, pos = sample_index(cu_seqlens, x.shape[0])
-    xw = x.to(weight.dtype)
-    y = xw * weight[:, k - 1]
+    xf, wf = x.float(), weight.float()
+    y = xf * wf[:, k - 1]
     for j in range(1, k):
-        shifted = F.pad(xw[:-j], (0, 0, j, 0)) if x.shape[0] > j else torch.zeros_like(xw)
-        y = y + shifted * (pos >= j).to(xw.dtype)[:, None] * weight[:, k - 1 - j]
-    return F.silu(y).to(x.dtype)
+        shifted = F.pad(xf[:-j], (0, 0, j, 0)) if x.shape[0] > j else torch.zeros_like(xf)
+        y = y + shifted * (pos >= j).float()[:, None] * wf[:, k - 1 - j]
+    return F.silu(y.to(weight.dtype)).to(x.dtype)
 
 
 def conv_states(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
@@ -87,8 +88,8 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     """One new input per sequence: x [B, C], weight [C, K], state [B, C, K-1] (previous inputs, oldest first) ->
     (silu(conv) [B, C], the new state)."""
     window = torch.cat([state.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [B, C, K]
-    y = (window * weight[None]).sum(-1)
-    return F.silu(y).to(x.dtype), window[:, :, 1:].to(state.dtype)
+    y = (window.float() * weight.float()[None]).sum(-1)  # float32 accumulation, as causal_conv1d
+    return F.silu(y.to(weight.dtype)).to(x.dtype), window[:, :, 1:].to(state.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ delta rule
