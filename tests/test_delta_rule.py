@@ -197,3 +197,14 @@ def test_packed_row_equals_each_sample_alone_outputs_and_gradients():
         assert (g - want).abs().max() <= 1e-5 * max(float(want.abs().max()), 1e-6), name
     linear = [n for n in grads if "linear_attn" in n]
     assert linear and all(grads[n].abs().max() > 0 for n in linear)
+
+
+def test_tensor_and_context_parallelism_are_refused_in_one_line():
+    from mindvl.train.parallel import refuse_split_recurrence
+
+    model = _tiny_qwen35()
+    refuse_split_recurrence(model, "parallel.tensor_parallel", 1)  # no split: fine
+    for key in ("parallel.tensor_parallel", "parallel.context_parallel"):
+        with pytest.raises(ValueError, match=f"^{key}: 2 is not supported for qwen3_5's linear-attention") as err:
+            refuse_split_recurrence(model, key, 2)
+        assert "\n" not in str(err.value)

@@ -218,3 +218,51 @@ def test_flops_count_linear_layers_per_token_and_attention_pairs_only_in_full_la
     assert per_token == 4 * (counter.get_total_flops() / sum(lengths) + unseen + mlp)
     mixed = TextConfig(**kw, layer_types=["linear_attention", "full_attention"] * 2)
     assert _text_layer_flops(mixed)[1] == 2 * 2 * 2 * 4 * 8  # two full layers: QK^T and AV over 4 x 8 query dims
+
+
+def test_train_two_packed_steps_export_and_transformers_generates_the_same(pair, tmp_path):
+    """convert -> 2 AdamW steps on a packed row (two samples; every module trains) -> `convert --to-hf` ->
+    transformers' `generate` equals mindvl's, and its logits equal ours."""
+    import copy
+
+    import transformers
+
+    from mindvl.checkpoint import save_pretrained
+    from mindvl.cli import main as cli_main
+    from mindvl.infer import Prompt, generate
+
+    _, loaded, _ = pair
+    model = copy.deepcopy(loaded).train()
+    assert type(model.config).from_dict(model.config.to_dict()) == model.config  # config.json round trip
+    ids, kinds, px, pv = _inputs()
+    short, _ = V.prompt([("image", [1, 4, 4])], seed=3)
+    n1 = int(IMAGES[0].prod())
+    stream_px = torch.cat([px[:n1], pv, px[n1:], V.patch_rows(IMAGES[1:], 4)])
+    stream = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:], IMAGES[1:]])
+    row = torch.cat([ids[0], short[0]])
+    cu = torch.tensor([0, ids.shape[1], len(row)], dtype=torch.int32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):
+        out = model(input_ids=row, labels=row, cu_seqlens=cu, pixel_values=stream_px, image_grid_thw=stream)
+        (out.loss_sum / out.num_tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert any(".linear_attn.A_log" in k for k in moved) and any(".linear_attn.conv1d." in k for k in moved)
+    assert any(k.startswith("visual.") for k in moved)
+    model.eval()
+    save_pretrained(model, tmp_path / "trained")
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "trained"), "--out", str(tmp_path / "hf")]) == 0
+    hf = getattr(transformers, json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]) \
+        .from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    kw = dict(input_ids=ids, pixel_values=px, image_grid_thw=IMAGES, pixel_values_videos=pv, video_grid_thw=VIDEOS,
+              mm_token_type_ids=kinds)
+    with torch.no_grad():
+        ref = hf.generate(**kw, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                          min_new_tokens=6, eos_token_id=None, pad_token_id=0)
+        assert rel(model(**{k: v for k, v in kw.items() if k != "mm_token_type_ids"}).logits,
+                   hf(**kw).logits) <= TOL
+    stream1 = torch.cat([IMAGES[:1], VIDEOS, IMAGES[1:]])
+    got = generate(model, [Prompt(ids[0], stream_px[: int(stream1.prod(-1).sum())], stream1)], max_new_tokens=6)
+    assert got[0] == ref[0, ids.shape[1]:].tolist()

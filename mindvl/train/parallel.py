@@ -365,11 +365,22 @@ def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+def refuse_split_recurrence(model: nn.Module, key: str, size: int) -> None:
+    """Qwen3.5's linear-attention layers (`linear_attn`) have no tensor-parallel plan, and context parallelism would
+    cut their recurrence at every rank boundary: refused in one line until they do."""
+    text = getattr(getattr(model, "config", None), "text", None)
+    if size > 1 and text is not None and text.is_hybrid:
+        raise ValueError(f"{key}: {size} is not supported for {text.family}'s linear-attention layers yet (no split "
+                         "plan; the recurrent state would have to pass between ranks); set it to 1: data "
+                         "parallelism with FSDP (and expert parallelism for the MoE) works")
+
+
 def _tensor_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     """Tensor + sequence parallelism of the language model over the layout's "tp" mesh (before activation
     checkpointing and compile wrap the blocks, before FSDP shards the TP shards over "dp")."""
     from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
+    refuse_split_recurrence(model, "parallel.tensor_parallel", ctx.layout.tp)
     check_tensor_parallel(ctx.layout.tp, model)
     if ctx.layout.tp > 1 and ctx.lora is not None:  # TP's plans name nn.Linear layers; LoRA wraps them
         raise ValueError(f"parallel.tensor_parallel: {ctx.layout.tp} with model.lora is not supported yet (the "
@@ -400,6 +411,7 @@ def _context_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         return model
     from .context_parallel import CP_KEY, apply_context_parallel, check_context_parallel
 
+    refuse_split_recurrence(model, CP_KEY, ctx.layout.cp)
     if not uses_fsdp(ctx.parallel, ctx.env):
         raise ValueError(f"{CP_KEY}: {ctx.layout.cp} needs FSDP to sum the context ranks' gradients; set "
                          "parallel.fsdp to auto or on")
