@@ -62,3 +62,31 @@ def qwen35(folder: Path | None = None, seed: int = 0, tie: bool = False, moe: bo
     if folder is not None:
         model.save_pretrained(folder)
     return model
+
+
+def qwen35_text(folder: Path | None = None, seed: int = 0, tie: bool = True, moe: bool = False):
+    """The language model alone: a tiny Qwen3_5ForCausalLM (or Qwen3_5MoeForCausalLM); saved if `folder`."""
+    if moe:
+        from transformers import Qwen3_5MoeForCausalLM as Model
+        from transformers import Qwen3_5MoeTextConfig as Config
+    else:
+        from transformers import Qwen3_5ForCausalLM as Model
+        from transformers import Qwen3_5TextConfig as Config
+
+    text = {**TEXT_KW, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": tie}
+    if moe:
+        del text["intermediate_size"]
+        text.update(MOE_KW)
+    cfg = Config(**text)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = randomise(Model(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=gen))
+    model.eval()
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model

@@ -80,6 +80,8 @@ KEY_TABLES: dict[str, tuple[KeyRule, ...]] = {
 }
 # Import-only spellings of HF prefixes (transformers >= 4.52 in memory -> hub), applied before the table.
 _HF_ALIASES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+KEY_TABLES["qwen3_5_text"] = _LLM  # Qwen3.5's language model alone (Qwen3_5ForCausalLM)
+KEY_TABLES["qwen3_5_moe_text"] = _EXPERTS + _LLM
 _NO_ALIASES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # tables written in the nested names themselves
 # Non-parameters some exports carry (mindvl recomputes them), and Qwen3.5's multi-token-prediction head (`mtp.*`),
 # which transformers drops on load too.

@@ -22,6 +22,8 @@ from mindvl.models import MindVLConfig, TextConfig
 from . import hf_qwen3_vl
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
+# The language models alone (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`: `model.layers.*`, `lm_head`).
+TEXT_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def text_config(config: dict, family: str = "qwen3_5") -> TextConfig:
@@ -73,6 +75,9 @@ def text_config(config: dict, family: str = "qwen3_5") -> TextConfig:
 
 
 def mindvl_config(config: dict, family: str, token_ids: dict[str, int], source: dict) -> MindVLConfig:
+    if family in TEXT_FAMILIES:  # a text-only model (no vision tower)
+        return MindVLConfig(text=text_config(config, family.removesuffix("_text")), vision=None, source=source,
+                            **token_ids)
     text = text_config(config, family)
     raw_vision = dict(config["vision_config"])
     raw_vision["deepstack_visual_indexes"] = []  # Qwen3.5's tower has no DeepStack mergers
@@ -89,10 +94,10 @@ def is_qwen3_5(cfg: MindVLConfig) -> bool:
 
 def hf_config(cfg: MindVLConfig) -> dict:
     """A Qwen3.5 MindVLConfig -> transformers' nested config.json (`Qwen3_5ForConditionalGeneration`, or
-    `Qwen3_5MoeForConditionalGeneration`)."""
+    `Qwen3_5MoeForConditionalGeneration`), or for a text-only one the flat `Qwen3_5(Moe)ForCausalLM` config."""
     t, v = cfg.text, cfg.vision
     model_type = t.family
-    if v is None or v.family != "qwen3_vl" or v.deepstack_visual_indexes:
+    if v is not None and (v.family != "qwen3_vl" or v.deepstack_visual_indexes):
         raise ValueError("only a Qwen3.5-shaped model (Qwen3-VL-style vision tower without DeepStack + the Qwen3.5 "
                          "LLM) has a transformers class; keep this one in mindvl's format")
     text = {
@@ -112,6 +117,9 @@ def hf_config(cfg: MindVLConfig) -> dict:
         text.update(moe_intermediate_size=t.moe_intermediate_size, num_experts=t.n_routed_experts,
                     num_experts_per_tok=t.num_experts_per_tok,
                     shared_expert_intermediate_size=t.shared_expert_intermediate_size)
+    if v is None:
+        arch = "Qwen3_5MoeForCausalLM" if model_type == "qwen3_5_moe" else "Qwen3_5ForCausalLM"
+        return {"architectures": [arch], **text}
     vision = {
         "model_type": f"{model_type}_vision", "depth": v.depth, "hidden_size": v.hidden_size,
         "intermediate_size": v.intermediate_size, "num_heads": v.num_heads, "in_channels": v.in_channels,
