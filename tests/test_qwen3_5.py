@@ -5,6 +5,7 @@ hybrid cache, and conversion both ways (bit-exact round trip, transformers loads
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import qwen3vl_tiny as V
@@ -292,3 +293,28 @@ def test_text_only_qwen3_5_causal_lm_imports_and_exports(tmp_path, moe):
                                                                      attn_implementation="eager").eval()
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, ref)
+
+
+def test_config_errors_name_the_key():
+    from mindvl.models import TextConfig
+
+    base = dict(family="qwen3_5", vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.5,
+                mrope_section=[1, 1, 0], mrope_interleaved=True)
+    TextConfig(**base)
+    cases = [
+        (dict(layer_types=["linear_attention"]), "layer_types has 1 entries for 2 layers"),
+        (dict(layer_types=["linear_attention", "sliding_attention"]), "layer_types ['sliding_attention'] are not"),
+        (dict(linear_num_value_heads=3), "linear_num_value_heads must be a multiple of linear_num_key_heads"),
+        (dict(linear_conv_kernel_dim=None), "family 'qwen3_5' requires linear_conv_kernel_dim"),
+        (dict(mrope_section=[2, 1, 1]), "must have 3 parts summing to the rotary dim / 2 = 2"),
+        (dict(moe_intermediate_size=8), "moe_intermediate_size is not used by family 'qwen3_5'"),
+        (dict(family="qwen3_5_moe", moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2),
+         "family 'qwen3_5_moe' requires shared_expert_intermediate_size"),
+        (dict(family="qwen3", layer_types=None, mrope_section=None), "linear_conv_kernel_dim is only used by family"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            TextConfig(**{**base, **change})
