@@ -318,3 +318,19 @@ def test_config_errors_name_the_key():
     for change, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             TextConfig(**{**base, **change})
+
+
+def test_batched_generation_drops_finished_sequences_from_the_hybrid_cache(pair):
+    """Budgets of 2, 8 and 5 tokens: finished rows leave the cache (conv windows and recurrent states with them, in
+    the right order); every sequence equals its own generation alone."""
+    from mindvl.infer import Prompt, generate
+
+    _, ours, _ = pair
+    prompts = []
+    for i, items in enumerate([[], [("image", [1, 4, 4])], []]):
+        ids, _ = V.prompt(items, text=4 + 3 * i, seed=30 + i)
+        grids = torch.tensor([g for _, g in items]) if items else None
+        prompts.append(Prompt(ids[0], V.patch_rows(grids, 40 + i) if items else None, grids))
+    batched = generate(ours, prompts, max_new_tokens=[2, 8, 5])
+    for prompt, budget, got in zip(prompts, [2, 8, 5], batched, strict=True):
+        assert got == generate(ours, [prompt], max_new_tokens=8)[0][:budget]
