@@ -334,3 +334,51 @@ def test_batched_generation_drops_finished_sequences_from_the_hybrid_cache(pair)
     batched = generate(ours, prompts, max_new_tokens=[2, 8, 5])
     for prompt, budget, got in zip(prompts, [2, 8, 5], batched, strict=True):
         assert got == generate(ours, [prompt], max_new_tokens=8)[0][:budget]
+
+
+def test_chat_session_answers_with_a_qwen3_5_model_over_two_turns(tmp_path):
+    """`mindvl chat`'s session on a Qwen3.5 model (16-px rows, hybrid cache): each turn's answer equals greedy decoding
+    by full recomputation over the whole conversation."""
+    import numpy as np
+    from PIL import Image
+
+    from mindvl.data.tokenizer import load_tokenizer
+    from mindvl.infer.chat import ChatSession, conversation_prompt, user_message
+    from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+    tok = load_tokenizer(None)
+    sp = tok.special
+    cfg = MindVLConfig(
+        text=TextConfig(family="qwen3_5", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                        mrope_section=[2, 1, 1], mrope_interleaved=True, partial_rotary_factor=0.5,
+                        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=1,
+                        linear_num_value_heads=2),
+        vision=VisionConfig(family="qwen3_vl", depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                            patch_size=16, hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                            deepstack_visual_indexes=[]),
+        image_token_id=sp.image_pad, video_token_id=sp.video_pad, vision_start_token_id=sp.vision_start,
+        vision_end_token_id=sp.vision_end)
+    model = MindVL(cfg)
+    model.init_weights(seed=1, std=0.1)
+    model.eval()
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (70, 100, 3), dtype=np.uint8))
+    session = ChatSession(model, tok, [image], min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, max_new_tokens=4)
+    produced = []
+    for question in ("What is it?", "And then?"):
+        first = not session.messages
+        message = user_message(question, len(session.grids) if first else 0)
+        prompt = conversation_prompt(tok, [*session.messages, message], session.pixel_values, session.grids,
+                                     session.system)
+        tokens: list[int] = []
+        with torch.no_grad():
+            while len(tokens) < 4 and (not tokens or tokens[-1] not in (sp.im_end, sp.endoftext)):
+                ids = torch.cat([prompt.input_ids, torch.tensor(tokens, dtype=torch.long)])
+                logits = model(input_ids=ids, pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+                tokens.append(int(logits.logits[-1].argmax()))
+        if tokens[-1] in (sp.im_end, sp.endoftext):
+            tokens = tokens[:-1]
+        assert session.ask(question) == tok.decode(tokens, skip_special_tokens=True)
+        produced.append(len(tokens))
+    assert max(produced) > 0
