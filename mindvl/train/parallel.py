@@ -416,14 +416,17 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         _single_process_group(ctx.env)
     from torch.distributed.fsdp import fully_shard
 
-    mp = ctx.mp_policy()
-    mesh = ctx.layout.meshes(ctx.env.device.type).dp
+    from .qlora import fsdp_ignored
+
+    # QLoRA's NF4 base weights stay whole on every rank, outside FSDP (why: train.qlora)
+    kw = {"mesh": ctx.layout.meshes(ctx.env.device.type).dp, "mp_policy": ctx.mp_policy(),
+          "ignored_params": fsdp_ignored(model, ctx.lora) or None}
     for b in blocks(model):
-        fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(b, **kw)
     embedding = own_embedding_group(model)
     if embedding is not None:
-        fully_shard(embedding, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(embedding, **kw)
+    fully_shard(model, **kw)
     ctx.done.fsdp = True
     return model
 
