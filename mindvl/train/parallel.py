@@ -310,6 +310,8 @@ class Prepared:
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
     lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
     lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
+    qlora_bytes: int = 0  # QLoRA: those weights' NF4 bytes, whole on every rank outside FSDP (train.qlora)
+    qlora_dequant_bytes: int = 0  # QLoRA: the transient of dequantizing the largest of them in a forward/backward
 
 
 @dataclass
@@ -349,6 +351,10 @@ def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     if ctx.lora is not None:  # adapters on the chosen linear layers; only they train in lora.modules (train.lora)
         trainable, ctx.done.lora_layers, ctx.done.lora_base_params = apply_lora(model, ctx.lora, ctx.compute_dtype)
         ctx.done.trainable.update(trainable)
+        if ctx.lora.quantize is not None:
+            from .qlora import resident_and_transient
+
+            ctx.done.qlora_bytes, ctx.done.qlora_dequant_bytes = resident_and_transient(model, ctx.compute_dtype)
     return model
 
 

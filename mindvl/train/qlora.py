@@ -135,6 +135,22 @@ def quantize_like_run(model: nn.Module, ref: dict) -> None:
         layer.weight.copy_(dequantized(quantized(layer.weight.to(dtype), f"{name}.weight")))
 
 
+# Dequantizing an NF4 weight (torchao's get_original_weight, in a forward and again in the backward) holds about 14
+# bytes per weight at its high-water in bf16 (20 in fp32): int64 code indices for both nibbles, the looked-up
+# halves, their scaled copies and the stacked result, alive together. Measured with c10's allocator high-water on
+# (1024, 512) and (2048, 1024) weights: benchmarks/bench_qlora.py, RESULTS.md "LoRA / QLoRA".
+DEQUANT_BYTES_PER_PARAM = {torch.bfloat16: 14, torch.float32: 20}
+
+
+def resident_and_transient(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """What QLoRA adds to a rank's memory that the planner's trace does not see (the NF4 weights are outside FSDP,
+    and the trace holds no NF4 tensor): (NF4 bytes of every adapted base weight, all of them on every rank; the
+    dequantization transient of the largest one, DEQUANT_BYTES_PER_PARAM)."""
+    sizes = [layer.weight.numel() for _, layer in lora_layers(model)]
+    per_param = DEQUANT_BYTES_PER_PARAM.get(dtype, DEQUANT_BYTES_PER_PARAM[torch.float32])
+    return sum(nf4_bytes(n) for n in sizes), per_param * max(sizes, default=0)
+
+
 def nf4_bytes(numel: int) -> int:
     """What torchao stores for one weight of `numel` elements (fp32 factors): data, int8 scales, factors."""
     block, scaler = nf4_blocks(numel)

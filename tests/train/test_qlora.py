@@ -116,8 +116,8 @@ def nf4_storage_bytes(t) -> int:
 @needs_torchao
 def test_the_frozen_base_stays_4_bit_through_training_steps(tmp_path):
     """The model the trainer builds (prepare_model, fill, quantize) holds every adapted base weight as NF4 of
-    nf4_bytes(numel) bytes, under 0.6 bytes a weight in memory (4 bits + scales; bf16 is 2 bytes), and after optimizer steps they
-    are still NF4 with the same codes while the adapters moved."""
+    nf4_bytes(numel) bytes, under 0.6 bytes a weight in memory (4 bits + scales; bf16 is 2 bytes), and after
+    optimizer steps they are still NF4 with the same codes while the adapters moved."""
     from train_helpers import CPU_ENV, recipe_and_packs
 
     from mindvl.data import load_tokenizer
