@@ -133,6 +133,11 @@ def build_model(recipe: Recipe, tok, env: ParallelEnv, prepare: Callable[[nn.Mod
         model.set_attention_backend(recipe.model.attention_backend)
     if prepare is not None:
         model = prepare(model)
+    quantize = (recipe.model.lora or {}).get("quantize") if prepare is not None else None
+    if quantize:  # QLoRA: the adapted base weights are allocated only in NF4, one at a time as they stream in
+        from .qlora import StreamQuantizer
+
+        nf4 = StreamQuantizer(model, quantize, env.device)
     model.to_empty(device=env.device)
     from itertools import chain
 
@@ -140,10 +145,9 @@ def build_model(recipe: Recipe, tok, env: ParallelEnv, prepare: Callable[[nn.Mod
     weights = source.tensors(config)
     if base is not None:
         weights = base.observe(source.folder, source.seed, weights)
+    if quantize:
+        weights = nf4.take(weights)
     fill_weights(model, chain(weights, adapter_init_tensors(model, init_seed(recipe))), env.device)
-    lora = recipe.model.lora or {}
-    if lora.get("quantize"):
-        from .qlora import quantize_frozen_base
-
-        quantize_frozen_base(model, lora["quantize"])
+    if quantize:
+        nf4.check_done()
     return model.train()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -113,16 +114,36 @@ def fsdp_ignored(model: nn.Module, cfg: LoRAConfig | None) -> set[nn.Parameter]:
     return {layer.weight for _, layer in lora_layers(model)}
 
 
-@torch.no_grad()
-def quantize_frozen_base(model: nn.Module, kind: str) -> int:
-    """Replace every adapted layer's frozen base weight by its NF4 form (after the weights were filled); returns how
-    many layers were quantized. Each weight is a whole tensor on every rank (FSDP ignores it: `fsdp_ignored`)."""
-    require_backend(kind)
-    n = 0
-    for name, layer in lora_layers(model):
-        layer.weight = nn.Parameter(quantized(layer.weight, f"{name}.weight"), requires_grad=False)
-        n += 1
-    return n
+class StreamQuantizer:
+    """QLoRA's adapted base weights, quantized one at a time as the weights stream in (mindvl.train.materialize):
+    they are taken out of the model before `to_empty`, so the full-precision base of the adapted layers is never
+    allocated whole (at 8B that would be 13 GiB of bf16 before the first step); each arrives as a full tensor, is
+    quantized on the device and set as the layer's NF4 weight (frozen; FSDP ignores it: `fsdp_ignored`)."""
+
+    def __init__(self, model: nn.Module, kind: str, device: torch.device) -> None:
+        from .materialize import canonical_name
+
+        require_backend(kind)
+        self.device, self.pending = device, {}
+        for name, layer in lora_layers(model):
+            self.pending[canonical_name(name) + ".weight"] = (layer, layer.weight.dtype)
+            layer._parameters["weight"] = None  # to_empty and fill_weights pass it by; `take` sets it
+
+    def take(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass every tensor through except the adapted base weights, which become NF4 weights here."""
+        for name, full in tensors:
+            entry = self.pending.pop(name, None)
+            if entry is None:
+                yield name, full
+                continue
+            layer, dtype = entry
+            with torch.no_grad():
+                weight = quantized(full.to(device=self.device, dtype=dtype), name)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+
+    def check_done(self) -> None:
+        if self.pending:
+            raise ValueError(f"weights: no value for {sorted(self.pending)[:5]} ({len(self.pending)} tensors)")
 
 
 @torch.no_grad()
