@@ -227,12 +227,14 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         notes.append(f"LoRA r={lora.r} on {traced.prepared.lora_layers} linear layers of {', '.join(lora.modules)}"
                      f" (frozen weights stored in the compute dtype)")
     if lora is not None and lora.quantize is not None:
-        # QLoRA: the adapted base weights are outside FSDP (whole on every rank) and the trace never held them (its
-        # tracker follows FSDP's parameters); the NF4 bytes are added here, and the transient of dequantizing the
-        # largest one is added to the activations at the peak (an upper bound: it may not coincide)
-        nf4, dequant = traced.prepared.qlora_bytes, traced.prepared.qlora_dequant_bytes
-        peak += nf4 + dequant
-        breakdown["parameters"] += nf4
+        # QLoRA: the adapted base weights are outside FSDP, whole on every rank; the trace holds them in the compute
+        # dtype (simulate.PlanTracker.track_plain_params), the run in NF4: their bytes are swapped here, and the
+        # transient of dequantizing the largest one is added to the activations at the peak (an upper bound: the
+        # peak may fall elsewhere)
+        prep = traced.prepared
+        nf4, dequant = prep.qlora_bytes, prep.qlora_dequant_bytes
+        peak += nf4 - prep.qlora_traced_bytes + dequant
+        breakdown["parameters"] += nf4 - prep.qlora_traced_bytes
         breakdown["activations"] += dequant
         notes.append(f"QLoRA ({lora.quantize}): {traced.prepared.lora_base_params / 1e9:.2f}B adapted base weights "
                      f"in NF4, whole on every rank ({_gib(nf4)}), + {_gib(dequant)} to dequantize the largest")

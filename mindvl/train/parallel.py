@@ -311,6 +311,7 @@ class Prepared:
     lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
     lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
     qlora_bytes: int = 0  # QLoRA: those weights' NF4 bytes, whole on every rank outside FSDP (train.qlora)
+    qlora_traced_bytes: int = 0  # QLoRA: the same weights in the compute dtype, as the planner's trace holds them
     qlora_dequant_bytes: int = 0  # QLoRA: the transient of dequantizing the largest of them in a forward/backward
 
 
@@ -354,7 +355,9 @@ def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         if ctx.lora.quantize is not None:
             from .qlora import resident_and_transient
 
-            ctx.done.qlora_bytes, ctx.done.qlora_dequant_bytes = resident_and_transient(model, ctx.compute_dtype)
+            done = ctx.done
+            done.qlora_bytes, done.qlora_traced_bytes, done.qlora_dequant_bytes = resident_and_transient(
+                model, ctx.compute_dtype)
     return model
 
 

@@ -163,13 +163,14 @@ def quantize_like_run(model: nn.Module, ref: dict) -> None:
 DEQUANT_BYTES_PER_PARAM = {torch.bfloat16: 14, torch.float32: 20}
 
 
-def resident_and_transient(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
-    """What QLoRA adds to a rank's memory that the planner's trace does not see (the NF4 weights are outside FSDP,
-    and the trace holds no NF4 tensor): (NF4 bytes of every adapted base weight, all of them on every rank; the
-    dequantization transient of the largest one, DEQUANT_BYTES_PER_PARAM)."""
+def resident_and_transient(model: nn.Module, dtype: torch.dtype) -> tuple[int, int, int]:
+    """QLoRA's memory as the planner must count it (its trace holds the adapted base weights whole, outside FSDP, in
+    the compute dtype, and dequantizes nothing): (their NF4 bytes, all of them on every rank; their bytes in
+    `dtype`, what the trace held instead; the transient of dequantizing the largest, DEQUANT_BYTES_PER_PARAM)."""
     sizes = [layer.weight.numel() for _, layer in lora_layers(model)]
     per_param = DEQUANT_BYTES_PER_PARAM.get(dtype, DEQUANT_BYTES_PER_PARAM[torch.float32])
-    return sum(nf4_bytes(n) for n in sizes), per_param * max(sizes, default=0)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(nf4_bytes(n) for n in sizes), itemsize * sum(sizes), per_param * max(sizes, default=0)
 
 
 def nf4_bytes(numel: int) -> int:
