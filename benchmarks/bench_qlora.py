@@ -76,8 +76,8 @@ def checkpoint() -> dict:
             recipe = load_recipe("tiny/lora", [f"output_dir={root / arm}", "max_steps=2",
                                                              "checkpoint.every=2", "logging.progress=false",
                                                              f"data.synth_cache={root / 'cache'}"])
-            for source in recipe.data["sources"]:
-                source["synth"]["n"] = 60
+            for source in recipe.data.sources:  # a small synthetic set: the checkpoint does not depend on it
+                source.synth.n = 60
             original = trainer_mod.Trainer.train_state
             if arm == "copied":  # the checkpoint as it was before: no base reference, so every weight is saved
                 def without_reference(self, original=original):
