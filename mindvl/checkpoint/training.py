@@ -3,7 +3,9 @@
 Layout under `OUTPUT_DIR/checkpoints/`:
 
     step_00000010/           a complete checkpoint
-        .metadata, *.distcp  DCP shards: {"model": ..., "optim": ...} (any world size can read them)
+        .metadata, *.distcp  DCP shards: {"model": ..., "optim": ...} (any world size can read them); a LoRA run's
+                             "model" leaves its frozen parameters out (train_state's `frozen_base` references the
+                             base they are read from again: checkpoint.frozen_base)
         train_state.json     step, tokens, scheduler state, model config, tokenizer folder, recipe
         rank_00000.json      that rank's data-loader state and RNG states
     step_00000012.partial/   a save in progress (or one that crashed): never read, removed by the next save
