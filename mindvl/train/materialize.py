@@ -137,7 +137,7 @@ def build_model(recipe: Recipe, tok, env: ParallelEnv, prepare: Callable[[nn.Mod
     if quantize:  # QLoRA: the adapted base weights are allocated only in NF4, one at a time as they stream in
         from .qlora import StreamQuantizer
 
-        nf4 = StreamQuantizer(model, quantize, env.device)
+        nf4 = StreamQuantizer(model, quantize, env.device, canonical_name)
     model.to_empty(device=env.device)
     from itertools import chain
 

@@ -120,13 +120,12 @@ class StreamQuantizer:
     allocated whole (at 8B that would be 13 GiB of bf16 before the first step); each arrives as a full tensor, is
     quantized on the device and set as the layer's NF4 weight (frozen; FSDP ignores it: `fsdp_ignored`)."""
 
-    def __init__(self, model: nn.Module, kind: str, device: torch.device) -> None:
-        from .materialize import canonical_name
-
+    def __init__(self, model: nn.Module, kind: str, device: torch.device, name_of=lambda name: name) -> None:
+        """`name_of`: a layer's name in the weight stream (materialize.canonical_name: without wrapper prefixes)."""
         require_backend(kind)
         self.device, self.pending = device, {}
         for name, layer in lora_layers(model):
-            self.pending[canonical_name(name) + ".weight"] = (layer, layer.weight.dtype)
+            self.pending[name_of(name) + ".weight"] = (layer, layer.weight.dtype)
             layer._parameters["weight"] = None  # to_empty and fill_weights pass it by; `take` sets it
 
     def take(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
