@@ -420,7 +420,7 @@ class Trainer:
                 "recipe": self.recipe.to_dict(),
                 **({"adapters": self.adapters.to_dict()} if self.adapters is not None else {}),
                 **({FROZEN_BASE: self.adapters.base_reference(
-                    self.base, param_dtype(self.recipe.parallel, self.env.device))} if self.base else {})}
+                    self.base, param_dtype(self.recipe.parallel, self.env.device))} if self.base is not None else {})}
 
     def should_stop(self) -> bool:
         return self.control.preempted(self.done())
