@@ -310,6 +310,9 @@ class Prepared:
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
     lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
     lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
+    qlora_bytes: int = 0  # QLoRA: those weights' NF4 bytes, whole on every rank outside FSDP (train.qlora)
+    qlora_traced_bytes: int = 0  # QLoRA: the same weights in the compute dtype, as the planner's trace holds them
+    qlora_dequant_bytes: int = 0  # QLoRA: the transient of dequantizing the largest of them in a forward/backward
 
 
 @dataclass
@@ -349,6 +352,12 @@ def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     if ctx.lora is not None:  # adapters on the chosen linear layers; only they train in lora.modules (train.lora)
         trainable, ctx.done.lora_layers, ctx.done.lora_base_params = apply_lora(model, ctx.lora, ctx.compute_dtype)
         ctx.done.trainable.update(trainable)
+        if ctx.lora.quantize is not None:
+            from .qlora import resident_and_transient
+
+            done = ctx.done
+            done.qlora_bytes, done.qlora_traced_bytes, done.qlora_dequant_bytes = resident_and_transient(
+                model, ctx.compute_dtype)
     return model
 
 
@@ -428,14 +437,17 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         _single_process_group(ctx.env)
     from torch.distributed.fsdp import fully_shard
 
-    mp = ctx.mp_policy()
-    mesh = ctx.layout.meshes(ctx.env.device.type).dp
+    from .qlora import fsdp_ignored
+
+    # QLoRA's NF4 base weights stay whole on every rank, outside FSDP (why: train.qlora)
+    kw = {"mesh": ctx.layout.meshes(ctx.env.device.type).dp, "mp_policy": ctx.mp_policy(),
+          "ignored_params": fsdp_ignored(model, ctx.lora) or None}
     for b in blocks(model):
-        fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(b, **kw)
     embedding = own_embedding_group(model)
     if embedding is not None:
-        fully_shard(embedding, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(embedding, **kw)
+    fully_shard(model, **kw)
     ctx.done.fsdp = True
     return model
 

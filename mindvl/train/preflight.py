@@ -28,9 +28,9 @@ from mindvl.models import MindVLConfig
 def preflight(recipe: Recipe, data_cfg: DataConfig) -> tuple[TextTokenizer, str, dict[str, Any]]:
     """(the run's tokenizer, its folder, the side files of its exports) after `check_inputs`. The side files are
     {"from": [the start model's folder], "pixels": [min, max] trained}, what `final/` and `mindvl export` write."""
-    from .lora import lora_config
+    from .lora import check_lora_recipe
 
-    lora_config(recipe)  # model.lora's keys and values, before the run folder is claimed
+    check_lora_recipe(recipe)  # model.lora's keys and values, QLoRA's backend: before the run folder is claimed
     tokenizer_dir = tokenizer_source(recipe)
     tok = load_tokenizer(tokenizer_dir)
     check_inputs(recipe, tok)
