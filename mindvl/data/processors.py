@@ -371,13 +371,19 @@ def process_video_qwen3(source, p: VisionProcessing, fps: float | None = None,
     return Qwen3Video(patches, grid, frame_timestamps(decoded.indices, decoded.video_fps, p.temporal_patch_size))
 
 
-def video_grid_qwen3(source, p: VisionProcessing, fps: float | None = None,
-                     max_decoded_frames: int | None = None) -> tuple[int, int, int]:
-    """The grid `process_video_qwen3` gives, from the headers only."""
+def video_layout_qwen3(source, p: VisionProcessing, fps: float | None = None,
+                       max_decoded_frames: int | None = None) -> tuple[tuple[int, int, int], list[float]]:
+    """The grid and timestamps `process_video_qwen3` gives, from the headers only (no frame decoded)."""
     from .video import video_header
 
     s = _video_settings(p, fps, max_decoded_frames)
     total, video_fps, height, width = video_header(source, s)
-    n = len(sample_frame_indices(total, video_fps, p, s.fps))
-    rh, rw = video_frame_size(n, height, width, p)
-    return -(-n // p.temporal_patch_size), rh // p.patch_size, rw // p.patch_size
+    indices = sample_frame_indices(total, video_fps, p, s.fps)
+    rh, rw = video_frame_size(len(indices), height, width, p)
+    grid = (-(-len(indices) // p.temporal_patch_size), rh // p.patch_size, rw // p.patch_size)
+    return grid, frame_timestamps(indices, video_fps, p.temporal_patch_size)
+
+
+def folder_spec(folder) -> VisionProcessing | None:
+    """`processing_from_folder` when the folder has a processor config, else None (no opinion)."""
+    return processing_from_folder(folder) if folder and (Path(folder) / PREPROCESSOR_CONFIG).is_file() else None
