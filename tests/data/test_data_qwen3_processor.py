@@ -97,3 +97,21 @@ def test_qwen3_video_sample_layout_and_positions(tmp_path, tok):
     hf = Q.qwen3vl()
     ref, _ = hf.model.get_rope_index(ids, kinds, torch.tensor([[1, 4, 6]]), torch.tensor([[2, 4, 6]]))
     assert torch.equal(torch.as_tensor(pack.position_ids), ref[:, 0])
+
+
+def test_loader_workers_and_rank_shards_carry_16px_rows(tmp_path, tok):
+    """Worker processes allocate the pack's shared-memory rows at the processor's width; two ranks' shards together
+    hold every record once, each pack cut as the single-process loader cuts it."""
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(png_bytes(70, 100, seed=i))
+    write_jsonl(tmp_path / "d.jsonl", [qa(f"<image>Q{i}?", "A.", images=[f"{i}.png"]) for i in range(4)])
+    cfg = _cfg(tmp_path / "d.jsonl", processor="qwen3_vl")
+    single = {tuple(p.input_ids.tolist()): p.pixel_values for p in build_loader(cfg, tok, max_epochs=1)}
+    cfg.num_workers = 1
+    seen = []
+    for rank in range(2):
+        for p in build_loader(cfg, tok, rank=rank, world_size=2, max_epochs=1):
+            assert p.pixel_values.shape == (24, 1536)
+            assert np.array_equal(np.asarray(p.pixel_values), np.asarray(single[tuple(p.input_ids.tolist())]))
+            seen.append(tuple(p.input_ids.tolist()))
+    assert sorted(seen) == sorted(single)
