@@ -145,3 +145,31 @@ def test_chat_video_greedy_answer_equals_transformers_generate(setup, monkeypatc
     assert main(["chat", str(folder), "--video", str(video), "--prompt", "What happens?", "--max-new-tokens", "6",
                  "--system", "You are a helpful assistant."]) == 0
     assert capsys.readouterr().out == answer + "\n"
+
+
+def test_a_training_pack_with_the_video_gives_transformers_logits(setup, tmp_path):
+    """The data pipeline's pack (the folder's processor as data.processor) through the packed training forward:
+    logits equal transformers' forward on the video as one (2, 4, 6) item with its mm_token_type_ids."""
+    hf, folder, video, tok = setup
+    from mindvl.checkpoint import load_model
+    from mindvl.data import DataConfig, build_loader
+    from mindvl.data.processors import processing_from_folder
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "Noise."}],
+        "videos": [str(video)]}) + "\n")
+    cfg = DataConfig.from_dict({"sources": [str(tmp_path / "d.jsonl")], "seq_len": 256, "pack_buffer": 1,
+                                "processor": processing_from_folder(folder)})
+    pack = next(iter(build_loader(cfg, tok, max_epochs=1)))
+    assert pack.image_grid_thw.tolist() == [[1, 4, 6], [1, 4, 6]]
+    batch = {k: torch.as_tensor(v) for k, v in pack.to_torch().items()}
+    model = load_model(folder).eval()
+    model.set_attention_backend("sdpa")
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        ours = model(input_ids=ids, cu_seqlens=batch["cu_seqlens"], position_ids=batch["position_ids"],
+                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"]).logits
+        kinds = 2 * (ids == tok.special.video_pad).long()
+        ref = hf(input_ids=ids[None], mm_token_type_ids=kinds[None], pixel_values_videos=batch["pixel_values"],
+                 video_grid_thw=torch.tensor([[2, 4, 6]])).logits[0]
+    assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-4
