@@ -16,6 +16,13 @@ Reproduced (tests/test_qwen3_vl_processor.py compares with transformers 5.23):
   width) (optionally the per-frame pixel cap); fused rescale+normalise; rows (C, T, p, p), an odd frame count
   padded with the last frame; and the per-temporal-patch timestamps the prompt shows (`<1.2 seconds>`).
 The frames' resize itself is torchvision's antialiased bicubic, as video.resize_frames does for Qwen2-VL.
+
+One source of truth downstream: a recipe's `data.processor` (`as_processing`: a family name, a mapping of these
+fields, or the object the trainer fills in from the model folder) reaches the training pipeline (`image_uint8` /
+`expand_image_rows` / `expand_video_rows`: the uint8 buffer and its float rows at pack time; `process_video_qwen3`:
+a video as frames of one vision item each, with timestamps for the template), `mindvl data plan`
+(`video_layout_qwen3` from headers), and, through `mindvl.infer.chat.folder_processing`, eval, the lmms-eval adapter,
+the resolution search and chat. mindvl.data never reads a model: only its folder's processor files.
 """
 
 from __future__ import annotations
