@@ -140,8 +140,9 @@ class Pack:
     position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0 per sample; a 1-D RoPE model numbers each
     sample's tokens 0, 1, 2, ... itself from cu_seqlens, as generation does);
     cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, patch_dim] (1176 values at 14 px, 1536 at
-    16 px; images and videos in order of appearance: one stream); image_grid_thw int64 [N, 3] (their grids, in the same order; videos have t >= 1 temporal
-    patches of 2 frames and fill `<|video_pad|>` slots, images fill `<|image_pad|>` slots).
+    16 px; images and videos in order of appearance: one stream); image_grid_thw int64 [N, 3] (their grids, in the
+    same order; videos have t >= 1 temporal patches of 2 frames, or with Qwen3-VL's processor one (1, h, w) item per
+    temporal patch, and fill `<|video_pad|>` slots, images fill `<|image_pad|>` slots).
     If padding was requested it is the last segment of cu_seqlens, labels -100,
     and counted in `num_pad`.
     """
