@@ -33,6 +33,7 @@ RUN: dict[str, str] = {
     "mindvl data synth --out data/synth --n 200 --seed 0 --tasks ocr,chart,grounding,doc": "wrote 200 samples",
     "mindvl data stats data/synth/data.jsonl --seq-len 4096": "trained tokens",
     "mindvl data stats data/synth/data.jsonl --seq-len 4096 --json": '"trained_tokens"',
+    "mindvl data stats data/synth/data.jsonl --seq-len 4096 --processor qwen3_vl": "trained tokens",
     "mindvl data plan recipes/mindvl-8b/warmup.yaml": "",
     "mindvl train recipes/tiny/warmup.yaml output_dir=runs/a max_steps=20 checkpoint_every=5 resume=auto":
         "final model: runs/a/final",

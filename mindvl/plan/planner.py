@@ -178,8 +178,9 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
                      "ranks; FSDP over both)")
     if sample_data:
         from mindvl.data import load_tokenizer
-        from mindvl.train.preflight import tokenizer_source
+        from mindvl.train.preflight import fill_processor, tokenizer_source
 
+        fill_processor(data_cfg, recipe, config)  # the trainer's processor: the packs' patch rows and token counts
         shards = recipe.batch.data_shards or layout.dp_size
         packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(tokenizer_source(recipe)), shards=shards)
         notes.append(f"pack shapes: the first {len(packs)} packs of the recipe's sources")

@@ -65,7 +65,7 @@ from .parallel import (
 )
 from .plan_headline import PlannerHeadline
 from .preempt import StopSignals, clear_marker, resume_hint, write_marker
-from .preflight import preflight
+from .preflight import fill_processor, preflight
 from .runfolder import claim_run_folder
 from .seeding import data_section, seed_everything
 from .sinks import MetricSinks
@@ -274,6 +274,7 @@ class Trainer:
                                  self.base)
         self.config = self.model.config
         match_video_time(data_cfg, self.config)
+        fill_processor(data_cfg, recipe, self.config)  # the model folder's processor cuts the patches (16 px: Qwen3-VL)
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, recipe.optim, recipe.schedule)
         self.batches = ShardedBatches(data_cfg, self.tok, env, shards)
