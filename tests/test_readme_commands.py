@@ -180,8 +180,11 @@ def test_readme_commands_run(checkout):
 @pytest.mark.parametrize("command", list(INTERRUPT))
 def test_long_readme_commands_start_and_stop_cleanly(command, checkout):
     marker = INTERRUPT[command]
+    # preexec: a suite started in the background (`nohup pytest ... &`) runs with SIGINT ignored, which its children
+    # inherit and Python then leaves ignored: the command would never see the Ctrl-C this test sends.
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=checkout, env=_env(checkout),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     # A command that never prints its marker (nor exits) must not hang CI: killed after 5 minutes.
     watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
