@@ -10,7 +10,7 @@ import json
 
 from mindvl.cli.quickstart import FAMILY_RECIPES
 from mindvl.data.processors import processing_from_folder
-from mindvl.quickstart import SFT_VARIANTS, quickstart, recipe_dir
+from mindvl.quickstart import SFT_VARIANTS, phase_specs, quickstart, recipe_dir
 
 
 def test_qwen3_vl_quickstart_phases(tmp_path):
@@ -34,3 +34,14 @@ def test_qwen3_vl_quickstart_phases(tmp_path):
     used = json.loads((out / "search" / "merged" / "ocrbench" / "min4_max64.jsonl.settings.json").read_text())
     assert (used["min_pixels"], used["max_pixels"]) == (4 * 1024, 64 * 1024)
     assert set(summary["evaluation"]["merged"]) == {"ocrbench", "chartqa", "docvqa"}
+    # The SFT variants are 16/48/64 merged tokens of this tower's 32 x 32 pixels, as trained.
+    for name, (_, tokens) in SFT_VARIANTS.items():
+        assert json.loads((out / name / "recipe.json").read_text())["data"]["max_pixels"] == tokens * 32 * 32, name
+
+
+def test_sft_variants_count_merged_tokens_of_each_family():
+    for family, token_px in (("qwen2.5-vl", 28 * 28), ("qwen3-vl", 32 * 32)):
+        folder = recipe_dir().parent / FAMILY_RECIPES[family] if FAMILY_RECIPES[family] else recipe_dir()
+        sft = {name: extra for name, _, _, extra in phase_specs(folder) if name in SFT_VARIANTS}
+        assert sft == {name: [f"data.seq_len={seq}", f"data.max_pixels={tokens * token_px}"]
+                       for name, (seq, tokens) in SFT_VARIANTS.items()}, family
