@@ -32,27 +32,18 @@ TEXT_KW = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_at
 MOE_KW = dict(moe_intermediate_size=20, num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=28)
 
 
-def qwen35(folder: Path | None = None, seed: int = 0, tie: bool = False, moe: bool = False):
-    """A tiny Qwen3_5ForConditionalGeneration, or the MoE one (eager attention, eval mode); saved if `folder`."""
-    if moe:
-        from transformers import Qwen3_5MoeConfig as Config
-        from transformers import Qwen3_5MoeForConditionalGeneration as Model
-    else:
-        from transformers import Qwen3_5Config as Config
-        from transformers import Qwen3_5ForConditionalGeneration as Model
-
-    text = {**TEXT_KW, "bos_token_id": 0, "eos_token_id": 1}
+def _text_kw(moe: bool, **extra) -> dict:
+    text = {**TEXT_KW, "bos_token_id": 0, "eos_token_id": 1, **extra}
     if moe:
         del text["intermediate_size"]
         text.update(MOE_KW)
-    cfg = Config(vision_config=dict(VISION_KW), text_config=text, image_token_id=IMAGE_TOKEN,
-                        video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                        vision_end_token_id=VISION_END, tie_word_embeddings=tie)
-    cfg._attn_implementation = "eager"
-    for sub in (cfg.vision_config, cfg.text_config):
-        sub._attn_implementation = "eager"
+    return text
+
+
+def _build(model_cls, cfg, seed: int, folder: Path | None):
+    """Randomised (A_log so the decay keeps ~10 tokens of memory), eval mode, saved if `folder`."""
     torch.manual_seed(seed)
-    model = randomise(Model(cfg), seed)
+    model = randomise(model_cls(cfg), seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,6 +53,24 @@ def qwen35(folder: Path | None = None, seed: int = 0, tie: bool = False, moe: bo
     if folder is not None:
         model.save_pretrained(folder)
     return model
+
+
+def qwen35(folder: Path | None = None, seed: int = 0, tie: bool = False, moe: bool = False):
+    """A tiny Qwen3_5ForConditionalGeneration, or the MoE one (eager attention, eval mode); saved if `folder`."""
+    if moe:
+        from transformers import Qwen3_5MoeConfig as Config
+        from transformers import Qwen3_5MoeForConditionalGeneration as Model
+    else:
+        from transformers import Qwen3_5Config as Config
+        from transformers import Qwen3_5ForConditionalGeneration as Model
+
+    cfg = Config(vision_config=dict(VISION_KW), text_config=_text_kw(moe), image_token_id=IMAGE_TOKEN,
+                 video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+                 tie_word_embeddings=tie)
+    cfg._attn_implementation = "eager"
+    for sub in (cfg.vision_config, cfg.text_config):
+        sub._attn_implementation = "eager"
+    return _build(Model, cfg, seed, folder)
 
 
 def qwen35_text(folder: Path | None = None, seed: int = 0, tie: bool = True, moe: bool = False):
@@ -73,20 +82,6 @@ def qwen35_text(folder: Path | None = None, seed: int = 0, tie: bool = True, moe
         from transformers import Qwen3_5ForCausalLM as Model
         from transformers import Qwen3_5TextConfig as Config
 
-    text = {**TEXT_KW, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": tie}
-    if moe:
-        del text["intermediate_size"]
-        text.update(MOE_KW)
-    cfg = Config(**text)
+    cfg = Config(**_text_kw(moe, tie_word_embeddings=tie))
     cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = randomise(Model(cfg), seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=gen))
-    model.eval()
-    if folder is not None:
-        model.save_pretrained(folder)
-    return model
+    return _build(Model, cfg, seed, folder)
