@@ -4,13 +4,9 @@ uninterrupted run exactly."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
 import torch
-from train_helpers import load_weights, raw_recipe
+from train_helpers import crash_then_resume, load_weights, raw_recipe, records
 
-import mindvl.checkpoint.training as training
 from mindvl.config import load_recipe
 from mindvl.train.trainer import train
 
@@ -32,24 +28,12 @@ def test_hybrid_language_model_trains_and_resumes(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     result = train(load_recipe(raw=hybrid_raw(tmp_path / "a", cache, budget={"max_steps": 4},
                                               checkpoint={"every": 2, "keep": 2})))
-    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["loss"] < records[0]["loss"]
+    logged = records(tmp_path / "a")
+    assert logged[-1]["loss"] < logged[0]["loss"]
     weights = load_weights(result.final_dir)
     assert "language_model.layers.0.linear_attn.A_log" in weights
     assert "language_model.layers.1.self_attn.q_proj.weight" in weights
 
-    real_finalize = training._finalize
-
-    def crash_after_step_2(partial, final, root):
-        real_finalize(partial, final, root)
-        if final.name == training.step_name(2):
-            raise KeyboardInterrupt("simulated crash")
-
-    monkeypatch.setattr(training, "_finalize", crash_after_step_2)
     b = hybrid_raw(tmp_path / "b", cache, budget={"max_steps": 4}, checkpoint={"every": 2, "keep": 2})
-    with pytest.raises(KeyboardInterrupt):
-        train(load_recipe(raw=b))
-    monkeypatch.setattr(training, "_finalize", real_finalize)
-    train(load_recipe(raw=b, overrides=["resume=auto"]))
-    resumed = load_weights(tmp_path / "b" / "final")
+    resumed = crash_then_resume(monkeypatch, b, 2)
     assert all(torch.equal(resumed[n], weights[n]) for n in weights)
