@@ -1,5 +1,6 @@
-"""A tiny MindVL whose language model is a Qwen3.5 hybrid (Gated DeltaNet + gated attention) trains with the trainer
-on packed multimodal rows: the loss falls, the linear-attention parameters move, and a crash + resume reproduces the
+"""A tiny Qwen3.5-shaped MindVL (the hybrid Gated DeltaNet + gated attention LLM behind Qwen3-VL's tower without
+DeepStack, as `qwen3_5` composes them) trains with the trainer on packed multimodal rows cut by that tower's own
+processor (16-px patches): the loss falls, the linear-attention parameters move, and a crash + resume reproduces the
 uninterrupted run exactly."""
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ HYBRID_TEXT = {"family": "qwen3_5", "hidden_size": 32, "intermediate_size": 64, 
                "linear_num_key_heads": 2, "linear_num_value_heads": 4}
 
 
+QWEN35_VISION = {"family": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                 "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": 16,
+                 "deepstack_visual_indexes": []}
+
+
 def hybrid_raw(out, cache, **kw):
     raw = raw_recipe(out, cache, **kw)
     raw["model"]["arch"]["text"] = dict(HYBRID_TEXT)
+    raw["model"]["arch"]["vision"] = dict(QWEN35_VISION)
+    raw["data"]["max_pixels"], raw["data"]["min_pixels"] = 64 * 32 * 32, 4 * 32 * 32
     return raw
 
 
@@ -33,6 +41,7 @@ def test_hybrid_language_model_trains_and_resumes(tmp_path, monkeypatch):
     weights = load_weights(result.final_dir)
     assert "language_model.layers.0.linear_attn.A_log" in weights
     assert "language_model.layers.1.self_attn.q_proj.weight" in weights
+    assert weights["visual.patch_embed.weight"].shape[1] == 3 * 2 * 16 * 16  # 16-px rows reached the tower
 
     b = hybrid_raw(tmp_path / "b", cache, budget={"max_steps": 4}, checkpoint={"every": 2, "keep": 2})
     resumed = crash_then_resume(monkeypatch, b, 2)
