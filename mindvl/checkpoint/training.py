@@ -160,10 +160,10 @@ def _single_process_quiet():
 Trust = Callable[[Path], bool] | None
 
 
-def _model_options(frozen: bool) -> StateDictOptions:
-    """The model entries a checkpoint holds: all, or (a LoRA run: `frozen_base` in its train state) all but the
-    frozen parameters, which the run reads from its base again (checkpoint.frozen_base)."""
-    return StateDictOptions() if frozen else StateDictOptions(ignore_frozen_params=True, strict=False)
+def _model_options(whole: bool) -> StateDictOptions:
+    """The model entries a checkpoint holds: all (`whole`), or (a LoRA run: `frozen_base` in its train state) all but
+    the frozen parameters, which the run reads from its base again (checkpoint.frozen_base)."""
+    return StateDictOptions() if whole else StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
