@@ -92,15 +92,11 @@ def sft_overrides(seq_len: int, max_px: int, token_px: int = PX) -> list[str]:
 
 
 def token_pixels(recipe: Path) -> int:
-    """Pixels of one merged image token of `recipe`'s vision tower ((patch x merge)^2), so the SFT variants keep
-    16/48/64 tokens whatever the family; a recipe that names a model folder instead of an arch keeps 28 x 28."""
-    from mindvl.models.config import VisionConfig
+    """Pixels of one merged image token of `recipe`'s vision tower, so the SFT variants keep 16/48/64 tokens
+    whatever the family; a recipe that names a model folder instead of an arch keeps 28 x 28."""
+    from mindvl.train.preflight import arch_token_pixels
 
-    vision = (load_recipe(recipe).model.arch or {}).get("vision")
-    if vision is None:
-        return PX
-    v = VisionConfig(**vision)
-    return (v.patch_size * v.spatial_merge_size) ** 2
+    return arch_token_pixels(load_recipe(recipe)) or PX
 
 
 def phase_specs(recipes: Path) -> list[tuple[str, Path, str | None, list[str]]]:

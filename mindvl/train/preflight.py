@@ -30,7 +30,7 @@ from mindvl.data.processors import (
     processing_from_folder,
 )
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, TextTokenizer, load_tokenizer
-from mindvl.models import MindVLConfig
+from mindvl.models import MindVLConfig, VisionConfig
 
 
 def preflight(recipe: Recipe, data_cfg: DataConfig) -> tuple[TextTokenizer, str, dict[str, Any]]:
@@ -149,3 +149,14 @@ def fill_processor(data_cfg: DataConfig, recipe: Recipe, config: MindVLConfig) -
                          f"({'; '.join(wrong)}); " + ("set data.processor to match it (or leave it unset)"
                                                       if given is not None else "fix the processor config"))
     data_cfg.processor = p
+
+
+def arch_token_pixels(recipe: Recipe) -> int | None:
+    """Pixels of one merged image token, (patch x merge)^2, of the vision tower in `recipe`'s `model.arch` (28 x 28
+    for Qwen2.5-VL's, 32 x 32 for Qwen3-VL's); None when the recipe has no arch vision tower (a model folder)."""
+    vision = (recipe.model.arch or {}).get("vision")
+    if vision is None:
+        return None
+    v = VisionConfig(**vision)
+    return (v.patch_size * v.spatial_merge_size) ** 2
+
