@@ -4,10 +4,10 @@
 
 Each recipe is one `mindvl.plan.plan` trace at world size 1 (the real model at full size, `prepare_model` with its
 `lora` step, the trainer's step on fake tensors); the verdicts for every device below come from that trace (devices
-differ in capacity and reserve, not in what is resident). QLoRA's 4-bit base is counted analytically (the trace
-holds it in bf16; mindvl.plan.planner), so the QLoRA recipe, which differs from the 80 GB one only in `quantize`,
-traces the same model and step: one trace gives both rows (`reuse_traces`). Full fine-tuning's smallest world size
-is in RESULTS.md (training planner).
+differ in capacity and reserve, not in what is resident). Under QLoRA the adapted base weights stay outside FSDP
+(mindvl.train.qlora), so its trace differs from LoRA's (no bf16 base sharded or all-gathered for them); their NF4
+bytes (whole on the rank) and the transient of dequantizing the largest are added by the planner. Full
+fine-tuning's smallest world size is in RESULTS.md (training planner).
 """
 
 from __future__ import annotations
@@ -25,27 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SHOW = ("rtx4090-24g", "h100-80g")
 
 
-def reuse_traces() -> None:
-    """Recipes that differ only in `model.lora.quantize` trace the same model and step (the trace never quantizes):
-    trace once, plan both."""
-    import mindvl.plan.planner as planner
-
-    traced: dict[str, object] = {}
-    trace = planner.trace_step
-
-    def cached(recipe, *args, **kwargs):
-        raw = recipe.to_dict()
-        raw["output_dir"] = ""
-        if raw["model"].get("lora"):
-            raw["model"]["lora"] = {**raw["model"]["lora"], "quantize": None}
-        key = json.dumps(raw, sort_keys=True, default=str) + repr(args[1:]) + repr(sorted(kwargs.items()))
-        if key not in traced:
-            traced[key] = trace(recipe, *args, **kwargs)
-        return traced[key]
-
-    planner.trace_step = cached
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipes", nargs="+", default=["sft-8k-lora-80g", "sft-8k-qlora-24g"])
@@ -55,7 +34,6 @@ def main() -> None:
                          "time on a loaded machine): no gradient accumulation across micro-batches, whose extra "
                          "resident set is the trainable parameters' sharded fp32 gradients (the adapters', small)")
     args = ap.parse_args()
-    reuse_traces()
     rows = []
     for name in args.recipes:
         recipe = load_recipe(ROOT / "recipes" / "mindvl-8b" / f"{name}.yaml")
@@ -65,7 +43,7 @@ def main() -> None:
         verdicts = {}
         for dev in SHOW:
             d = DEVICES[dev]
-            total = r.peak_bytes_per_rank + reserve_bytes(d)
+            total = r.peak_bytes_per_rank + reserve_bytes(d, r.peak_bytes_per_rank)
             verdicts[dev] = {"fits": total <= d.memory_bytes, "headroom": 1 - total / d.memory_bytes}
         row = {"recipe": name, "peak_gib": r.peak_bytes_per_rank / GIB,
                "breakdown_gib": {k: v / GIB for k, v in r.breakdown.items()},

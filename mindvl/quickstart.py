@@ -85,9 +85,18 @@ def run_phase(name: str, recipe: Path, root: Path, cache: Path, init: Path | Non
     return summary
 
 
-def sft_overrides(seq_len: int, max_px: int) -> list[str]:
-    """An SFT variant of `sft.yaml`: its sequence length and max_pixels (in 28 x 28 units)."""
-    return [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * PX}"]
+def sft_overrides(seq_len: int, max_px: int, token_px: int = PX) -> list[str]:
+    """An SFT variant of `sft.yaml`: its sequence length and max_pixels (`max_px` merged image tokens of `token_px`
+    pixels each: 28 x 28 for Qwen2.5-VL's tower, 32 x 32 for Qwen3-VL's)."""
+    return [f"data.seq_len={seq_len}", f"data.max_pixels={max_px * token_px}"]
+
+
+def token_pixels(recipe: Path) -> int:
+    """Pixels of one merged image token of `recipe`'s vision tower, so the SFT variants keep 16/48/64 tokens
+    whatever the family; a recipe that names a model folder instead of an arch keeps 28 x 28."""
+    from mindvl.train.preflight import arch_token_pixels
+
+    return arch_token_pixels(load_recipe(recipe)) or PX
 
 
 def phase_specs(recipes: Path) -> list[tuple[str, Path, str | None, list[str]]]:
@@ -95,7 +104,8 @@ def phase_specs(recipes: Path) -> list[tuple[str, Path, str | None, list[str]]]:
     all three from the multitask model."""
     specs: list[tuple[str, Path, str | None, list[str]]] = [("warmup", recipes / "warmup.yaml", None, []),
                                                             ("multitask", recipes / "multitask.yaml", "warmup", [])]
-    specs += [(name, recipes / "sft.yaml", "multitask", sft_overrides(seq_len, max_px))
+    token_px = token_pixels(recipes / "sft.yaml")
+    specs += [(name, recipes / "sft.yaml", "multitask", sft_overrides(seq_len, max_px, token_px))
               for name, (seq_len, max_px) in SFT_VARIANTS.items()]
     return specs
 

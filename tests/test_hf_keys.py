@@ -94,8 +94,10 @@ def test_in_memory_names_import_to_the_same_parameters(saved):
 
 
 def test_tables_cover_the_families_the_importer_detects_and_skip_rotary_buffers():
-    assert set(KEY_TABLES) == {"qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl", "qwen3_vl", "qwen3_vl_moe"}
+    assert set(KEY_TABLES) == {"qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl", "qwen3_vl", "qwen3_vl_moe",
+                               "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}
     assert mindvl_name("model.layers.0.self_attn.rotary_emb.inv_freq", "qwen2") is None
+    assert mindvl_name("mtp.layers.0.mlp.gate_proj.weight", "qwen3_5") is None  # Qwen3.5's MTP head: dropped
     assert mindvl_name("language_model.norm.weight", "mindvl") == "language_model.norm.weight"
     assert mindvl_name("some.unknown.tensor", "qwen3") == "some.unknown.tensor"  # reported later as unexpected
     with pytest.raises(ValueError, match="no transformers name for tensor 'projector.fc1.weight' in a qwen3"):

@@ -33,6 +33,7 @@ RUN: dict[str, str] = {
     "mindvl data synth --out data/synth --n 200 --seed 0 --tasks ocr,chart,grounding,doc": "wrote 200 samples",
     "mindvl data stats data/synth/data.jsonl --seq-len 4096": "trained tokens",
     "mindvl data stats data/synth/data.jsonl --seq-len 4096 --json": '"trained_tokens"',
+    "mindvl data stats data/synth/data.jsonl --seq-len 4096 --processor qwen3_vl": "trained tokens",
     "mindvl data plan recipes/mindvl-8b/warmup.yaml": "",
     "mindvl train recipes/tiny/warmup.yaml output_dir=runs/a max_steps=20 checkpoint_every=5 resume=auto":
         "final model: runs/a/final",
@@ -73,6 +74,7 @@ EXCLUDED: dict[str, str] = {
     "--out out/mindvl-8b --seed 0": "needs real checkpoints",
     "mindvl convert --to-hf out/qwen25vl-7b --out out/qwen25vl-7b-hf": "needs the converted 7B model",
     "mindvl convert --from-hf /models/Qwen3-VL-8B-Instruct --out out/qwen3vl-8b": "needs a real checkpoint",
+    "mindvl convert --from-hf /models/Qwen3.5-27B --out out/qwen35-27b": "needs a real checkpoint",
     "mindvl convert --vision-from /models/Qwen3-VL-8B-Instruct --language-from /models/Qwen3-8B "
     "--out out/mindvl-q3vit-8b --seed 0": "needs real checkpoints",
     "torchrun --nproc_per_node 8 $(which mindvl) train recipes/mindvl-8b/warmup.yaml": "8 accelerators, real data",
@@ -178,8 +180,11 @@ def test_readme_commands_run(checkout):
 @pytest.mark.parametrize("command", list(INTERRUPT))
 def test_long_readme_commands_start_and_stop_cleanly(command, checkout):
     marker = INTERRUPT[command]
+    # preexec: a suite started in the background (`nohup pytest ... &`) runs with SIGINT ignored, which its children
+    # inherit and Python then leaves ignored: the command would never see the Ctrl-C this test sends.
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=checkout, env=_env(checkout),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     # A command that never prints its marker (nor exits) must not hang CI: killed after 5 minutes.
     watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))

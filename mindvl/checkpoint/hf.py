@@ -10,6 +10,9 @@ Supported sources (detected from config.json `model_type`):
   prediction layers (index >= num_hidden_layers) are dropped; FP8 checkpoints are refused (dequantize them first).
 - `qwen3_vl` / `qwen3_vl_moe`: a Qwen3-VL model (hf_qwen3_vl.py): its merger becomes the projector, its DeepStack
   mergers `projector.deepstack.{j}`, its Qwen3 / Qwen3-MoE LLM the language model (interleaved M-RoPE).
+- `qwen3_5` / `qwen3_5_moe`: a Qwen3.5 model (hf_qwen3_5.py): Qwen3-VL's tower without DeepStack, a hybrid
+  linear/full-attention LLM (dense, or MoE with a gated shared expert); its `mtp.*` tensors are dropped.
+  `qwen3_5_text` / `qwen3_5_moe_text`: that language model alone (`Qwen3_5ForCausalLM`), text-only.
 - `mindvl`: already ours.
 
 A MindVL *composition* takes the vision tower of a Qwen2.5-VL or Qwen3-VL checkpoint and the language model of
@@ -34,7 +37,7 @@ import torch
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 from mindvl.models.projector import Projector
 
-from . import hf_qwen3_vl
+from . import hf_qwen3_5, hf_qwen3_vl
 from .conv import conv3d_to_matmul
 from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
@@ -261,11 +264,12 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
 
 def detect_family(config: dict, where: str) -> str:
     kind = config.get("model_type")
-    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl", *hf_qwen3_vl.FAMILIES):
+    if kind in ("qwen2_5_vl", "qwen3", "qwen2", "deepseek_v3", "mindvl", *hf_qwen3_vl.FAMILIES,
+                *hf_qwen3_5.FAMILIES, *hf_qwen3_5.TEXT_FAMILIES):
         return kind
     raise ValueError(
-        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl, qwen3_vl and qwen3_vl_moe "
-        "(vision+LLM), qwen3, qwen2 and deepseek_v3 (LLM)"
+        f"{where}: model_type {kind!r} is not supported; mindvl imports qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5 "
+        "(vision+LLM), qwen3, qwen2, deepseek_v3 and qwen3_5_text (LLM)"
     )
 
 
@@ -313,6 +317,8 @@ def _mindvl_config_from_hf(config: dict, folder: Path) -> MindVLConfig:
         return MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
     if family in hf_qwen3_vl.FAMILIES:
         return hf_qwen3_vl.mindvl_config(config, family, _token_ids(config, folder), {"converted_from": str(folder)})
+    if family in (*hf_qwen3_5.FAMILIES, *hf_qwen3_5.TEXT_FAMILIES):
+        return hf_qwen3_5.mindvl_config(config, family, _token_ids(config, folder), {"converted_from": str(folder)})
     if family == "qwen2_5_vl":
         text = text_config_from_hf(config, "qwen2")
         vision = vision_config_from_hf(config)

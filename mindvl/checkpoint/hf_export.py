@@ -21,7 +21,7 @@ import torch
 
 from mindvl.models import MindVLConfig
 
-from . import hf_qwen3_vl
+from . import hf_qwen3_5, hf_qwen3_vl
 from .conv import matmul_to_conv3d
 from .hf import CONFIG_NAME, read_config
 from .hf_keys import key_map
@@ -48,6 +48,8 @@ def hf_config(cfg: MindVLConfig) -> dict:
         "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": t.tie_word_embeddings,
         "hidden_act": t.hidden_act,
     }
+    if hf_qwen3_5.is_qwen3_5(cfg):
+        return hf_qwen3_5.hf_config(cfg)
     if hf_qwen3_vl.is_qwen3_vl(cfg):
         return hf_qwen3_vl.hf_config(cfg)
     if cfg.vision is None:

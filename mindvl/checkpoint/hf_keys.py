@@ -67,6 +67,12 @@ KEY_TABLES: dict[str, tuple[KeyRule, ...]] = {
     # hf.TensorPlan (import) and hf_export (export): a content operation, not a rename.
     "qwen3_vl": _QWEN3_VL,
     "qwen3_vl_moe": _QWEN3_VL,
+    "qwen3_5": _QWEN3_VL,  # Qwen3.5: the same nested names (no DeepStack mergers; linear_attn.* pass through)
+    "qwen3_5_moe": (  # + the hub's per-expert weights, stacked as for DeepSeek-V3
+        KeyRule("model.language_model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight",
+                "language_model.layers.{layer}.mlp.experts.{proj}_proj"),
+        *_QWEN3_VL,
+    ),
     "qwen3": _LLM,
     "qwen2": _LLM,
     "deepseek_v3": _EXPERTS + _LLM,
@@ -74,9 +80,12 @@ KEY_TABLES: dict[str, tuple[KeyRule, ...]] = {
 }
 # Import-only spellings of HF prefixes (transformers >= 4.52 in memory -> hub), applied before the table.
 _HF_ALIASES = (("model.visual.", "visual."), ("model.language_model.", "model."))
-_NO_ALIASES = ("qwen3_vl", "qwen3_vl_moe")  # tables written in the nested names themselves
-# Non-parameters some exports carry; mindvl recomputes them.
-_SKIPPED = re.compile(r"rotary_emb\.inv_freq$")
+KEY_TABLES["qwen3_5_text"] = _LLM  # Qwen3.5's language model alone (Qwen3_5ForCausalLM)
+KEY_TABLES["qwen3_5_moe_text"] = _EXPERTS + _LLM
+_NO_ALIASES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # tables written in the nested names themselves
+# Non-parameters some exports carry (mindvl recomputes them), and Qwen3.5's multi-token-prediction head (`mtp.*`),
+# which transformers drops on load too.
+_SKIPPED = re.compile(r"rotary_emb\.inv_freq$|^mtp\.")
 
 
 def _compile(pattern: str) -> re.Pattern[str]:

@@ -3,7 +3,9 @@
 Layout under `OUTPUT_DIR/checkpoints/`:
 
     step_00000010/           a complete checkpoint
-        .metadata, *.distcp  DCP shards: {"model": ..., "optim": ...} (any world size can read them)
+        .metadata, *.distcp  DCP shards: {"model": ..., "optim": ...} (any world size can read them); a LoRA run's
+                             "model" leaves its frozen parameters out (train_state's `frozen_base` references the
+                             base they are read from again: checkpoint.frozen_base)
         train_state.json     step, tokens, scheduler state, model config, tokenizer folder, recipe
         rank_00000.json      that rank's data-loader state and RNG states
     step_00000012.partial/   a save in progress (or one that crashed): never read, removed by the next save
@@ -57,9 +59,11 @@ from .dcp_io import (
     create_pin,
     pinned,
     read_dcp,
+    read_metadata,
     remove_unpinned,
     write_failure,
 )
+from .frozen_base import KEY as FROZEN_BASE
 
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
@@ -156,14 +160,22 @@ def _single_process_quiet():
 Trust = Callable[[Path], bool] | None
 
 
+def _model_options(whole: bool) -> StateDictOptions:
+    """The model entries a checkpoint holds: all (`whole`), or (a LoRA run: `frozen_base` in its train state) all but
+    the frozen parameters, which the run reads from its base again (checkpoint.frozen_base)."""
+    return StateDictOptions() if whole else StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     train_state: dict[str, Any], rank_state: dict[str, Any], keep: int | None = None,
                     protect: Path | None = None, trusted: Trust = None) -> Path:
     """Collective: every rank calls it. Writes `root/step_N` atomically and prunes to the newest `keep` (never
     deleting `protect`). `latest` moves to it unless `trusted(step_N)` says no. A failed write raises
-    CheckpointWriteError on every rank (one line: "disk full ..." when it is) and leaves `latest` as it was."""
+    CheckpointWriteError on every rank (one line: "disk full ..." when it is) and leaves `latest` as it was.
+    A train state with a `frozen_base` reference: the frozen parameters are left out."""
     root, partial, final = _begin(root, step)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=_model_options(FROZEN_BASE not in train_state)),
+             "optim": get_optimizer_state_dict(model, optimizer)}
 
     def write() -> None:
         with _single_process_quiet():
@@ -265,7 +277,8 @@ class AsyncCheckpointer:
         """Collective. Starts writing `root/step_N` (finishing the previous save first); returns its final path."""
         self.finish()
         root, partial, final = _begin(root, step)
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": get_model_state_dict(model, options=_model_options(FROZEN_BASE not in train_state)),
+                 "optim": get_optimizer_state_dict(model, optimizer)}
 
         def start():
             with _single_process_quiet():
@@ -376,11 +389,12 @@ def load_checkpoint(ckpt: str | Path, model: nn.Module, optimizer: torch.optim.O
     ckpt = Path(ckpt)
     rank = _rank()
     train_state = read_train_state(ckpt)
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    options = _model_options(FROZEN_BASE not in train_state)  # the frozen base: the caller's (checked by it)
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     read_dcp(ckpt, state, distributed=_distributed())
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = ckpt / f"rank_{rank:05d}.json"
@@ -457,7 +471,13 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 EXPORT_ATTEMPTS = 20
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+# `mindvl export` of a QLoRA checkpoint: turns the base's adapted weights into what the run multiplied by (their NF4
+# round trip; mindvl.train.qlora.quantize_like_run, passed in by the CLI: checkpoint does not import train).
+BaseQuantizer = Callable[[nn.Module, dict[str, Any]], None]
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False,
+                      quantizer: BaseQuantizer | None = None) -> Path:
     """A training checkpoint -> a mindvl model folder (safetensors + config.json + tokenizer files), single process.
 
     Safe beside a running training: the checkpoint is pinned while it is read (the pruner leaves it alone); given a
@@ -468,7 +488,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False
         with pinned(folder) as ok:
             if ok:
                 try:
-                    model, train_state = _read_model(folder)
+                    model, train_state = _read_model(folder, quantizer)
                 except CheckpointReadError:
                     if not follow or folder.is_dir():
                         raise
@@ -530,7 +550,7 @@ def _copy_run_recipe(checkpoint: Path, out: Path) -> None:
     os.replace(tmp, out / "recipe.json")
 
 
-def _read_model(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
+def _read_model(folder: Path, quantizer: BaseQuantizer | None = None) -> tuple[nn.Module, dict[str, Any]]:
     from mindvl.models import MindVL, MindVLConfig
 
     train_state = read_train_state(folder)
@@ -540,12 +560,29 @@ def _read_model(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
         raise ValueError(f"{folder / TRAIN_STATE}: model_config is not a valid model config ({exc})") from None
     model = MindVL(config)
     lora = (train_state.get("recipe") or {}).get("model", {}).get("lora")
-    if lora is not None:  # a LoRA run's checkpoint holds the adapters beside the (frozen) base weights
+    if lora is not None:  # a LoRA run's checkpoint holds the adapters (and, before frozen_base, the base weights)
         from mindvl.models.lora import LoRAConfig, inject_lora
         from mindvl.typed import build
 
         inject_lora(model, build(LoRAConfig, lora, "model.lora"))
     state = {"model": model.state_dict()}
+    if FROZEN_BASE in train_state:  # the base from where the run read it, checked; the rest from the checkpoint
+        from .frozen_base import read_base
+
+        ref = train_state[FROZEN_BASE]
+        base = read_base(ref, config, str(folder))
+        saved = {k.removeprefix("model.") for k in read_metadata(folder).state_dict_metadata if k.startswith("model.")}
+        missing = set(state["model"]) - set(base) - saved
+        if missing:
+            raise CheckpointReadError(f"{folder}: neither the checkpoint nor its base holds {sorted(missing)[:3]} "
+                                      f"({len(missing)} tensors); export a checkpoint of this run's recipe")
+        model.load_state_dict(base, strict=False)
+        if ref.get("quantize"):  # QLoRA: the adapted base weights as the run used them
+            if quantizer is None:
+                raise ValueError(f"{folder}: a QLoRA checkpoint ({ref['quantize']} base); export it with the CLI "
+                                 "(mindvl export), which redoes the quantization")
+            quantizer(model, ref)
+        state = {"model": {k: v for k, v in state["model"].items() if k in saved}}
     read_dcp(folder, state, distributed=False)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=FROZEN_BASE not in train_state)
     return model, train_state

@@ -41,6 +41,7 @@ def run(args) -> int:
     from mindvl.infer.chat import (
         ChatSession,
         describe_system,
+        folder_processing,
         load_for_chat,
         pixel_limits,
         training_system,
@@ -55,7 +56,8 @@ def run(args) -> int:
         if args.video_fps is not None and args.video_fps <= 0:
             raise ValueError(f"--video-fps must be > 0, got {args.video_fps}")
     model, tok = load_for_chat(args.model, args.tokenizer, device=args.device)
-    min_pixels, max_pixels = pixel_limits(args.model)
+    processing = folder_processing(args.model, model)  # the folder's processor: 16-px patches for Qwen3-VL
+    min_pixels, max_pixels = pixel_limits(args.model, processing)
     source = None
     if args.no_system or args.system is not None:
         system = None if args.no_system else args.system
@@ -67,6 +69,7 @@ def run(args) -> int:
         max_pixels=max_pixels if args.max_pixels is None else args.max_pixels,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, videos=args.video, video_settings=video_settings(args.model, args.video_fps),
+        processing=processing,
     )
     if source is not None:  # after every input was read: a bad image or config stays a one-line error
         print(f"(system prompt {describe_system(system)}: {source}; --system/--no-system to change)", file=sys.stderr)

@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.add_argument("--pack-buffer", type=int, default=256, help="samples the packer looks ahead over (default 256)")
     stats.add_argument("--max-patches-per-pack", type=int, default=None,
                        help="vision-patch budget per pack (default: none)")
+    stats.add_argument("--processor", default=None,
+                       help="the vision processor that cuts the patches: qwen2_vl (default), qwen3_vl, or a model "
+                       "folder (its preprocessor_config.json)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_stats)
 
@@ -57,11 +60,18 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+    from mindvl.data.processors import as_processing, processing_from_folder
     from mindvl.data.stats import dataset_stats, format_stats
 
     if args.seq_len <= 0:
         raise ValueError(f"--seq-len must be > 0, got {args.seq_len}")
+    processor = args.processor
+    if processor is not None:
+        processor = processing_from_folder(processor) if Path(processor).is_dir() else \
+            as_processing(processor, "--processor")
     result = dataset_stats(
         args.sources,
         args.seq_len,
@@ -70,6 +80,7 @@ def _stats(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
         pack_buffer=args.pack_buffer,
         max_patches_per_pack=args.max_patches_per_pack,
+        processor=processor,
     )
     print(json.dumps(result) if args.json else format_stats(result))
     return 0

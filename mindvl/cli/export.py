@@ -34,6 +34,8 @@ def run(args) -> int:
         print(f"exported {fold_adapter(args.checkpoint, args.out, base=args.base, overwrite=args.overwrite)}")
         return 0
     from mindvl.checkpoint.training import export_checkpoint
+    from mindvl.train.qlora import quantize_like_run
 
-    print(f"exported {export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)}")
+    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite, quantizer=quantize_like_run)
+    print(f"exported {out}")
     return 0

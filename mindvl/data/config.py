@@ -16,6 +16,7 @@ from typing import Any
 from mindvl.typed import build
 
 from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, RESIZE_METHODS
+from .processors import QWEN2_VL, VisionProcessing, as_processing
 from .template import DEFAULT_SYSTEM
 
 RECORD_BYTES_PER_TOKEN = 256  # default record byte limit per token of seq_len (DataConfig.record_byte_limit)
@@ -182,6 +183,11 @@ class DataConfig:
     eval_sources: list[SourceConfig] = field(default_factory=list)
     eval_fraction: float = 0.0
     split: str = "train"  # train | eval: which side of eval_fraction this pipeline reads (set by the trainer)
+    # The vision processor (mindvl.data.processors.VisionProcessing: patch size, merge size, mean/std, video
+    # sampling): `qwen2_vl`, `qwen3_vl` or a mapping of its fields; None: the model's, which the trainer and the
+    # planner read from the model folder's processor configs (or the vision tower's family). Pixel limits stay
+    # min_pixels/max_pixels above (the processor's own apply to its videos).
+    processor: Any = None
 
     @classmethod
     def _prepare_mapping(cls, d: Any, where: str) -> Any:
@@ -206,6 +212,7 @@ class DataConfig:
             _positive(getattr(self, key), f"{where}.{key}")
         for i, s in enumerate(self.eval_sources):
             s.name = s.name or f"eval{i}"
+        self.processor = as_processing(self.processor, f"{where}.processor")
         self.validate(where)
 
     @classmethod
@@ -218,6 +225,7 @@ class DataConfig:
         """Cross-field checks (also run on configs built in code)."""
         if not self.sources:
             raise ValueError(f"{where}.sources: must be a non-empty list of sources")
+        as_processing(self.processor, f"{where}.processor")
         if self.box_format not in ("qwen2.5-vl", "rel1000"):
             raise ValueError(f"{where}.box_format: must be qwen2.5-vl or rel1000, got {self.box_format!r}")
         if self.truncation not in ("truncate", "drop"):
@@ -247,6 +255,10 @@ class DataConfig:
         if self.max_patches_per_pack is not None and self.max_patches_per_pack < 4:
             raise ValueError(f"{where}.max_patches_per_pack: must be >= 4 (one merged token), got "
                              f"{self.max_patches_per_pack}")
+
+    def vision_processing(self) -> VisionProcessing:
+        """The processor every stage of this pipeline uses (Qwen2-VL's when none was given or filled in)."""
+        return as_processing(self.processor) or QWEN2_VL
 
     def record_byte_limit(self) -> int:
         """The byte size above which a record is skipped before parsing (`max_record_bytes`, or its default).

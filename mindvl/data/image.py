@@ -109,8 +109,6 @@ def _value_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
 
 
 _CLIP_TABLE = _value_table(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-_CLIP_MEAN32 = np.asarray(OPENAI_CLIP_MEAN, np.float32).reshape(1, CHANNELS, 1)
-_CLIP_STD32 = np.asarray(OPENAI_CLIP_STD, np.float32).reshape(1, CHANNELS, 1)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -167,39 +165,44 @@ def load_image(source: str | os.PathLike | bytes, max_image_pixels: int = DEFAUL
 PATCH_PIXELS = CHANNELS * PATCH_SIZE * PATCH_SIZE  # 588 uint8 values per patch before normalisation
 
 
-def patchify_uint8(levels: np.ndarray) -> np.ndarray:
-    """[H, W, 3] uint8 (H, W multiples of 28) -> [H/14 * W/14, 3*14*14] uint8 in the merger's row order.
+def patchify_uint8(levels: np.ndarray, patch: int = PATCH_SIZE, merge: int = MERGE_SIZE) -> np.ndarray:
+    """[H, W, 3] uint8 (H, W multiples of patch*merge) -> [H/p * W/p, 3*p*p] uint8 in the merger's row order.
 
-    Rows run over (h-block, w-block, h-in-block, w-in-block); each row is (C, 14, 14). Kept as uint8 so a buffered
-    sample costs 588 bytes per patch instead of the 4704 of its float32 row.
+    Rows run over (h-block, w-block, h-in-block, w-in-block); each row is (C, p, p). Kept as uint8 so a buffered
+    sample costs 588 bytes per 14-px patch (768 per 16-px one) instead of the 4704 (6144) of its float32 row.
     """
     height, width, c = levels.shape
-    gh, gw = height // PATCH_SIZE, width // PATCH_SIZE
-    x = levels.reshape(gh // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, gw // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, c)
+    gh, gw = height // patch, width // patch
+    x = levels.reshape(gh // merge, merge, patch, gw // merge, merge, patch, c)
     x = x.transpose(0, 3, 1, 4, 6, 2, 5)  # (bh, bw, mh, mw, C, ph, pw)
-    return np.ascontiguousarray(x).reshape(gh * gw, c * PATCH_SIZE * PATCH_SIZE)
+    return np.ascontiguousarray(x).reshape(gh * gw, c * patch * patch)
 
 
-def expand_patches(patches: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """[P, 588] uint8 -> [P, 1176] float32 rows (C, T=2, 14, 14): normalised values, frame repeated on T.
+def expand_patches(patches: np.ndarray, out: np.ndarray | None = None, mean: Sequence[float] = OPENAI_CLIP_MEAN,
+                   std: Sequence[float] = OPENAI_CLIP_STD) -> np.ndarray:
+    """[P, 3*p*p] uint8 -> [P, 3*2*p*p] float32 rows (C, T=2, p, p): normalised values, frame repeated on T.
 
     Writes into `out` when given (e.g. a pack's shared-memory buffer), so the float rows are materialised once.
     float32 `(x / 255 - mean) / std` gives the same bits as transformers' float64 rescale, float32 cast and float32
-    normalisation for every uint8 level and channel (`_CLIP_TABLE` holds those; a test checks all 768). With numba
+    normalisation for every uint8 level and channel (`_CLIP_TABLE` holds those; a test checks all 768, and the
+    rescaled level does not depend on the mean/std, so Qwen3-VL's 0.5/0.5 agree too). With numba
     it is one compiled pass (`mindvl.data._compiled`), else a few SIMD numpy passes.
     """
     n = patches.shape[0]
+    pixels = patches.shape[1] // CHANNELS  # 196 values of one channel's 14x14 patch (256 for 16x16)
     if out is None:
-        out = np.empty((n, PATCH_DIM), np.float32)
+        out = np.empty((n, CHANNELS * TEMPORAL_PATCH_SIZE * pixels), np.float32)
+    mean32 = np.asarray(mean, np.float32).reshape(1, CHANNELS, 1)
+    std32 = np.asarray(std, np.float32).reshape(1, CHANNELS, 1)
     if _compiled.available() and n:
-        _compiled.expand_rows(patches.reshape(n, PATCH_PIXELS), _CLIP_MEAN32.reshape(CHANNELS),
-                              _CLIP_STD32.reshape(CHANNELS), out)
+        _compiled.expand_rows(patches.reshape(n, CHANNELS * pixels), mean32.reshape(CHANNELS),
+                              std32.reshape(CHANNELS), out)
         return out
-    view = out.reshape(n, CHANNELS, TEMPORAL_PATCH_SIZE, PATCH_SIZE * PATCH_SIZE)
-    frame = patches.reshape(n, CHANNELS, PATCH_SIZE * PATCH_SIZE).astype(np.float32)
+    view = out.reshape(n, CHANNELS, TEMPORAL_PATCH_SIZE, pixels)
+    frame = patches.reshape(n, CHANNELS, pixels).astype(np.float32)
     np.divide(frame, np.float32(255), out=frame)
-    frame -= _CLIP_MEAN32
-    frame /= _CLIP_STD32
+    frame -= mean32
+    frame /= std32
     np.copyto(view, frame[:, :, None, :])  # the single frame on every temporal slot
     return out
 
@@ -239,15 +242,18 @@ def preprocess_uint8(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     resize: str = "pil",
+    patch: int = PATCH_SIZE,
+    merge: int = MERGE_SIZE,
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Everything up to normalisation: (uint8 patches [t*h*w, 588], grid_thw). `expand_patches` finishes it.
-    `resize` is a method of `resize_rgb` (`pil`: bit-identical to transformers' PIL processor)."""
+    """Everything up to normalisation: (uint8 patches [t*h*w, 3*p*p], grid_thw). `expand_patches` finishes it.
+    `resize` is a method of `resize_rgb` (`pil`: bit-identical to transformers' PIL processor); `patch` and `merge`
+    are the processor's (14 and 2 for Qwen2-VL; 16 and 2 for Qwen3-VL, see mindvl.data.processors)."""
     if not isinstance(image, Image.Image):
         image = load_image(image, max_image_pixels)
     rgb = to_rgb(image)
     width, height = rgb.size
-    rh, rw = smart_resize(height, width, FACTOR, min_pixels, max_pixels)
-    return patchify_uint8(resize_rgb(rgb, rh, rw, resize)), (1, rh // PATCH_SIZE, rw // PATCH_SIZE)
+    rh, rw = smart_resize(height, width, patch * merge, min_pixels, max_pixels)
+    return patchify_uint8(resize_rgb(rgb, rh, rw, resize), patch, merge), (1, rh // patch, rw // patch)
 
 
 def preprocess(

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch.utils.data as tud
 
 from .config import DataConfig
-from .image import PATCH_DIM
 from .mixture import Consumption
 from .schema import Pack
 from .sources import resolve_files
@@ -85,7 +84,7 @@ class _WorkerStreams(tud.IterableDataset):
         stream_index = (worker + self.offset) % self.n_streams
         stream = make_stream(self.cfg, self.tok, self.files, self.rank, self.world_size, self.n_streams,
                              stream_index, self.states[stream_index], self.max_epochs)
-        shared = _SharedPixels()
+        shared = _SharedPixels(self.cfg.vision_processing().patch_dim)
         stream.alloc_pixels = shared
         for pack in stream:
             # torch tensors travel between processes as shared-memory handles, not as pickled bytes; the pixel rows
@@ -97,15 +96,15 @@ class _WorkerStreams(tud.IterableDataset):
 
 
 class _SharedPixels:
-    """Allocates a pack's [P, 1176] float32 rows in torch shared memory and hands the tensor over afterwards."""
+    """Allocates a pack's [P, patch_dim] float32 rows in torch shared memory and hands the tensor over afterwards."""
 
-    def __init__(self):
-        self._tensor = None
+    def __init__(self, patch_dim: int):
+        self._tensor, self.patch_dim = None, patch_dim
 
     def __call__(self, rows: int):
         import torch
 
-        self._tensor = torch.empty((rows, PATCH_DIM), dtype=torch.float32)
+        self._tensor = torch.empty((rows, self.patch_dim), dtype=torch.float32)
         if rows:
             self._tensor.share_memory_()
         return self._tensor.numpy()

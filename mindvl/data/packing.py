@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .image import PATCH_DIM, expand_patches
+from .processors import QWEN2_VL, VisionProcessing, expand_image_rows, expand_video_rows
 from .schema import IGNORE_INDEX, Pack, Sample
-from .video import expand_video_patches
 
 
 @dataclass
@@ -31,9 +30,10 @@ class _Entry:
 
 class Packer:
     def __init__(self, seq_len: int, max_patches: int | None = None, buffer_size: int = 256,
-                 pad_to_seq_len: bool = False, pad_id: int = 0, max_wait: int | None = None):
+                 pad_to_seq_len: bool = False, pad_id: int = 0, max_wait: int | None = None,
+                 processing: VisionProcessing = QWEN2_VL):
         self.seq_len, self.max_patches, self.buffer_size = seq_len, max_patches, buffer_size
-        self.pad_to_seq_len, self.pad_id = pad_to_seq_len, pad_id
+        self.pad_to_seq_len, self.pad_id, self.processing = pad_to_seq_len, pad_id, processing
         self.max_wait = max_wait if max_wait is not None else 2 * buffer_size
         self.buffer: list[_Entry] = []
         self.packs_made = 0
@@ -85,7 +85,8 @@ class Packer:
         return samples
 
     def make_pack(self) -> Pack:
-        return build_pack(self.select(), self.seq_len if self.pad_to_seq_len else None, self.pad_id)
+        return build_pack(self.select(), self.seq_len if self.pad_to_seq_len else None, self.pad_id,
+                          processing=self.processing)
 
     def state_dict(self) -> dict:
         return {
@@ -96,11 +97,13 @@ class Packer:
 
 
 def build_pack(samples: list[Sample], pad_to: int | None = None, pad_id: int = 0,
-               alloc_pixels: Callable[[int], np.ndarray] | None = None) -> Pack:
+               alloc_pixels: Callable[[int], np.ndarray] | None = None,
+               processing: VisionProcessing = QWEN2_VL) -> Pack:
     """Concatenate samples into one Pack (see Pack for shapes); optional padding as its own final segment.
 
-    The float32 patch rows are written once, straight into `alloc_pixels(P)` ([P, 1176] float32; e.g. a
-    shared-memory buffer in a loader worker) or a new array.
+    The float32 patch rows are written once, straight into `alloc_pixels(P)` ([P, patch_dim] float32, 1176 for
+    Qwen2-VL's processor, 1536 for Qwen3-VL's; e.g. a shared-memory buffer in a loader worker) or a new array,
+    normalised with `processing`'s mean/std (the processor the samples were cut with).
     """
     lengths = [s.num_tokens for s in samples]
     input_ids = [s.input_ids for s in samples]
@@ -117,11 +120,12 @@ def build_pack(samples: list[Sample], pad_to: int | None = None, pad_id: int = 0
     cu = np.zeros(len(lengths) + 1, np.int32)
     np.cumsum(lengths, out=cu[1:])
     n_patches = sum(s.num_patches for s in samples)
-    pixel_values = alloc_pixels(n_patches) if alloc_pixels is not None else np.empty((n_patches, PATCH_DIM), np.float32)
+    pixel_values = alloc_pixels(n_patches) if alloc_pixels is not None else \
+        np.empty((n_patches, processing.patch_dim), np.float32)
     row = 0
     for s in samples:
         if s.video_patches is None:
-            expand_patches(s.patches, out=pixel_values[row:row + s.num_patches])
+            expand_image_rows(s.patches, processing, out=pixel_values[row:row + s.num_patches])
             row += s.num_patches
             continue
         # Images and videos interleaved in order of appearance (one stream, like the grids).
@@ -129,10 +133,10 @@ def build_pack(samples: list[Sample], pad_to: int | None = None, pad_id: int = 0
         for grid, is_video in zip(s.image_grid_thw, s.is_video, strict=True):
             n = int(np.prod(grid))
             if is_video:
-                expand_video_patches(s.video_patches[video_row:video_row + n], out=pixel_values[row:row + n])
+                expand_video_rows(s.video_patches[video_row:video_row + n], processing, out=pixel_values[row:row + n])
                 video_row += n
             else:
-                expand_patches(s.patches[image_row:image_row + n], out=pixel_values[row:row + n])
+                expand_image_rows(s.patches[image_row:image_row + n], processing, out=pixel_values[row:row + n])
                 image_row += n
             row += n
     grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]

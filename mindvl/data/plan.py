@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DataConfig
-from .image import ImageError, grid_for_size
+from .image import ImageError
 from .schema import BadSample
 from .template import MERGE_UNIT
 
@@ -112,6 +112,7 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
     from PIL import Image
 
     from .captions import caption_sample, prompt_set
+    from .processors import grid_for_image, video_layout_qwen3
     from .sources import SourceReader, item_to_conversation, resolve_files
     from .template import encode_conversation, encode_document
     from .video import VideoError, video_grid, video_settings
@@ -120,6 +121,8 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
     reader = SourceReader(src, source, resolve_files(files, src.format, src.name), 0, 1, cfg.seed, max_epochs=1,
                           max_record_bytes=cfg.record_byte_limit())
     lo, hi = cfg.pixels_for(source)
+    processing = cfg.vision_processing()
+    qwen3 = processing.family == "qwen3_vl"
     tokens = vision = n = 0
     skipped: dict[str, int] = {}
     while n < probe:
@@ -136,21 +139,27 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
             for img in conv.images:
                 try:
                     with Image.open(io.BytesIO(img.data) if img.data is not None else img.name) as im:
-                        grids.append(grid_for_size(im.height, im.width, lo, hi))
+                        grids.append(grid_for_image(im.height, im.width, processing, lo, hi))
                 except OSError as exc:
                     raise BadSample("corrupt_image", conv.where, str(exc)) from exc
                 except ImageError as exc:
                     raise BadSample(exc.reason, conv.where, str(exc)) from exc
             settings = video_settings(cfg.video)
+            stamps = None
             try:
-                vgrids = [video_grid(v.data if v.data is not None else v.name, settings) for v in conv.videos]
+                if qwen3:
+                    layouts = [video_layout_qwen3(v.data if v.data is not None else v.name, processing,
+                                                  cfg.video.fps, cfg.video.max_decoded_frames) for v in conv.videos]
+                    vgrids, stamps = [g for g, _ in layouts], [t for _, t in layouts]
+                else:
+                    vgrids = [video_grid(v.data if v.data is not None else v.name, settings) for v in conv.videos]
             except VideoError as exc:
                 raise BadSample(exc.reason, conv.where, str(exc)) from exc
             if conv.kind == "document":
                 enc = encode_document(tok, conv.text, grids, max_tokens=cfg.seq_len)
             else:
                 enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids,
-                                          max_tokens=cfg.seq_len)
+                                          max_tokens=cfg.seq_len, video_timestamps=stamps)
         except BadSample as bad:
             skipped[bad.reason] = skipped.get(bad.reason, 0) + 1
             continue
@@ -167,11 +176,26 @@ def _phase(recipe: dict) -> str:
     return str(phase)
 
 
+def _model_folder_processor(raw: dict, path: str):
+    """The processor config of the recipe's `model.init_from` (or `model.compose.vision`) folder, when it has one
+    (relative paths are the recipe file's); None otherwise (Qwen2-VL's, or the model's at train time)."""
+    from .processors import folder_spec
+
+    model = raw.get("model") or {}
+    folder = model.get("init_from") or (model.get("compose") or {}).get("vision")
+    if not isinstance(folder, str):
+        return None
+    full = Path(folder) if Path(folder).is_absolute() else Path(path).parent / folder
+    return folder_spec(full)
+
+
 def plan_recipe(raw: dict, path: str = "<recipe>", probe: int = 200, tokenizer: Any = None) -> dict:
     """The plan of a recipe (its YAML as a dict; `path` names it in messages) as a JSON-able dict."""
     if not isinstance(raw, dict) or "data" not in raw:
         raise ValueError(f"{path}: the recipe has no `data:` section")
     cfg = DataConfig.from_dict(raw["data"], "data")
+    if cfg.processor is None:  # the processor of the folder the model starts from, as the trainer chooses it
+        cfg.processor = _model_folder_processor(raw, path)
     phase = _phase(raw)
     budget, budget_source = recipe_budget(raw, cfg.seq_len)
     if budget is None:

@@ -23,7 +23,8 @@ import numpy as np
 
 from .captions import caption_sample, prompt_set
 from .grounding import BoxError, convert_text
-from .image import PATCH_DIM, PATCH_PIXELS, PATCH_SIZE, ImageError, load_image, preprocess_uint8
+from .image import ImageError, load_image
+from .processors import QWEN2_VL, VisionProcessing, image_uint8, process_video_qwen3
 from .schema import IGNORE_INDEX, BadSample, Conversation, Message, Sample, SampleRef
 from .template import DEFAULT_SYSTEM, encode_conversation, encode_document, mrope_positions, safe_cut
 from .tokenizer import TextTokenizer
@@ -46,6 +47,8 @@ class ProcessConfig:
     tokens_per_second: int = 2
     box_format: str = "qwen2.5-vl"
     image_resize: str = "pil"  # mindvl.data.image.resize_rgb method
+    # The model family's processor: patch size, merge size, mean/std (applied when a pack is built), video rules.
+    processing: VisionProcessing = QWEN2_VL
 
 
 def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
@@ -54,11 +57,13 @@ def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], l
     for img in conv.images:
         try:
             image = load_image(img.data if img.data is not None else img.name, cfg.max_image_pixels)
-            pv, grid = preprocess_uint8(image, cfg.min_pixels, cfg.max_pixels, resize=cfg.image_resize)
+            pv, grid = image_uint8(image, cfg.processing, cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels,
+                                   cfg.image_resize)
         except ImageError as exc:
             raise BadSample(exc.reason, conv.where, f"{exc}") from exc
         if conv.coords is not None:  # boxes in the text follow the image through smart_resize
-            resized = (grid[2] * PATCH_SIZE, grid[1] * PATCH_SIZE)
+            patch = cfg.processing.patch_size
+            resized = (grid[2] * patch, grid[1] * patch)
             try:
                 conv = _with_boxes(conv, image.size, resized, cfg.box_format)
             except BoxError as exc:
@@ -73,19 +78,33 @@ def _with_boxes(conv: Conversation, size: tuple[int, int], resized: tuple[int, i
     return dataclasses.replace(conv, messages=messages, coords=None)
 
 
-def _videos(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], list[tuple[int, int, int]],
-                                                              list[float]]:
-    pixels, grids, intervals = [], [], []
+def _videos(conv: Conversation, cfg: ProcessConfig) -> tuple[list[tuple[np.ndarray, tuple[int, int, int],
+                                                                         float | None]],
+                                                              list[tuple[int, int, int]], list[list[float]] | None]:
+    """(the videos' vision items in order: (uint8 rows, grid, M-RoPE time interval), the videos' grids, their
+    timestamps). Qwen2-VL's processor: one item per video, its time axis scaled by the interval. Qwen3-VL's: one
+    item per temporal patch (grid (1, h, w), no time offset: the prompt's `<t seconds>` text carries time), and the
+    timestamps the template writes before each."""
+    items, grids, stamps = [], [], []
+    qwen3 = cfg.processing.family == "qwen3_vl"
     for vid in conv.videos:
+        source = vid.data if vid.data is not None else vid.name
         try:
-            v = preprocess_video(vid.data if vid.data is not None else vid.name, cfg.video)
+            if qwen3:
+                q = process_video_qwen3(source, cfg.processing, cfg.video.fps, cfg.video.max_decoded_frames)
+            else:
+                v = preprocess_video(source, cfg.video)
         except ImageError as exc:  # VideoError is one
             raise BadSample(exc.reason, conv.where, f"{exc}") from exc
-        pixels.append(v.patches)
+        if qwen3:
+            items += [(rows, grid, None) for rows, grid in q.frames()]
+            grids.append(q.grid)
+            stamps.append(q.timestamps)
+            continue
         grids.append(v.grid)
         # float32 like transformers: tokens_per_second * second_per_grid_t (a float32 tensor there)
-        intervals.append(float(np.float32(cfg.tokens_per_second) * np.float32(v.second_per_grid_t)))
-    return pixels, grids, intervals
+        items.append((v.patches, v.grid, float(np.float32(cfg.tokens_per_second) * np.float32(v.second_per_grid_t))))
+    return items, grids, (stamps if qwen3 else None)
 
 
 def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessConfig, source: int = 0,
@@ -94,7 +113,7 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     if conv.kind == "caption":
         conv = caption_sample(conv, prompt_set(cfg.caption_prompts), cfg.seed)
     pixels, grids, conv = _images(conv, cfg)
-    vpixels, vgrids, intervals = _videos(conv, cfg)
+    video_items, vgrids, stamps = _videos(conv, cfg)
 
     # Bounded: the tokenizer sees about as much text as seq_len tokens need, however long the record (the ids
     # up to seq_len, and whether there are more, are those of the whole text).
@@ -102,11 +121,11 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
         enc = encode_document(tok, conv.text, grids, max_tokens=cfg.seq_len)
     else:
         enc = encode_conversation(tok, conv.messages, grids, cfg.default_system, cfg.train_on_prompt, vgrids,
-                                  max_tokens=cfg.seq_len)
+                                  max_tokens=cfg.seq_len, video_timestamps=stamps)
     ids, labels, spans = enc.input_ids, enc.labels, enc.image_spans
     is_video = list(enc.is_video or [False] * len(spans))
     # Every vision item in order of appearance: (is_video, rows, grid, time interval or None).
-    img_iter, vid_iter = iter(zip(pixels, grids, strict=True)), iter(zip(vpixels, vgrids, intervals, strict=True))
+    img_iter, vid_iter = iter(zip(pixels, grids, strict=True)), iter(video_items)
     items = []
     for v in is_video:
         if v:
@@ -140,13 +159,14 @@ def process_conversation(conv: Conversation, tok: TextTokenizer, cfg: ProcessCon
     if len(image_rows) == 1:
         patches = image_rows[0]  # the common case: no copy
     else:
-        patches = np.concatenate(image_rows, 0) if image_rows else np.zeros((0, PATCH_PIXELS), np.uint8)
+        patches = np.concatenate(image_rows, 0) if image_rows else \
+            np.zeros((0, 3 * cfg.processing.patch_size ** 2), np.uint8)
     grid_thw = np.asarray([g for _, _, g, _ in items], np.int64).reshape(-1, 3)
     sample = Sample(ids, labels, positions, patches, grid_thw, source, ref, conv.where)
     if video_rows:
         sample.video_patches = np.concatenate(video_rows, 0) if len(video_rows) > 1 else video_rows[0]
         sample.is_video = np.asarray([v for v, _, _, _ in items], bool)
-        assert sample.video_patches.shape[1] == PATCH_DIM
+        assert sample.video_patches.shape[1] == cfg.processing.patch_dim
     return sample, truncated
 
 

@@ -16,6 +16,13 @@ Reproduced (tests/test_qwen3_vl_processor.py compares with transformers 5.23):
   width) (optionally the per-frame pixel cap); fused rescale+normalise; rows (C, T, p, p), an odd frame count
   padded with the last frame; and the per-temporal-patch timestamps the prompt shows (`<1.2 seconds>`).
 The frames' resize itself is torchvision's antialiased bicubic, as video.resize_frames does for Qwen2-VL.
+
+One source of truth downstream: a recipe's `data.processor` (`as_processing`: a family name, a mapping of these
+fields, or the object the trainer fills in from the model folder) reaches the training pipeline (`image_uint8` /
+`expand_image_rows` / `expand_video_rows`: the uint8 buffer and its float rows at pack time; `process_video_qwen3`:
+a video as frames of one vision item each, with timestamps for the template), `mindvl data plan`
+(`video_layout_qwen3` from headers), and, through `mindvl.infer.chat.folder_processing`, eval, the lmms-eval adapter,
+the resolution search and chat. mindvl.data never reads a model: only its folder's processor files.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -247,3 +254,143 @@ def video_prompt(timestamps: list[float], frame_tokens: int, vision_start: str =
                  video_pad: str = "<|video_pad|>", vision_end: str = "<|vision_end|>") -> str:
     """Qwen3-VL's text for one video: per temporal patch `<t.t seconds><|vision_start|>pads<|vision_end|>`."""
     return "".join(f"<{t:.1f} seconds>{vision_start}{video_pad * frame_tokens}{vision_end}" for t in timestamps)
+
+
+# ------------------------------------------------------------------------------------- one spec, every consumer
+
+FAMILIES = {"qwen2_vl": QWEN2_VL, "qwen3_vl": QWEN3_VL}
+
+
+def as_processing(spec, where: str = "data.processor") -> VisionProcessing | None:
+    """A recipe's processor spec -> VisionProcessing (None stays None: the model's, filled in by the trainer).
+
+    `qwen2_vl` / `qwen3_vl` (the family's defaults), a mapping of VisionProcessing fields (`family` picks the
+    defaults the other keys override; lists for mean/std), or a VisionProcessing (a copy of one already resolved,
+    e.g. read back from a run's recipe.json)."""
+    if spec is None or isinstance(spec, VisionProcessing):
+        return spec
+    if isinstance(spec, str):
+        if spec not in FAMILIES:
+            raise ValueError(f"{where}: unknown processor family {spec!r} (known: {', '.join(FAMILIES)})")
+        return FAMILIES[spec]
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: must be a family name ({', '.join(FAMILIES)}) or a mapping of processor settings")
+    family = spec.get("family", "qwen2_vl")
+    if family not in FAMILIES:
+        raise ValueError(f"{where}.family: unknown processor family {family!r} (known: {', '.join(FAMILIES)})")
+    base = FAMILIES[family]
+    known = set(base.__dataclass_fields__)
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    values = {}
+    for key, value in spec.items():
+        default = getattr(base, key)
+        try:
+            if isinstance(default, tuple):
+                value = tuple(float(x) for x in value)
+                if len(value) != 3:
+                    raise ValueError("needs 3 values")
+            elif isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise ValueError("expected true/false")
+            elif isinstance(default, (int, float)) and not isinstance(value, bool):
+                value = type(default)(value)
+                if value <= 0:
+                    raise ValueError("must be > 0")
+            values[key] = value
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}.{key}: {exc} (got {value!r})") from None
+    out = VisionProcessing(**{**base.__dict__, **values})
+    for key in ("temporal_patch_size", "merge_size"):  # the template and M-RoPE count 2x2 merged frames pairs
+        if getattr(out, key) != 2:
+            raise ValueError(f"{where}.{key}: only 2 is supported (Qwen2-VL's and Qwen3-VL's), got "
+                             f"{getattr(out, key)}")
+    return out
+
+
+def image_uint8(image, p: VisionProcessing, min_pixels: int, max_pixels: int, max_image_pixels: int,
+                resize: str = "pil") -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The training pipeline's image path for any family: (uint8 patches [h*w, 3*p*p], grid), finished by
+    `expand_image_rows` when a pack is built (bit-identical to `preprocess_image` with resize `pil`)."""
+    from .image import preprocess_uint8
+
+    return preprocess_uint8(image, min_pixels, max_pixels, max_image_pixels, resize, p.patch_size, p.merge_size)
+
+
+def expand_image_rows(patches: np.ndarray, p: VisionProcessing, out: np.ndarray | None = None) -> np.ndarray:
+    from .image import expand_patches
+
+    return expand_patches(patches, out, p.image_mean, p.image_std)
+
+
+def expand_video_rows(patches: np.ndarray, p: VisionProcessing, out: np.ndarray | None = None) -> np.ndarray:
+    from .video import expand_video_patches
+
+    return expand_video_patches(patches, out, p.image_mean, p.image_std)
+
+
+def grid_for_image(height: int, width: int, p: VisionProcessing, min_pixels: int, max_pixels: int
+                   ) -> tuple[int, int, int]:
+    """(t, h, w) of an image of this size under these pixel limits, without decoding it."""
+    return image_grid(height, width, replace(p, min_pixels=min_pixels, max_pixels=max_pixels))
+
+
+@dataclass
+class Qwen3Video:
+    """A video as Qwen3-VL's processor reads it: uint8 rows (C, T, p, p), grid (t, h, w), and the seconds shown
+    before each temporal patch in the prompt."""
+
+    patches: np.ndarray
+    grid: tuple[int, int, int]
+    timestamps: list[float]
+
+    def frames(self) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
+        """One (rows, (1, h, w)) per temporal patch: Qwen3-VL's prompt makes each its own vision item."""
+        t, h, w = self.grid
+        return [(self.patches[k * h * w:(k + 1) * h * w], (1, h, w)) for k in range(t)]
+
+
+def _video_settings(p: VisionProcessing, fps: float | None, max_decoded_frames: int | None):
+    from .video import VideoSettings
+
+    s = VideoSettings(fps=fps if fps is not None else p.fps, min_frames=p.min_frames, max_frames=p.max_frames,
+                      min_pixels=p.video_min_pixels, max_pixels=p.video_max_pixels)
+    if max_decoded_frames is not None:
+        s = replace(s, max_decoded_frames=max_decoded_frames)
+    return s
+
+
+def process_video_qwen3(source, p: VisionProcessing, fps: float | None = None,
+                        max_decoded_frames: int | None = None) -> Qwen3Video:
+    """Decode a video file (or bytes) and lay it out as Qwen3VLVideoProcessor + Qwen3VLProcessor do: frames by
+    `sample_frame_indices` at `fps` (default the processor's), resized to `video_frame_size` with torchvision's
+    antialiased bicubic on uint8 (mindvl.data.video.resize_frames), rows kept uint8, timestamps from the sampled
+    indices and the container's fps."""
+    from .video import decode_video, patchify_video_uint8, resize_frames
+
+    s = _video_settings(p, fps, max_decoded_frames)
+    decoded = decode_video(source, s, pick=lambda total, vfps: sample_frame_indices(total, vfps, p, s.fps))
+    n, height, width, _ = decoded.frames.shape
+    rh, rw = video_frame_size(n, height, width, p)
+    patches = patchify_video_uint8(resize_frames(decoded.frames, rh, rw), p.patch_size, p.merge_size)
+    grid = (-(-n // p.temporal_patch_size), rh // p.patch_size, rw // p.patch_size)
+    return Qwen3Video(patches, grid, frame_timestamps(decoded.indices, decoded.video_fps, p.temporal_patch_size))
+
+
+def video_layout_qwen3(source, p: VisionProcessing, fps: float | None = None,
+                       max_decoded_frames: int | None = None) -> tuple[tuple[int, int, int], list[float]]:
+    """The grid and timestamps `process_video_qwen3` gives, from the headers only (no frame decoded)."""
+    from .video import video_header
+
+    s = _video_settings(p, fps, max_decoded_frames)
+    total, video_fps, height, width = video_header(source, s)
+    indices = sample_frame_indices(total, video_fps, p, s.fps)
+    rh, rw = video_frame_size(len(indices), height, width, p)
+    grid = (-(-len(indices) // p.temporal_patch_size), rh // p.patch_size, rw // p.patch_size)
+    return grid, frame_timestamps(indices, video_fps, p.temporal_patch_size)
+
+
+def folder_spec(folder) -> VisionProcessing | None:
+    """`processing_from_folder` when the folder has a processor config, else None (no opinion)."""
+    return processing_from_folder(folder) if folder and (Path(folder) / PREPROCESSOR_CONFIG).is_file() else None

@@ -89,9 +89,10 @@ class Sample:
     """One tokenized conversation with its image patches.
 
     input_ids, labels: int64 [L]; position_ids: int64 [3, L] (M-RoPE, starting at 0);
-    patches: uint8 [P, 588] the images' rows ((C, 14, 14) in the merger's order, not yet normalised: 8x smaller
-    than the float32 rows while the sample waits in the packing buffer; `image.expand_patches` makes the Pack's
-    rows); video_patches: uint8 [Pv, 1176] the videos' rows ((C, T=2, 14, 14); `video.expand_video_patches`);
+    patches: uint8 [P, 3*p*p] the images' rows ((C, p, p) in the merger's order, p the processor's patch: 14 or
+    16; not yet normalised: 8x smaller than the float32 rows while the sample waits in the packing buffer;
+    `image.expand_patches` makes the Pack's rows); video_patches: uint8 [Pv, 3*2*p*p] the videos' rows
+    ((C, T=2, p, p); `video.expand_video_patches`);
     image_grid_thw: int64 [N, 3], every vision item (images and videos) in order of appearance, with
     P + Pv = sum(t*h*w); is_video: bool [N] which of them are videos.
     """
@@ -138,9 +139,10 @@ class Pack:
     token: nothing predicts it), so a shift never trains one sample's last token on the next sample's first);
     position_ids int64 [3, T] (M-RoPE rows t, h, w; restarting at 0 per sample; a 1-D RoPE model numbers each
     sample's tokens 0, 1, 2, ... itself from cu_seqlens, as generation does);
-    cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, 1176] (images and videos in order of
-    appearance: one stream); image_grid_thw int64 [N, 3] (their grids, in the same order; videos have t >= 1 temporal
-    patches of 2 frames and fill `<|video_pad|>` slots, images fill `<|image_pad|>` slots).
+    cu_seqlens int32 [n_samples+1] from 0 to T; pixel_values float32 [P, patch_dim] (1176 values at 14 px, 1536 at
+    16 px; images and videos in order of appearance: one stream); image_grid_thw int64 [N, 3] (their grids, in the
+    same order; videos have t >= 1 temporal patches of 2 frames, or with Qwen3-VL's processor one (1, h, w) item per
+    temporal patch, and fill `<|video_pad|>` slots, images fill `<|image_pad|>` slots).
     If padding was requested it is the last segment of cu_seqlens, labels -100,
     and counted in `num_pad`.
     """

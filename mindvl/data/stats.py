@@ -26,12 +26,13 @@ def _histogram(values: Sequence[int]) -> dict[str, int]:
 def dataset_stats(paths: Sequence[str], seq_len: int, tokenizer: str | TextTokenizer | None = None,
                   min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS,
                   pack_buffer: int = 256, max_patches_per_pack: int | None = None,
-                  truncation: str = "truncate") -> dict:
-    """Stats for one epoch of the given files/globs (each argument one source)."""
+                  truncation: str = "truncate", processor=None) -> dict:
+    """Stats for one epoch of the given files/globs (each argument one source); `processor`: a data.processor
+    spec (`qwen2_vl`, `qwen3_vl`, a VisionProcessing; default Qwen2-VL's) that cuts the patches."""
     cfg = DataConfig(
         sources=[SourceConfig(name=f"{i}:{p}", paths=[p]) for i, p in enumerate(paths)],
         seq_len=seq_len, min_pixels=min_pixels, max_pixels=max_pixels, pack_buffer=pack_buffer,
-        max_patches_per_pack=max_patches_per_pack, truncation=truncation,
+        max_patches_per_pack=max_patches_per_pack, truncation=truncation, processor=processor,
     )
     cfg.validate("stats")
     tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer)

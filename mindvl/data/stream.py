@@ -48,7 +48,7 @@ class PackStream:
         # per source: [epoch, usable records so far in it, epochs in a row without one, bad records since the last
         # usable one]
         self.epoch_valid = [[0, 0, 0, 0] for _ in cfg.sources]
-        self.alloc_pixels = None  # optional [P] -> float32 [P, 1176] allocator for pack pixel rows (shared memory)
+        self.alloc_pixels = None  # optional [P] -> float32 [P, patch_dim] allocator for pack pixel rows (shared memory)
         self._process_cfgs = [
             ProcessConfig(seq_len=cfg.seq_len, min_pixels=cfg.pixels_for(i)[0], max_pixels=cfg.pixels_for(i)[1],
                           max_image_pixels=cfg.max_image_pixels, truncation=cfg.truncation,
@@ -56,7 +56,8 @@ class PackStream:
                           train_on_prompt=cfg.train_on_prompt, caption_prompts=cfg.sources[i].caption_prompts,
                           seed=cfg.seed, video=video_settings(cfg.video),
                           tokens_per_second=cfg.video.tokens_per_second or 2,  # 2: Qwen2.5-VL, when no model says
-                          box_format=cfg.box_format, image_resize=cfg.image_resize)
+                          box_format=cfg.box_format, image_resize=cfg.image_resize,
+                          processing=cfg.vision_processing())
             for i in range(len(cfg.sources))
         ]
 
@@ -132,7 +133,7 @@ class PackStream:
         for s in samples:
             self.consumed.add(s.source, s.num_tokens, s.num_trained, len(s.image_grid_thw), s.num_patches)
         return build_pack(samples, self.cfg.seq_len if self.cfg.pad_to_seq_len else None, self.packer.pad_id,
-                          self.alloc_pixels)
+                          self.alloc_pixels, self.cfg.vision_processing())
 
     def __iter__(self) -> Iterator[Pack]:
         """Packs until every source is exhausted (never, unless max_epochs is set). After each yield,

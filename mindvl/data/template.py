@@ -170,9 +170,13 @@ def encode_conversation(
     train_on_prompt: bool = False,
     video_grids: Sequence[tuple[int, int, int]] = (),
     max_tokens: int | None = None,
+    video_timestamps: Sequence[Sequence[float]] | None = None,
 ) -> Encoded:
     """Render `messages` (content with `<image>`/`<video>` placeholders) and tokenize; `grids[i]` is image i's
-    (t, h, w), `video_grids[j]` video j's. Each video becomes `<|vision_start|><|video_pad|>*n<|vision_end|>`.
+    (t, h, w), `video_grids[j]` video j's. Each video becomes `<|vision_start|><|video_pad|>*n<|vision_end|>`;
+    with `video_timestamps` (Qwen3-VL's processor) video j becomes, per temporal patch k,
+    `<{video_timestamps[j][k]:.1f} seconds><|vision_start|><|video_pad|>*(h*w/4)<|vision_end|>`: t vision items
+    (spans), each one frame of the video.
 
     Labels are on assistant content + `<|im_end|>`; with `train_on_prompt`, on every non-vision token except the
     `<|im_start|>role\\n` headers. `max_tokens`: a bounded encoding (see the module docstring).
@@ -186,7 +190,7 @@ def encode_conversation(
     turns = list(messages)
     if default_system is not None and (not turns or turns[0].role != "system"):
         turns.insert(0, Message("system", default_system))
-    items = _VisionItems(grids, video_grids)
+    items = _VisionItems(grids, video_grids, video_timestamps)
     for m in turns:
         trained = m.role == "assistant" or (train_on_prompt and m.role != "system")
         b.special(sp.im_start, False)
@@ -204,8 +208,23 @@ _IMAGE_ONLY = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")  # documents: a li
 class _VisionItems:
     """The next image's or video's pad count, in order of appearance."""
 
-    def __init__(self, grids: Sequence[tuple[int, int, int]], video_grids: Sequence[tuple[int, int, int]]):
+    def __init__(self, grids: Sequence[tuple[int, int, int]], video_grids: Sequence[tuple[int, int, int]],
+                 video_timestamps: Sequence[Sequence[float]] | None = None):
         self.grids, self.video_grids, self.image, self.video = grids, video_grids, 0, 0
+        self.timestamps = video_timestamps
+        if video_timestamps is not None:
+            if len(video_timestamps) != len(video_grids):
+                raise ValueError(f"{len(video_timestamps)} timestamp lists for {len(video_grids)} videos")
+            for (t, _, _), stamps in zip(video_grids, video_timestamps, strict=True):
+                if len(stamps) != t:
+                    raise ValueError(f"a video of {t} temporal patches has {len(stamps)} timestamps")
+
+    def frames(self) -> list[tuple[float, int]]:
+        """Qwen3-VL: the next video's (seconds, pads) per temporal patch."""
+        t, h, w = self.video_grids[self.video]
+        stamps = self.timestamps[self.video]
+        self.video += 1
+        return [(stamps[k], h * w // MERGE_UNIT) for k in range(t)]
 
     def pads(self, video: bool) -> int:
         if video:
@@ -220,7 +239,11 @@ class _VisionItems:
 def _content(b: _Builder, content: str, items: _VisionItems, trained: bool,
              placeholders: re.Pattern = _PLACEHOLDERS) -> None:
     for piece in placeholders.split(content):
-        if piece == IMAGE_PLACEHOLDER or piece == VIDEO_PLACEHOLDER:
+        if piece == VIDEO_PLACEHOLDER and items.timestamps is not None:
+            for seconds, pads in items.frames():
+                b.text(f"<{seconds:.1f} seconds>", trained)
+                b.image(pads, video=True)
+        elif piece == IMAGE_PLACEHOLDER or piece == VIDEO_PLACEHOLDER:
             b.image(items.pads(piece == VIDEO_PLACEHOLDER), video=piece == VIDEO_PLACEHOLDER)
         elif piece:
             b.text(piece, trained)

@@ -28,9 +28,11 @@ float32 rows when a pack is built.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +43,6 @@ from .image import (
     MERGE_SIZE,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
-    PATCH_DIM,
     PATCH_SIZE,
     TEMPORAL_PATCH_SIZE,
     ImageError,
@@ -262,8 +263,9 @@ def _stream_info(container, name: str, s: VideoSettings) -> tuple[object, int, f
     return stream, total, video_fps
 
 
-def video_grid(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> tuple[int, int, int]:
-    """The (t, h, w) grid `preprocess_video` will produce, from the headers only (no frame is decoded)."""
+def video_header(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()
+                 ) -> tuple[int, float, int, int]:
+    """(total frames, fps, height, width) from the container's headers (no frame is decoded)."""
     require_decoder()
     import av
 
@@ -271,19 +273,26 @@ def video_grid(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettin
     try:
         with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
             stream, total, video_fps = _stream_info(container, name, s)
-            height, width = stream.codec_context.height, stream.codec_context.width
+            return total, video_fps, stream.codec_context.height, stream.codec_context.width
     except VideoError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as exc:
         raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
+
+
+def video_grid(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> tuple[int, int, int]:
+    """The (t, h, w) grid `preprocess_video` will produce, from the headers only (no frame is decoded)."""
+    total, video_fps, height, width = video_header(source, s)
     n = len(sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames))
     rh, rw = frame_size(height, width, n, s)
     return -(-n // TEMPORAL_PATCH_SIZE), rh // PATCH_SIZE, rw // PATCH_SIZE
 
 
-def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> DecodedVideo:
-    """Decode the frames `sample_frame_indices` picks (RGB, uint8). Raises VideoError: `missing_video`,
-    `corrupt_video`, `video_no_frames`, `video_too_long`."""
+def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings(),
+                 pick: Callable[[int, float], list[int]] | None = None) -> DecodedVideo:
+    """Decode the frames `sample_frame_indices` picks (RGB, uint8), or those `pick(total_frames, video_fps)` names
+    (another family's sampling rule, e.g. Qwen3-VL's in mindvl.data.processors). Raises VideoError:
+    `missing_video`, `corrupt_video`, `video_no_frames`, `video_too_long`."""
     require_decoder()
     import av
 
@@ -291,7 +300,8 @@ def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSett
     try:
         with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
             stream, total, video_fps = _stream_info(container, name, s)
-            indices = sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames)
+            indices = pick(total, video_fps) if pick is not None else \
+                sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames)
             wanted, frames, k = set(indices), {}, 0
             for frame in container.decode(stream):
                 if k in wanted:
@@ -308,21 +318,22 @@ def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSett
     return DecodedVideo(np.stack([frames[i] for i in indices]), indices, total, video_fps)
 
 
-def patchify_video_uint8(frames: np.ndarray) -> np.ndarray:
-    """[n, H, W, 3] uint8 (H, W multiples of 28) -> [t*h*w, 1176] uint8 rows (C, T, 14, 14), t = ceil(n / 2).
+def patchify_video_uint8(frames: np.ndarray, patch: int = PATCH_SIZE, merge: int = MERGE_SIZE) -> np.ndarray:
+    """[n, H, W, 3] uint8 (H, W multiples of patch*merge) -> [t*h*w, 3*2*p*p] uint8 rows (C, T, p, p),
+    t = ceil(n / 2) (p = 14: 1176 values; Qwen3-VL's p = 16: 1536).
 
     An odd frame count is padded by repeating the last frame (as transformers does)."""
     if len(frames) % TEMPORAL_PATCH_SIZE:
         frames = np.concatenate([frames, np.repeat(frames[-1:], -len(frames) % TEMPORAL_PATCH_SIZE, 0)])
     n, height, width, c = frames.shape
-    gt, gh, gw = n // TEMPORAL_PATCH_SIZE, height // PATCH_SIZE, width // PATCH_SIZE
-    x = frames.reshape(gt, TEMPORAL_PATCH_SIZE, gh // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE,
-                       gw // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, c)
+    gt, gh, gw = n // TEMPORAL_PATCH_SIZE, height // patch, width // patch
+    x = frames.reshape(gt, TEMPORAL_PATCH_SIZE, gh // merge, merge, patch, gw // merge, merge, patch, c)
     x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, bh, bw, mh, mw, C, T, ph, pw)
-    return np.ascontiguousarray(x).reshape(gt * gh * gw, PATCH_DIM)
+    return np.ascontiguousarray(x).reshape(gt * gh * gw, c * TEMPORAL_PATCH_SIZE * patch * patch)
 
 
-def _fused_table(mean, std) -> np.ndarray:
+@functools.cache
+def _fused_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """[3, 256] float32: transformers' fused rescale+normalise, (level - mean*255) / (std*255) in float32."""
     levels = np.arange(256, dtype=np.float32)
     mean255 = np.asarray(mean, np.float32) * np.float32(255.0)
@@ -330,18 +341,19 @@ def _fused_table(mean, std) -> np.ndarray:
     return ((levels[None, :] - mean255[:, None]) / std255[:, None]).astype(np.float32)
 
 
-_VIDEO_TABLE = _fused_table(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-
-
-def expand_video_patches(patches: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """[P, 1176] uint8 video rows -> [P, 1176] float32 normalised rows (into `out` when given)."""
-    n = patches.shape[0]
+def expand_video_patches(patches: np.ndarray, out: np.ndarray | None = None,
+                         mean: tuple[float, ...] = OPENAI_CLIP_MEAN,
+                         std: tuple[float, ...] = OPENAI_CLIP_STD) -> np.ndarray:
+    """[P, D] uint8 video rows -> [P, D] float32 normalised rows (into `out` when given); `mean`/`std` the
+    processor's (Qwen3-VL: 0.5)."""
+    n, dim = patches.shape
     if out is None:
-        out = np.empty((n, PATCH_DIM), np.float32)
-    view = out.reshape(n, CHANNELS, PATCH_DIM // CHANNELS)
-    src = patches.reshape(n, CHANNELS, PATCH_DIM // CHANNELS)
+        out = np.empty((n, dim), np.float32)
+    table = _fused_table(tuple(mean), tuple(std))
+    view = out.reshape(n, CHANNELS, dim // CHANNELS)
+    src = patches.reshape(n, CHANNELS, dim // CHANNELS)
     for c in range(CHANNELS):
-        np.take(_VIDEO_TABLE[c], src[:, c], out=view[:, c], mode="clip")
+        np.take(table[c], src[:, c], out=view[:, c], mode="clip")
     return out
 
 

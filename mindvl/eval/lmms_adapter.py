@@ -69,6 +69,7 @@ from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
 from mindvl.eval.runner import FALLBACK_MAX_NEW_TOKENS, truncate_at_stop
 from mindvl.infer.chat import (
     conversation_prompt,
+    folder_processing,
     load_for_chat,
     pixel_limits,
     process_images,
@@ -333,7 +334,10 @@ class _MindVLLMMImpl:
             if str(dtype).lower() not in _DTYPES:
                 raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
             torch_dtype = _DTYPES[str(dtype).lower()]
-        lo, hi = pixel_limits(self.pretrained)
+        # The model first: its folder's processor (16-px patches for Qwen3-VL) sets the pixel defaults and the rows.
+        self.model, self.tokenizer = load_for_chat(self.pretrained, tokenizer, device, torch_dtype)
+        self.processing = folder_processing(self.pretrained, self.model)
+        lo, hi = pixel_limits(self.pretrained, self.processing)
         self.min_pixels = int(min_pixels) if min_pixels is not None else lo
         self.max_pixels = int(max_pixels) if max_pixels is not None else hi
         if self.min_pixels > self.max_pixels:
@@ -342,7 +346,6 @@ class _MindVLLMMImpl:
         no_system = system is None or system is False or str(system).strip().lower() in ("none", "")
         self.system: str | None = None if no_system else str(system)
         self.seed = None if seed is None else int(seed)
-        self.model, self.tokenizer = load_for_chat(self.pretrained, tokenizer, device, torch_dtype)
         self.device = self.model.language_model.embed_tokens.weight.device
         self._stops = stop_ids(self.tokenizer)
 
@@ -363,7 +366,7 @@ class _MindVLLMMImpl:
         """A simple task's doc_to_visual -> (pixel rows, grids, number of images)."""
         images = _flatten_visuals(doc_to_visual(doc) if callable(doc_to_visual) else None)
         self._check_images(images)
-        pixels, grids = process_images(images, self.min_pixels, self.max_pixels)
+        pixels, grids = process_images(images, self.min_pixels, self.max_pixels, self.processing)
         return pixels, grids, len(images)
 
     def _chat_prompt(self, args: tuple) -> Prompt:
@@ -373,7 +376,7 @@ class _MindVLLMMImpl:
             raise TypeError("a chat-model request needs a doc_to_messages callable (lmms-eval's chat task path)")
         messages, images = messages_to_conversation(doc_to_messages(self._doc(task, split, doc_id)))
         self._check_images(images)
-        pixels, grids = process_images(images, self.min_pixels, self.max_pixels)
+        pixels, grids = process_images(images, self.min_pixels, self.max_pixels, self.processing)
         return conversation_prompt(self.tokenizer, messages, pixels, grids, self.system)
 
     def _scoring_input(self, args: tuple) -> tuple[Prompt, int, int]:

@@ -7,7 +7,10 @@ Layout under OUT: `<checkpoint>/<benchmark>/min<a>_max<b>.jsonl` (per-item predi
 `mindvl eval`), `results.json` (every score), `best.json` (best setting per benchmark, per checkpoint and overall),
 `results.md` (the table) and `boxplot_<benchmark>.png` (one box per checkpoint over the grid's settings).
 
-Pixel counts are multiples of 28 x 28 (one merged image token per 28 x 28 patch); a grid is given in those units.
+A grid is given in merged image tokens: one per 28 x 28 pixels for Qwen2-VL's processor (pairs of pixel counts,
+the form `parse_grid` returns, are read in those units), and each checkpoint is searched at the same token budgets
+in its own processor's pixels (`mindvl.infer.chat.folder_processing`: 32 x 32 per token for Qwen3-VL's 16-px
+patches), so `min4_max1280` means at least 4 and at most 1280 image tokens per image for every checkpoint.
 Pairs with min > max are skipped. Ties keep the earlier setting in grid order (smaller min, then smaller max).
 """
 
@@ -61,13 +64,14 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
                       log=print, system_from_model: bool = False) -> dict[str, Any]:
     """Scores {checkpoint: {benchmark: {setting: headline}}} plus the best settings; writes the files above.
     `system_from_model`: each checkpoint with the system turn it was trained with (`runner.with_system`)."""
-    from mindvl.infer.chat import load_for_chat
+    from mindvl.infer.chat import folder_processing, load_for_chat
     from mindvl.progress import Progress
 
     out = Path(out)
     scores: dict[str, dict[str, dict[str, float]]] = {}
     exact: dict[str, dict[str, dict[str, float]]] = {}
     headlines: dict[str, str] = {}
+    token_pixels: dict[str, int] = {}
     # Progress in evaluations (checkpoint x benchmark x setting), advanced by each evaluation's share of its items.
     bar = Progress("resolution search", total=len(checkpoints) * len(benches) * len(grid), unit="evaluations")
     bar.start()
@@ -75,13 +79,16 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
     for label, folder in checkpoints.items():
         model, tok = load_for_chat(folder, tokenizer, device)
         own = with_system(settings, folder, system_from_model, log)
+        processing = folder_processing(folder, model)
+        unit = token_pixels[label] = processing.factor ** 2 if processing is not None else TOKEN_PIXELS
         for bench, path in benches.items():
             for lo, hi in grid:
                 name = setting_label(lo, hi)
-                run = replace(own, min_pixels=lo, max_pixels=hi)
+                # the grid's token budgets in this checkpoint's pixels (28 x 28 or 32 x 32 per token)
+                run = replace(own, min_pixels=lo // TOKEN_PIXELS * unit, max_pixels=hi // TOKEN_PIXELS * unit)
                 bar.update(finished, desc=f"search {label} {bench} {name}")
                 summary = evaluate_benchmark(model, tok, bench, path, run, out / label / bench / f"{name}.jsonl",
-                                             progress=lambda done, total, k=finished: bar.update(
+                                             processing=processing, progress=lambda done, total, k=finished: bar.update(
                                                  k + (done / total if total else 0)))
                 finished += 1
                 bar.update(finished)
@@ -92,9 +99,9 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
                     f"exact {summary['exact_match']:.1%}")
         del model
     bar.close()
-    best = best_settings(scores)
-    result = {"grid": [list(p) for p in grid], "headlines": headlines, "scores": scores, "exact_match": exact,
-              "best": best}
+    best = best_settings(scores, token_pixels)
+    result = {"token_pixels": token_pixels, "grid": [list(p) for p in grid], "headlines": headlines,
+              "scores": scores, "exact_match": exact, "best": best}
     write_json(out / "results.json", result)
     write_json(out / "best.json", best)
     (out / "results.md").write_text(results_table(scores, headlines))
@@ -103,7 +110,8 @@ def search_resolution(checkpoints: dict[str, str | os.PathLike], benches: dict[s
     return result
 
 
-def best_settings(scores: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
+def best_settings(scores: dict[str, dict[str, dict[str, float]]],
+                  token_pixels: dict[str, int] | None = None) -> dict[str, Any]:
     """Per checkpoint and benchmark the best setting, and per benchmark the best (checkpoint, setting) overall.
 
     Where no setting is better than another (every score equal, e.g. all 0, or none a number) the entry names none:
@@ -113,7 +121,7 @@ def best_settings(scores: dict[str, dict[str, dict[str, float]]]) -> dict[str, A
     for label, per_bench in scores.items():
         for bench, by_setting in per_bench.items():
             name, score, why = _top(by_setting, f"{len(by_setting)} settings")
-            entry = {"setting": name, **_pixels(name), "score": score}
+            entry = {"setting": name, **_pixels(name, (token_pixels or {}).get(label, TOKEN_PIXELS)), "score": score}
             per_ckpt.setdefault(label, {})[bench] = {**entry, "no_best": why} if why else entry
     for bench in dict.fromkeys(b for per in scores.values() for b in per):
         cells = {(label, name): v for label, per in scores.items() for name, v in per.get(bench, {}).items()}
@@ -155,11 +163,12 @@ def best_lines(best: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _pixels(name: str | None) -> dict[str, int | None]:
+def _pixels(name: str | None, unit: int = TOKEN_PIXELS) -> dict[str, int | None]:
+    """A setting's pixel limits for a checkpoint whose merged token covers `unit` pixels."""
     if name is None:
         return {"min_pixels": None, "max_pixels": None}
     lo, hi = name.removeprefix("min").split("_max")
-    return {"min_pixels": int(lo) * TOKEN_PIXELS, "max_pixels": int(hi) * TOKEN_PIXELS}
+    return {"min_pixels": int(lo) * unit, "max_pixels": int(hi) * unit}
 
 
 def results_table(scores: dict[str, dict[str, dict[str, float]]], headlines: dict[str, str]) -> str:

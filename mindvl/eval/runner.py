@@ -120,17 +120,20 @@ def _batches(items: Iterator[BenchItem], size: int) -> Iterator[list[BenchItem]]
 
 def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings: EvalSettings,
                        predictions: str | os.PathLike, pixel_defaults: tuple[int, int] | None = None,
-                       progress=None) -> dict[str, Any]:
+                       progress=None, processing=None) -> dict[str, Any]:
     """Generate and score every item of benchmark `name` at `path`; returns the toolkit's summary plus `n`,
-    `exact_match`, `skipped` (bad rows by reason) and the pixel limits used. `progress(done, total)` is called
-    after each batch when given."""
-    from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-    from mindvl.infer.chat import conversation_prompt, process_images, stop_ids, user_message
+    `exact_match`, `skipped` (bad rows by reason), the pixel limits and the patch size used. `progress(done,
+    total)` is called after each batch when given. `processing` (mindvl.data.processors.VisionProcessing, the model
+    folder's: `mindvl.infer.chat.folder_processing`) cuts the images; None: the model's tower family's."""
+    from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PATCH_SIZE
+    from mindvl.infer.chat import conversation_prompt, process_images, stop_ids, user_message, vision_processing
     from mindvl.infer.generate import generate
 
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r} (known: {', '.join(BENCHMARKS)})")
     bench = BENCHMARKS[name]
+    if processing is None:
+        processing = vision_processing(model)
     lo, hi = pixel_defaults or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
     lo = settings.min_pixels if settings.min_pixels is not None else lo
     hi = settings.max_pixels if settings.max_pixels is not None else hi
@@ -155,7 +158,7 @@ def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings:
         for batch in _batches((it for it in items if it.id not in done), settings.batch_size):
             prompts = []
             for item in batch:
-                pixels, grids = process_images(item.images, lo, hi)
+                pixels, grids = process_images(item.images, lo, hi, processing)
                 message = user_message(item.prompt, len(item.images))
                 prompts.append(conversation_prompt(tok, [message], pixels, grids, settings.system))
             outputs = generate(model, prompts, max_new, stop_token_ids=stops)
@@ -176,6 +179,7 @@ def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings:
     empty = prepare_prediction("", settings.toolkit)  # how the toolkit stores an empty generation
     summary.update(n=len(rows), exact_match=sum(r["exact_match"] for r in rows) / max(1, len(rows)),
                    headline=bench.headline(settings.toolkit), skipped=reader.skipped, min_pixels=lo, max_pixels=hi,
+                   patch_size=processing.patch_size if processing is not None else PATCH_SIZE,
                    empty_answers=sum(not r["prediction"].strip() or r["prediction"] == empty for r in rows))
     return summary
 
@@ -200,17 +204,19 @@ def evaluate(model_dir: str | os.PathLike, benches: dict[str, Path], out: str | 
     """`mindvl eval`: every benchmark of `benches` for one model folder; writes OUT/<bench>/predictions.jsonl,
     OUT/summary.json and OUT/summary.md; returns {bench: summary}. `system_from_model`: use the system turn the
     model was trained with (its run's recipe or its chat template) instead of `settings.system`."""
-    from mindvl.infer.chat import load_for_chat, pixel_limits
+    from mindvl.infer.chat import folder_processing, load_for_chat, pixel_limits
     from mindvl.progress import Progress
 
     settings = with_system(settings, model_dir, system_from_model, log)
     model, tok = load_for_chat(model_dir, tokenizer, device)
+    processing = folder_processing(model_dir, model)  # the folder's processor (16-px patches for Qwen3-VL)
     out = Path(out)
     summaries = {}
     for name, path in benches.items():
         with Progress(f"eval {name}", unit="items") as bar:
             summary = evaluate_benchmark(model, tok, name, path, settings, out / name / "predictions.jsonl",
-                                         pixel_limits(model_dir), progress=lambda done, total: bar.update(done, total))
+                                         pixel_limits(model_dir, processing), processing=processing,
+                                         progress=lambda done, total: bar.update(done, total))
         summaries[name] = summary
         empty = f" ({summary['empty_answers']} of them answered with nothing)" if summary["empty_answers"] else ""
         log(f"{name}: {summary['headline']} = {summary[summary['headline']]:.4g}, exact match "

@@ -8,6 +8,10 @@ rendered string gives, since special tokens are hard split points. Images go thr
 (smart_resize within min/max pixels, transformers' Qwen2-VL patch layout); videos through
 `mindvl.data.video.preprocess_video` (Qwen2.5-VL's frame sampling and sizes), their rows joining the images' in
 order of appearance, with their seconds per temporal patch for the M-RoPE time axis.
+
+A Qwen3-VL-towered model takes its own processor (`mindvl.data.processors`, chosen from the model folder by
+`folder_processing`): 16-px rows with mean/std 0.5, and videos as Qwen3VLProcessor lays them out: frames sampled by
+its rule, each temporal patch its own vision block after a `<t.t seconds>` timestamp (`process_videos_qwen3`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from PIL import Image
 from mindvl.checkpoint import load_model
 from mindvl.checkpoint.side_files import read_json, tokenizer_mismatches
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, preprocess
-from mindvl.data.processors import QWEN3_VL, VisionProcessing, preprocess_image
+from mindvl.data.processors import (
+    PREPROCESSOR_CONFIG,
+    QWEN3_VL,
+    VisionProcessing,
+    expand_video_rows,
+    preprocess_image,
+    process_video_qwen3,
+    processing_from_folder,
+)
 from mindvl.data.schema import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
 from mindvl.data.tokenizer import TextTokenizer, load_tokenizer
@@ -75,6 +87,20 @@ def process_videos(videos: Sequence[str | os.PathLike | bytes], settings: VideoS
     return rows, grids, seconds
 
 
+def process_videos_qwen3(videos: Sequence[str | os.PathLike | bytes], processing: VisionProcessing,
+                         fps: float | None = None) -> tuple[list[torch.Tensor], list[tuple[int, int, int]],
+                                                            list[list[float]]]:
+    """Video files or bytes -> (float32 rows [t*h*w, 3*2*16*16] per video, grids (t, h, w), the seconds written
+    before each temporal patch), as Qwen3-VL's processors make them (`fps`: default the processor's)."""
+    rows, grids, stamps = [], [], []
+    for video in videos:
+        v = process_video_qwen3(video, processing, fps)
+        rows.append(torch.from_numpy(expand_video_rows(v.patches, processing)))
+        grids.append(v.grid)
+        stamps.append(v.timestamps)
+    return rows, grids, stamps
+
+
 def process_images(images: Sequence[ImageInput], min_pixels: int = DEFAULT_MIN_PIXELS,
                    max_pixels: int = DEFAULT_MAX_PIXELS, processing: VisionProcessing | None = None
                    ) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
@@ -93,6 +119,24 @@ def process_images(images: Sequence[ImageInput], min_pixels: int = DEFAULT_MIN_P
     return (torch.cat(rows) if rows else None), grids
 
 
+def folder_processing(model_dir: str | os.PathLike, model: MindVL) -> VisionProcessing | None:
+    """The processor a model folder names (its preprocessor_config.json / video_preprocessor_config.json, read by
+    `mindvl.data.processors.processing_from_folder`), checked against the model's vision tower; a folder without
+    processor files gets the tower family's defaults (`vision_processing`). None for Qwen2.5-VL's layout without
+    files (mindvl.data.image's defaults) or a text-only model."""
+    v = model.config.vision
+    if v is None or not (Path(model_dir) / PREPROCESSOR_CONFIG).is_file():
+        return vision_processing(model)
+    p = processing_from_folder(model_dir)
+    wrong = [f"{k} {getattr(p, k)} vs {getattr(v, a)}" for k, a in (
+        ("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "spatial_merge_size")) if getattr(p, k) != getattr(v, a)]
+    if wrong:
+        raise ValueError(f"{Path(model_dir) / PREPROCESSOR_CONFIG} does not fit the model's {v.family} vision tower "
+                         f"({'; '.join(wrong)}); fix or remove the processor config")
+    return p
+
+
 def vision_processing(model: MindVL) -> VisionProcessing | None:
     """The image processing a Qwen3-VL-towered model takes (16-px patches, mean/std 0.5, its merge sizes), or None
     for Qwen2.5-VL's (mindvl.data.image)."""
@@ -106,23 +150,29 @@ def vision_processing(model: MindVL) -> VisionProcessing | None:
 def conversation_prompt(tok: TextTokenizer, messages: Sequence[Message], pixel_values: torch.Tensor | None,
                         grids: Sequence[tuple[int, int, int]], system: str | None = DEFAULT_SYSTEM,
                         video_rows: Sequence[torch.Tensor] = (), video_grids: Sequence[tuple[int, int, int]] = (),
-                        video_seconds: Sequence[float] = ()) -> Prompt:
+                        video_seconds: Sequence[float] = (),
+                        video_timestamps: Sequence[Sequence[float]] | None = None) -> Prompt:
     """Render a conversation that ends with a user turn, plus the generation prompt, as a `Prompt` (images' and
-    videos' rows and grids in one stream, in order of appearance)."""
-    enc = encode_conversation(tok, messages, grids, default_system=system, video_grids=video_grids)
+    videos' rows and grids in one stream, in order of appearance). `video_timestamps` (Qwen3-VL): each video's
+    temporal patches become their own vision items after their timestamps (grids (1, h, w) in the stream)."""
+    enc = encode_conversation(tok, messages, grids, default_system=system, video_grids=video_grids,
+                              video_timestamps=video_timestamps)
     ids = torch.tensor([*enc.input_ids.tolist(), *generation_prompt_ids(tok)], dtype=torch.long)
     if not video_grids:
         grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
         return Prompt(ids, pixel_values, grid)
     image_rows = list(torch.split(pixel_values, [t * h * w for t, h, w in grids])) if grids else []
-    rows, order, images, videos = [], [], iter(zip(image_rows, grids, strict=True)), iter(zip(video_rows, video_grids,
-                                                                                             strict=True))
+    video_items = list(zip(video_rows, video_grids, strict=True))
+    if video_timestamps is not None:  # one item per temporal patch
+        video_items = [(r[k * h * w:(k + 1) * h * w], (1, h, w)) for r, (t, h, w) in video_items for k in range(t)]
+        video_seconds = ()
+    rows, order, images, videos = [], [], iter(zip(image_rows, grids, strict=True)), iter(video_items)
     for is_video in enc.is_video or []:
         r, g = next(videos) if is_video else next(images)
         rows.append(r)
         order.append(g)
-    return Prompt(ids, torch.cat(rows), torch.tensor(order, dtype=torch.long).reshape(-1, 3),
-                  torch.tensor(list(video_seconds), dtype=torch.float32))
+    seconds = torch.tensor(list(video_seconds), dtype=torch.float32) if video_seconds else None
+    return Prompt(ids, torch.cat(rows), torch.tensor(order, dtype=torch.long).reshape(-1, 3), seconds)
 
 
 def stop_ids(tok: TextTokenizer) -> list[int]:
@@ -137,17 +187,21 @@ class ChatSession:
                  system: str | None = DEFAULT_SYSTEM, min_pixels: int = DEFAULT_MIN_PIXELS,
                  max_pixels: int = DEFAULT_MAX_PIXELS, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 videos: Sequence[str | os.PathLike | bytes] = (), video_settings: VideoSettings | None = None) -> None:
+                 videos: Sequence[str | os.PathLike | bytes] = (), video_settings: VideoSettings | None = None,
+                 processing: VisionProcessing | None = None) -> None:
         check_sampling(temperature, top_p, top_k)
         if (images or videos) and model.visual is None:
             raise ValueError("this is a text-only model (no vision tower); it cannot take images or videos")
         self.model, self.tok, self.system = model, tokenizer, system
-        processing = vision_processing(model)
-        if processing is not None and videos:
-            raise ValueError("videos in chat with a Qwen3-VL-towered model are not supported yet (its prompt needs a "
-                             "timestamp per frame); ask about images")
+        processing = processing if processing is not None else vision_processing(model)
         self.pixel_values, self.grids = process_images(images, min_pixels, max_pixels, processing)
-        self.video_rows, self.video_grids, self.video_seconds = process_videos(videos, video_settings)
+        self.video_timestamps = None
+        if processing is not None and processing.family == "qwen3_vl":
+            fps = video_settings.fps if video_settings is not None else None
+            self.video_rows, self.video_grids, self.video_timestamps = process_videos_qwen3(videos, processing, fps)
+            self.video_seconds = []
+        else:
+            self.video_rows, self.video_grids, self.video_seconds = process_videos(videos, video_settings)
         self.messages: list[Message] = []
         self.last_ids: list[int] = []  # the last answer's generated ids (without its end token) and that end token
         self.last_stop: int | None = None
@@ -157,7 +211,8 @@ class ChatSession:
         first = not self.messages
         message = user_message(text, len(self.grids) if first else 0, len(self.video_grids) if first else 0)
         prompt = conversation_prompt(self.tok, [*self.messages, message], self.pixel_values, self.grids, self.system,
-                                     self.video_rows, self.video_grids, self.video_seconds)
+                                     self.video_rows, self.video_grids, self.video_seconds,
+                                     self.video_timestamps)
         ids = generate(self.model, [prompt], stop_token_ids=stop_ids(self.tok), **self.gen)[0]
         stopped = ids[-1] if ids and ids[-1] in stop_ids(self.tok) else None
         if stopped is not None:
@@ -213,12 +268,15 @@ def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:
                          "tokenizer?")
 
 
-def pixel_limits(model_dir: str | os.PathLike) -> tuple[int, int]:
+def pixel_limits(model_dir: str | os.PathLike, processing: VisionProcessing | None = None) -> tuple[int, int]:
     """(min_pixels, max_pixels) from the folder's preprocessor_config.json when it has one (both transformers
-    layouts; a file contradicting itself is an error naming it), else Qwen2-VL's defaults."""
+    layouts; a file contradicting itself is an error naming it), else `processing`'s (the model's processor
+    family defaults), else Qwen2-VL's defaults."""
     from mindvl.checkpoint.side_files import processor_pixels  # the one reader of processor configs
 
-    return processor_pixels(Path(model_dir)) or (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    fallback = (processing.min_pixels, processing.max_pixels) if processing is not None else \
+        (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    return processor_pixels(Path(model_dir)) or fallback
 
 
 def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> VideoSettings:

@@ -171,6 +171,8 @@ _DEEPSEEK_DEFAULTS: dict[str, Any] = {
 }
 # Keys that are meaningful only for deepseek_v3 (a dense config that sets one is a mistake worth naming).
 _DEEPSEEK_ONLY = (*_DEEPSEEK_DEFAULTS, "q_lora_rank", "rope_scaling")
+_QWEN3_5_ONLY = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
 
 
 @dataclass
@@ -218,8 +220,17 @@ class TextConfig:
     attention_bias: bool = False  # bias on q_a/q/kv_a/o projections (deepseek_v3; False in released models)
     # M-RoPE layout: False = Qwen2.5-VL's contiguous t|h|w chunks, True = Qwen3-VL's interleaved t,h,w,t,h,w,...
     mrope_interleaved: bool = False
+    # ---- qwen3_5 only (hybrid: Gated DeltaNet linear attention + gated full attention; see _check_qwen3_5)
+    layer_types: list[str] | None = None  # per layer "linear_attention" or "full_attention"
+    linear_conv_kernel_dim: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor channels (Qwen3.5: 0.25)
+    shared_expert_intermediate_size: int | None = None  # qwen3_5_moe: one shared expert behind a sigmoid gate
 
-    FAMILIES = ("qwen3", "qwen2", "deepseek_v3", "qwen3_moe")
+    FAMILIES = ("qwen3", "qwen2", "deepseek_v3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 
     def __post_init__(self) -> None:
         w = "text"
@@ -229,19 +240,25 @@ class TextConfig:
             self._check_deepseek(w)
         elif self.family == "qwen3_moe":
             self._check_qwen3_moe(w)
+        elif self.is_hybrid:
+            self._check_qwen3_5(w)
         else:
             for key in _DEEPSEEK_ONLY:
                 _require(getattr(self, key) is None, w, f"{key} is only used by family 'deepseek_v3', not "
                          f"{self.family!r}; remove it")
             _require(not self.attention_bias, w, "attention_bias is only used by family 'deepseek_v3'")
+        if not self.is_hybrid:
+            for key in (*_QWEN3_5_ONLY, "shared_expert_intermediate_size"):
+                _require(getattr(self, key) is None, w, f"{key} is only used by family 'qwen3_5'; remove it")
+            _require(self.partial_rotary_factor == 1.0, w, "partial_rotary_factor is only used by family 'qwen3_5'")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, w,
                  "num_attention_heads must be a multiple of num_key_value_heads")
         _require(self.head_dim % 2 == 0, w, "head_dim must be even")
         if self.mrope_section is not None:
             self.mrope_section = list(self.mrope_section)
-            _require(len(self.mrope_section) == 3 and sum(self.mrope_section) == self.head_dim // 2, w,
-                     f"mrope_section {self.mrope_section} must have 3 parts summing to head_dim/2 "
-                     f"= {self.head_dim // 2}")
+            _require(len(self.mrope_section) == 3 and sum(self.mrope_section) == self.rotary_dim // 2, w,
+                     f"mrope_section {self.mrope_section} must have 3 parts summing to the rotary dim / 2 "
+                     f"= {self.rotary_dim // 2}")
 
     def _check_deepseek(self, w: str) -> None:
         for key, default in _DEEPSEEK_DEFAULTS.items():
@@ -301,6 +318,46 @@ class TextConfig:
         _require(self.num_experts_per_tok <= self.n_routed_experts, w,
                  "num_experts_per_tok must be <= n_routed_experts")
 
+    def _check_qwen3_5(self, w: str) -> None:
+        """Qwen3.5: layers of Gated DeltaNet (linear attention; Hk key heads of linear_key_head_dim, Hv value heads
+        of linear_value_head_dim, Hv a multiple of Hk, a short conv of linear_conv_kernel_dim) and gated full
+        attention (GQA, q/k norm, output gate, partial rotary), dense SwiGLU MLPs."""
+        for key in _QWEN3_5_ONLY:
+            _require(getattr(self, key) is not None, w, f"family 'qwen3_5' requires {key}")
+        for key in _QWEN3_5_ONLY[1:]:
+            _require(getattr(self, key) > 0, w, f"{key} must be positive, got {getattr(self, key)}")
+        self.layer_types = list(self.layer_types)
+        kinds = ("linear_attention", "full_attention")
+        _require(len(self.layer_types) == self.num_hidden_layers, w,
+                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - set(kinds))
+        _require(not bad, w, f"layer_types {bad} are not one of {kinds}")
+        _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, w,
+                 "linear_num_value_heads must be a multiple of linear_num_key_heads")
+        _require(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0, w,
+                 f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary dim in (0, head_dim]")
+        _require(not self.attention_bias, w, "attention_bias is not supported for family 'qwen3_5'")
+        if self.family == "qwen3_5_moe":  # Qwen3-MoE's softmax routing on every layer, plus a gated shared expert
+            _require(self.shared_expert_intermediate_size is not None and self.shared_expert_intermediate_size >= 0,
+                     w, "family 'qwen3_5_moe' requires shared_expert_intermediate_size (>= 0)")
+            self._check_qwen3_moe(w)
+            return
+        for key in (*_DEEPSEEK_ONLY, "moe_intermediate_size", "shared_expert_intermediate_size"):
+            _require(getattr(self, key) is None, w, f"{key} is not used by family 'qwen3_5'; remove it")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (head_dim, except Qwen3.5's partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Qwen3.5: linear-attention and full-attention layers (text.py picks per layer)."""
+        return self.family in ("qwen3_5", "qwen3_5_moe")
+
+    def layer_kind(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types is not None else "full_attention"
+
     @property
     def is_moe(self) -> bool:
         """DeepSeek-V3 (MLA + DeepSeek-MoE); Qwen3-MoE is `has_experts` but keeps GQA."""
@@ -308,7 +365,7 @@ class TextConfig:
 
     @property
     def has_experts(self) -> bool:
-        return self.family in ("deepseek_v3", "qwen3_moe")
+        return self.family in ("deepseek_v3", "qwen3_moe", "qwen3_5_moe")
 
     @property
     def qkv_bias(self) -> bool:

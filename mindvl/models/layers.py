@@ -35,6 +35,24 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: y = (x / rms(x) * (1 + w)).to(x.dtype), all in float32; w starts at 0.
+
+    Unlike RMSNorm, the weight multiplies before the cast back (transformers' Qwen3_5RMSNorm), and it is stored as
+    the offset from 1, as in the checkpoints.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): the SwiGLU MLP of Qwen's LLMs (no bias) and vision blocks (bias)."""
 

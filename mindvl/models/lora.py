@@ -14,8 +14,17 @@ zero, so the adapted model starts equal to the base.
 
 Which layers: `targets` are attribute names of `nn.Linear` layers (q_proj, k_proj, v_proj, o_proj, gate_proj,
 up_proj, down_proj in the LLMs; qkv, proj, gate_proj, up_proj, down_proj in the vision tower; fc1, fc2 in the
-projector) inside the top-level `modules` (visual, projector, language_model). Routed MoE experts are stacked
-tensors, not linear layers, and stay frozen; the LM head is read directly by the chunked loss, so it takes no adapter.
+projector) inside the top-level `modules` (visual, projector, language_model). The LM head is read directly by the
+chunked loss, so it takes no adapter.
+
+In a DeepSeek-style MoE model the adapters go on the attention (MLA's q_proj or q_a_proj/q_b_proj,
+kv_a_proj_with_mqa, kv_b_proj, o_proj), the dense MLPs of the first layers and the shared experts; the routed experts
+and the router take none and stay frozen. Why: the routed experts are stacked [E, out, in] tensors run by grouped
+matmuls, not linear layers, and an adapter each would multiply the adapters by E (256 per layer at 671B), to be
+sharded by expert parallelism and dispatched with the tokens, for weights each token meets top-k of; PEFT's
+adapters for fused 3-D experts (`target_parameters`) are not a layout serving stacks load; an adapted router would
+move the expert load that the balancing keeps even. The shared experts see every token, so they carry the MoE
+layers' adaptation. Under expert parallelism nothing changes for the adapters (their layers are not expert-sharded).
 A module named in `modules` trains only its adapters; the others train or stay frozen as the phase says
 (`phase.trainable`), so "projector fully trained + LLM LoRA" is `phase.trainable: [projector]` +
 `model.lora.modules: [language_model]`.

@@ -233,14 +233,21 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.gate = SoftmaxTopKRouter(cfg) if cfg.family == "qwen3_moe" else TopKRouter(cfg)
+        softmax = cfg.family in ("qwen3_moe", "qwen3_5_moe")
+        self.gate = SoftmaxTopKRouter(cfg) if softmax else TopKRouter(cfg)
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(cfg.hidden_size, shared, bias=False, act=cfg.hidden_act) if shared else None
+        # Qwen3.5-MoE: one shared expert of its own width, scaled per token by sigmoid(shared_expert_gate(x)).
+        gated = cfg.shared_expert_intermediate_size or 0
+        self.shared_expert = GatedMLP(cfg.hidden_size, gated, bias=False, act=cfg.hidden_act) if gated else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

@@ -2,8 +2,10 @@
 
 Families: Qwen3 (GQA with q/k RMSNorm, no bias, explicit head_dim) and Qwen2 (GQA with qkv bias; Qwen2.5-VL's LLM),
 dense MLPs; DeepSeek-V3 (Multi-head Latent Attention, mla.py; DeepSeek-MoE MLPs after the first
-`first_k_dense_replace` dense layers, moe.py). Every layer is `input_layernorm -> self_attn -> residual ->
-post_attention_layernorm -> mlp -> residual` under the same module names in every family, so state_dict keys
+`first_k_dense_replace` dense layers, moe.py); Qwen3.5 (hybrid: Gated DeltaNet linear attention,
+linear_attention.py, in the layers `layer_types` names, gated full attention, gated_attention.py, in the others).
+Every layer is `input_layernorm -> self_attn -> residual -> post_attention_layernorm -> mlp -> residual` (Qwen3.5's
+linear layers name their mixer `linear_attn`) under the same module names in every family, so state_dict keys
 (`layers.{i}.self_attn.*`, `layers.{i}.mlp.*`) follow the HF checkpoints' module names (checkpoint/hf_keys.py maps
 them) and FSDP/EP code sees one layer type. A new
 family adds an attention class (the interface: `rotary`, `cache_class`, `forward(x, cos, sin, cu_seqlens,
@@ -35,8 +37,10 @@ from torch import nn
 
 from .attention import attend
 from .config import TextConfig
+from .gated_attention import GatedAttention
 from .kv_cache import KVCache, LayerKV
-from .layers import GatedMLP, RMSNorm, apply_rotary, rope_cos_sin
+from .layers import GatedMLP, OffsetRMSNorm, RMSNorm, apply_rotary, rope_cos_sin
+from .linear_attention import GatedDeltaNet
 from .mla import MLAttention
 from .moe import MoE
 
@@ -88,9 +92,18 @@ class GQAttention(nn.Module):
 # --------------------------------------------------------------------------------------------- layer factory
 
 
-def attention_class(cfg: TextConfig) -> type[GQAttention] | type[MLAttention]:
-    """The attention every layer of this family uses: MLA for DeepSeek-V3, GQA (RoPE) for the Qwen families."""
-    return MLAttention if cfg.is_moe else GQAttention
+def attention_class(cfg: TextConfig) -> type[GQAttention] | type[MLAttention] | type[GatedAttention]:
+    """The (full) attention of this family: MLA for DeepSeek-V3, gated GQA for Qwen3.5 (whose other layers are
+    linear attention, see DecoderLayer), GQA (RoPE) for the other Qwen families. Its `rotary` and `cache_class`
+    serve the whole model."""
+    if cfg.is_moe:
+        return MLAttention
+    return GatedAttention if cfg.is_hybrid else GQAttention
+
+
+def norm_class(cfg: TextConfig) -> type[RMSNorm] | type[OffsetRMSNorm]:
+    """Qwen3.5's norms store their weight as the offset from 1 (and multiply in float32)."""
+    return OffsetRMSNorm if cfg.is_hybrid else RMSNorm
 
 
 def mlp_for(cfg: TextConfig, layer_idx: int) -> nn.Module:
@@ -101,13 +114,22 @@ def mlp_for(cfg: TextConfig, layer_idx: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); attention and MLP come from the factory."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); attention and MLP come from the factory.
+
+    The token mixer is `self_attn`, or `linear_attn` (Gated DeltaNet, same call signature) for Qwen3.5's
+    linear-attention layers: transformers' module names, so checkpoint keys map by renaming alone."""
 
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = attention_class(cfg)(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = norm_class(cfg)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.layer_kind(layer_idx) == "linear_attention":
+            self.token_mixer = "linear_attn"
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.token_mixer = "self_attn"
+            self.self_attn = attention_class(cfg)(cfg)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp_for(cfg, layer_idx)
         # Where `rows` narrows the work: inside the attention, unless the MLP is a MoE, whose grouped GEMMs round
         # differently when each expert gets fewer rows; a MoE layer runs whole and keeps the rows at its end, so a
@@ -118,7 +140,8 @@ class DecoderLayer(nn.Module):
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H], or [B, H] for the given `rows` (see the attention classes)."""
         early = rows if self.narrow_in_attention else None
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv, early)
+        mixer = getattr(self, self.token_mixer)
+        attn = mixer(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv, early)
         x = (x if early is None else x[early]) + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x if rows is None or early is not None else x[rows]
@@ -135,7 +158,7 @@ class TextModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property

@@ -140,7 +140,7 @@ def expert_all_to_all_bytes(config: MindVLConfig, mean_tokens: float, ep: int, m
     layer and micro-batch, the T*k routed rows of which (ep-1)/ep leave the rank, in bf16, twice in the forward
     (dispatch, combine) and twice in the backward, plus the forward again under activation checkpointing."""
     t = config.text
-    if ep <= 1 or not t.is_moe:
+    if ep <= 1 or not t.has_experts:  # DeepSeek-V3's or Qwen3-MoE's routed experts
         return 0.0
     moe_layers = t.num_hidden_layers - t.first_k_dense_replace
     rows = mean_tokens * t.num_experts_per_tok * (ep - 1) / ep

@@ -28,7 +28,6 @@ from mindvl.data import DataConfig
 from mindvl.models import MindVLConfig
 from mindvl.train.lora import lora_config
 from mindvl.train.parallel import ParallelLayout
-from mindvl.train.qlora import NF4_BYTES_PER_PARAM
 
 from . import estimate
 from .devices import GIB, Device
@@ -179,8 +178,9 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
                      "ranks; FSDP over both)")
     if sample_data:
         from mindvl.data import load_tokenizer
-        from mindvl.train.preflight import tokenizer_source
+        from mindvl.train.preflight import fill_processor, tokenizer_source
 
+        fill_processor(data_cfg, recipe, config)  # the trainer's processor: the packs' patch rows and token counts
         shards = recipe.batch.data_shards or layout.dp_size
         packs: list[PackShape] = sampled_packs(data_cfg, load_tokenizer(tokenizer_source(recipe)), shards=shards)
         notes.append(f"pack shapes: the first {len(packs)} packs of the recipe's sources")
@@ -228,12 +228,17 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         notes.append(f"LoRA r={lora.r} on {traced.prepared.lora_layers} linear layers of {', '.join(lora.modules)}"
                      f" (frozen weights stored in the compute dtype)")
     if lora is not None and lora.quantize is not None:
-        # QLoRA: the trace holds the adapted layers' frozen weights in bf16; NF4 stores them in ~0.52 bytes each
-        saved = int(traced.prepared.lora_base_params * (2 - NF4_BYTES_PER_PARAM))
-        peak -= saved
-        breakdown["parameters"] -= saved
+        # QLoRA: the adapted base weights are outside FSDP, whole on every rank; the trace holds them in the compute
+        # dtype (simulate.PlanTracker.track_plain_params), the run in NF4: their bytes are swapped here, and the
+        # transient of dequantizing the largest one is added to the activations at the peak (an upper bound: the
+        # peak may fall elsewhere)
+        prep = traced.prepared
+        nf4, dequant = prep.qlora_bytes, prep.qlora_dequant_bytes
+        peak += nf4 - prep.qlora_traced_bytes + dequant
+        breakdown["parameters"] += nf4 - prep.qlora_traced_bytes
+        breakdown["activations"] += dequant
         notes.append(f"QLoRA ({lora.quantize}): {traced.prepared.lora_base_params / 1e9:.2f}B adapted base weights "
-                     f"counted at {NF4_BYTES_PER_PARAM:.3f} bytes instead of the trace's bf16 (-{_gib(saved)})")
+                     f"in NF4, whole on every rank ({_gib(nf4)}), + {_gib(dequant)} to dequantize the largest")
     return PlanResult(
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,

@@ -15,7 +15,10 @@ _QWEN25_VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads
 # Qwen3-VL's vision tower (2B ... 32B dense and 30B-A3B share it; its mergers are built to the LLM's width).
 _QWEN3_VIT = dict(family="qwen3_vl", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
                   hidden_act="gelu_pytorch_tanh", num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
-VISION_PRESETS = {"qwen2.5-vl-7b-vit": _QWEN25_VIT, "qwen2.5-vl-72b-vit": _QWEN25_VIT, "qwen3-vl-vit": _QWEN3_VIT}
+# Qwen3.5's tower: Qwen3-VL's without DeepStack.
+_QWEN35_VIT = {**_QWEN3_VIT, "deepstack_visual_indexes": []}
+VISION_PRESETS = {"qwen2.5-vl-7b-vit": _QWEN25_VIT, "qwen2.5-vl-72b-vit": _QWEN25_VIT, "qwen3-vl-vit": _QWEN3_VIT,
+                  "qwen3.5-vit": _QWEN35_VIT}
 # Qwen3-VL's LLMs: interleaved M-RoPE [24, 20, 20], rope_theta 5e6, untied.
 _QWEN3_VL_ROPE = dict(rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True,
                       max_position_embeddings=262144)
@@ -39,6 +42,14 @@ TEXT_PRESETS = {
     "qwen2.5-vl-72b-llm": dict(family="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
                                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                                rope_theta=1e6, mrope_section=[16, 24, 24]),
+    # Qwen3.5-27B (hub config.json): 48 Gated DeltaNet + 16 gated full-attention layers (every fourth).
+    "qwen3.5-27b-llm": dict(family="qwen3_5", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                            num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                            rope_theta=10_000_000.0, mrope_section=[11, 11, 10], mrope_interleaved=True,
+                            partial_rotary_factor=0.25, max_position_embeddings=262144,
+                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+                            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                            linear_num_key_heads=16, linear_num_value_heads=48),
     "deepseek-v3": dict(family="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                         num_hidden_layers=61, num_attention_heads=128, moe_intermediate_size=2048,
                         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
@@ -52,6 +63,7 @@ COMPOSITES = {
     "qwen3-vl-8b": "qwen3-vl-vit+qwen3-vl-8b-llm",
     "qwen3-vl-30b-a3b": "qwen3-vl-vit+qwen3-vl-30b-a3b-llm",
     "qwen2.5-vl-72b": "qwen2.5-vl-72b-vit+qwen2.5-vl-72b-llm",
+    "qwen3.5-27b": "qwen3.5-vit+qwen3.5-27b-llm",
     "mindvl-8b": "qwen2.5-vl-72b-vit+qwen3-8b",
     "mindvl-671b": "qwen2.5-vl-72b-vit+deepseek-v3",
 }

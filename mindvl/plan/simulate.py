@@ -85,6 +85,16 @@ class PlanTracker(FSDPMemTracker):
         except KeyError:
             return super()._update_and_maybe_create_winfos(t, reftype, False)
 
+    def track_plain_params(self) -> None:
+        """Parameters FSDP does not manage (QLoRA's base weights, `ignored_params`: plain tensors, not DTensors) are
+        tracked as the rank's parameters: the tracker would otherwise first meet them through a view in a forward
+        (F.linear's transpose) and count their storage as activations."""
+        from torch.distributed.tensor import DTensor
+
+        for p in self._root_mod.parameters():
+            if not isinstance(p, DTensor):
+                self._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+
     def current_total(self) -> int:
         return sum(snap["Total"] for snap in self.get_tracker_snapshot("current").values())
 
@@ -201,6 +211,7 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
             return batch
 
         with world.mode, tracker, loss_region(tracker), fused_attention_memory(), MetadataGateway():
+            tracker.track_plain_params()
             for step, n in enumerate(micro_batches, start=1):
                 bar.step = f"plan: step {step}/{len(micro_batches)}"
                 stream = TrackedStream(fetch, n, torch.device("cpu"), window, tracker, bar.micro_batch)

@@ -67,7 +67,7 @@ def routing_skew(config: MindVLConfig, tokens_per_micro_batch: int, expert_paral
     if factor < 1.0:
         raise ValueError(f"routing skew factor must be >= 1 (1 = balanced), got {factor}")
     t = config.text
-    if expert_parallel <= 1 or not t.is_moe:
+    if expert_parallel <= 1 or not t.has_experts:  # DeepSeek-V3's or Qwen3-MoE's routed experts
         return Skew(factor, 0, 0, 0)
     rows = tokens_per_micro_batch * t.num_experts_per_tok
     layers = 1 if checkpointing == "full" else t.num_hidden_layers - t.first_k_dense_replace

@@ -83,7 +83,10 @@ class Evaluator:
                                         system=self.data_cfg.default_system, limit=ev.limit,
                                         max_new_tokens=ev.max_new_tokens)
                 predictions = self.out / "eval" / f"step_{step:08d}" / f"{ev.benchmark}.jsonl"
-                summary = evaluate_benchmark(plain, self.tok, ev.benchmark, ev.benchmark_path, settings, predictions)
+                # the processor the run trains with (data.processor, filled in from the model by the trainer)
+                processing = self.data_cfg.vision_processing() if config.vision is not None else None
+                summary = evaluate_benchmark(plain, self.tok, ev.benchmark, ev.benchmark_path, settings, predictions,
+                                             processing=processing)
                 metrics[f"eval/{ev.benchmark}/{summary['headline']}"] = float(summary[summary["headline"]])
                 metrics[f"eval/{ev.benchmark}/exact_match"] = float(summary["exact_match"])
             except (ValueError, OSError) as exc:  # bad benchmark files: stop every rank with this message

@@ -55,7 +55,7 @@ def check_expert_parallel(size: int, world_size: int, model: nn.Module) -> None:
     experts = routed_experts(model)
     if not experts:
         raise ValueError(f"{EP_KEY}: {size} asks for expert parallelism, but the language model is dense (no routed "
-                         "experts); use a deepseek_v3 language model or set it to 1")
+                         "experts); use a deepseek_v3 or qwen3_moe language model or set it to 1")
     if world_size % size:
         raise ValueError(f"{EP_KEY}: {size} must divide the world size {world_size}")
     e = experts[0].num_experts

@@ -29,6 +29,7 @@ from mindvl.models.lora import (
 from mindvl.typed import build
 
 if TYPE_CHECKING:
+    from mindvl.checkpoint.frozen_base import FrozenBase
     from mindvl.config import Recipe
 
 
@@ -51,14 +52,14 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, compute_dtype: torch.dtype) ->
     return trainable, len(names), base
 
 
-def check_lora_recipe(recipe: Recipe, uses_fsdp: bool) -> LoRAConfig | None:
+def check_lora_recipe(recipe: Recipe) -> LoRAConfig | None:
     """`lora_config` plus what only a run needs (the planner does not): QLoRA's backend. Called before anything is
     built, on every rank."""
     cfg = lora_config(recipe)
     if cfg is not None and cfg.quantize is not None:
         from .qlora import require_backend
 
-        require_backend(cfg.quantize, uses_fsdp)
+        require_backend(cfg.quantize)
     return cfg
 
 
@@ -89,7 +90,20 @@ class AdapterExport:
 
         return {"lora": asdict(self.lora), "full_modules": self.full_modules, "base": self.base}
 
+    def base_reference(self, base: FrozenBase, compute_dtype: torch.dtype) -> dict:
+        """The checkpoints' `frozen_base` entry (checkpoint.frozen_base): where the base comes from, its
+        fingerprint, and for QLoRA how it was quantized (what `mindvl export` of a checkpoint redoes)."""
+        ref = base.to_dict()
+        if self.lora.quantize is not None:  # the frozen weights are stored (and quantized) in the compute dtype
+            ref.update(quantize=self.lora.quantize, dtype=str(compute_dtype).removeprefix("torch."))
+        return ref
+
     def merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The merged plain state: QLoRA's NF4 base weights dequantized (what the run multiplied by) + B A."""
+        if self.lora.quantize is not None:
+            from .qlora import dequantized
+
+            state = {k: dequantized(v) for k, v in state.items()}
         return merge_state(state, self.lora.scaling)
 
     def write(self, state: dict[str, torch.Tensor], config, folder: Path) -> Path:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mindvl.checkpoint.frozen_base import FrozenBase, base_tensors
 from mindvl.config import Recipe
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 from mindvl.models.lora import initial_adapter, lora_layers
-from mindvl.models.random_init import seeded_init_tensors
 
 from .parallel import ParallelEnv, barrier
 
@@ -39,21 +39,7 @@ class WeightSource:
 
     def tensors(self, config: MindVLConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every entry of the model's state dict, one tensor in memory at a time."""
-        if self.folder is None:
-            with torch.device("meta"):
-                reference = MindVL(config)
-            yield from seeded_init_tensors(((n, p.shape) for n, p in reference.named_parameters()), self.seed)
-            saved = reference.state_dict()
-            for name, buffer in reference.named_buffers():
-                if name in saved:  # persistent buffers (e.g. a router's correction bias) start at zero
-                    yield name, torch.zeros(buffer.shape, dtype=buffer.dtype)
-            return
-        from mindvl.checkpoint.hf import check_tensors, expected_shapes
-        from mindvl.checkpoint.safetensors_io import TensorFolder
-
-        folder = TensorFolder(self.folder)
-        check_tensors(folder.shapes(), expected_shapes(config), str(self.folder))
-        yield from folder.iter_tensors()
+        return base_tensors(self.folder, self.seed, config)
 
 
 def init_seed(recipe: Recipe) -> int:
@@ -131,30 +117,37 @@ def adapter_init_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, tor
         yield f"{name}.lora_B", b
 
 
-def build_model(recipe: Recipe, tok, env: ParallelEnv,
-                prepare: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+def build_model(recipe: Recipe, tok, env: ParallelEnv, prepare: Callable[[nn.Module], nn.Module] | None = None,
+                base: FrozenBase | None = None) -> nn.Module:
     """The training model on `env.device`, its weights filled after `prepare` (freezing, parallelism) was applied
-    on the meta device. Without `prepare`: a plain float32 model (tests, single-process tools)."""
+    on the meta device. Without `prepare`: a plain float32 model (tests, single-process tools). `base` (a LoRA
+    run's) fingerprints the weights as they are read (its checkpoints reference the base instead of copying it)."""
     config, source = model_source(recipe, tok, env)
     if prepare is not None:  # refused before anything is built (QLoRA's backend)
         from .lora import check_lora_recipe
-        from .parallel import uses_fsdp
 
-        check_lora_recipe(recipe, uses_fsdp(recipe.parallel, env))
+        check_lora_recipe(recipe)
     with torch.device("meta"):
         model: nn.Module = MindVL(config)
     if recipe.model.attention_backend != "auto":
         model.set_attention_backend(recipe.model.attention_backend)
     if prepare is not None:
         model = prepare(model)
+    quantize = (recipe.model.lora or {}).get("quantize") if prepare is not None else None
+    if quantize:  # QLoRA: the adapted base weights are allocated only in NF4, one at a time as they stream in
+        from .qlora import StreamQuantizer
+
+        nf4 = StreamQuantizer(model, quantize, env.device, canonical_name)
     model.to_empty(device=env.device)
     from itertools import chain
 
     # LoRA adapters (none without model.lora) start from their own seed
-    fill_weights(model, chain(source.tensors(config), adapter_init_tensors(model, init_seed(recipe))), env.device)
-    lora = recipe.model.lora or {}
-    if lora.get("quantize"):
-        from .qlora import quantize_frozen_base
-
-        quantize_frozen_base(model, lora["quantize"])
+    weights = source.tensors(config)
+    if base is not None:
+        weights = base.observe(source.folder, source.seed, weights)
+    if quantize:
+        weights = nf4.take(weights)
+    fill_weights(model, chain(weights, adapter_init_tensors(model, init_seed(recipe))), env.device)
+    if quantize:
+        nf4.check_done()
     return model.train()

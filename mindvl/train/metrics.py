@@ -51,6 +51,8 @@ def _text_layer_flops(t: TextConfig) -> tuple[int, int]:
     layers and, in the others, the router plus the experts a token actually uses (top-k routed + shared): MoE
     FLOPs count activated parameters, not all experts."""
     h = t.hidden_size
+    if t.is_hybrid:
+        return _hybrid_layer_flops(t)
     if not t.is_moe:
         q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
         mlp = 3 * h * t.intermediate_size
@@ -68,6 +70,30 @@ def _text_layer_flops(t: TextConfig) -> tuple[int, int]:
     dense = t.first_k_dense_replace
     per_token = t.num_hidden_layers * attention + dense * dense_mlp + (t.num_hidden_layers - dense) * moe_mlp
     return per_token, t.num_hidden_layers * 2 * heads * (qk + t.v_head_dim)
+
+
+def _hybrid_layer_flops(t: TextConfig, chunk: int = 64) -> tuple[int, int]:
+    """Qwen3.5: only the full-attention layers have query-key pairs; a linear-attention layer costs the same per
+    token whatever the length. Full layers: q_proj twice as wide (query + output gate), k, v, o, the MLP. Linear
+    layers: in_proj_qkv/z/a/b and out_proj, the depthwise conv, and the chunked delta rule as mindvl runs it
+    (delta_rule.py), per token and value head: its share of the C x C chunk products (K K^T, Q K^T: 2 * 2C dk;
+    (QK^T * M) U: 2C dv; the triangular solves for V and K: C (dv + dk)) and of the state reads and update
+    (W_k S0, Q S0, K^T U: 3 * 2 dk dv). Samples are assumed to fill their last chunk (the padding is not counted)."""
+    h, layers = t.hidden_size, t.num_hidden_layers
+    full = sum(1 for i in range(layers) if t.layer_kind(i) == "full_attention")
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    mlp = 3 * h * t.intermediate_size
+    if t.has_experts:  # Qwen3.5-MoE: router, the top-k experts a token uses, the gated shared expert
+        mlp = (h * t.n_routed_experts + t.num_experts_per_tok * 3 * h * t.moe_intermediate_size
+               + 3 * h * t.shared_expert_intermediate_size + h)
+    full_token = 2 * (h * (2 * q + 2 * kv) + q * h + mlp)
+    hv, dk, dv = t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim
+    key_dim, value_dim = t.linear_num_key_heads * dk, hv * dv
+    conv_dim = 2 * key_dim + value_dim
+    projections = 2 * (h * (conv_dim + value_dim + 2 * hv) + value_dim * h + mlp)
+    conv = 2 * conv_dim * t.linear_conv_kernel_dim
+    rule = hv * (2 * 2 * chunk * dk + 2 * chunk * dv + chunk * (dv + dk) + 3 * 2 * dk * dv)
+    return full * full_token + (layers - full) * (projections + conv + rule), full * 2 * 2 * q
 
 
 def flops_by_module(config: MindVLConfig, text_lengths: list[int], labelled_tokens: int,

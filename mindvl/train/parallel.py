@@ -310,6 +310,9 @@ class Prepared:
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
     lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
     lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
+    qlora_bytes: int = 0  # QLoRA: those weights' NF4 bytes, whole on every rank outside FSDP (train.qlora)
+    qlora_traced_bytes: int = 0  # QLoRA: the same weights in the compute dtype, as the planner's trace holds them
+    qlora_dequant_bytes: int = 0  # QLoRA: the transient of dequantizing the largest of them in a forward/backward
 
 
 @dataclass
@@ -349,6 +352,12 @@ def _lora(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     if ctx.lora is not None:  # adapters on the chosen linear layers; only they train in lora.modules (train.lora)
         trainable, ctx.done.lora_layers, ctx.done.lora_base_params = apply_lora(model, ctx.lora, ctx.compute_dtype)
         ctx.done.trainable.update(trainable)
+        if ctx.lora.quantize is not None:
+            from .qlora import resident_and_transient
+
+            done = ctx.done
+            done.qlora_bytes, done.qlora_traced_bytes, done.qlora_dequant_bytes = resident_and_transient(
+                model, ctx.compute_dtype)
     return model
 
 
@@ -365,11 +374,22 @@ def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+def refuse_split_recurrence(model: nn.Module, key: str, size: int) -> None:
+    """Qwen3.5's linear-attention layers (`linear_attn`) have no tensor-parallel plan, and context parallelism would
+    cut their recurrence at every rank boundary: refused in one line until they do."""
+    text = getattr(getattr(model, "config", None), "text", None)
+    if size > 1 and text is not None and text.is_hybrid:
+        raise ValueError(f"{key}: {size} is not supported for {text.family}'s linear-attention layers yet (no split "
+                         "plan; the recurrent state would have to pass between ranks); set it to 1: data "
+                         "parallelism with FSDP (and expert parallelism for the MoE) works")
+
+
 def _tensor_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     """Tensor + sequence parallelism of the language model over the layout's "tp" mesh (before activation
     checkpointing and compile wrap the blocks, before FSDP shards the TP shards over "dp")."""
     from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
+    refuse_split_recurrence(model, "parallel.tensor_parallel", ctx.layout.tp)
     check_tensor_parallel(ctx.layout.tp, model)
     if ctx.layout.tp > 1 and ctx.lora is not None:  # TP's plans name nn.Linear layers; LoRA wraps them
         raise ValueError(f"parallel.tensor_parallel: {ctx.layout.tp} with model.lora is not supported yet (the "
@@ -400,6 +420,7 @@ def _context_parallel(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         return model
     from .context_parallel import CP_KEY, apply_context_parallel, check_context_parallel
 
+    refuse_split_recurrence(model, CP_KEY, ctx.layout.cp)
     if not uses_fsdp(ctx.parallel, ctx.env):
         raise ValueError(f"{CP_KEY}: {ctx.layout.cp} needs FSDP to sum the context ranks' gradients; set "
                          "parallel.fsdp to auto or on")
@@ -416,14 +437,17 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
         _single_process_group(ctx.env)
     from torch.distributed.fsdp import fully_shard
 
-    mp = ctx.mp_policy()
-    mesh = ctx.layout.meshes(ctx.env.device.type).dp
+    from .qlora import fsdp_ignored
+
+    # QLoRA's NF4 base weights stay whole on every rank, outside FSDP (why: train.qlora)
+    kw = {"mesh": ctx.layout.meshes(ctx.env.device.type).dp, "mp_policy": ctx.mp_policy(),
+          "ignored_params": fsdp_ignored(model, ctx.lora) or None}
     for b in blocks(model):
-        fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(b, **kw)
     embedding = own_embedding_group(model)
     if embedding is not None:
-        fully_shard(embedding, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(embedding, **kw)
+    fully_shard(model, **kw)
     ctx.done.fsdp = True
     return model
 

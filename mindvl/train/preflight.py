@@ -12,6 +12,7 @@ model was trained with changes what the run learns. Both are caught here, before
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +22,23 @@ from mindvl.checkpoint.side_files import processor_pixels, tokenizer_mismatches
 from mindvl.config import Recipe
 from mindvl.data import DataConfig
 from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from mindvl.data.processors import (
+    PREPROCESSOR_CONFIG,
+    QWEN2_VL,
+    QWEN3_VL,
+    VisionProcessing,
+    processing_from_folder,
+)
 from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, TextTokenizer, load_tokenizer
-from mindvl.models import MindVLConfig
+from mindvl.models import MindVLConfig, VisionConfig
 
 
 def preflight(recipe: Recipe, data_cfg: DataConfig) -> tuple[TextTokenizer, str, dict[str, Any]]:
     """(the run's tokenizer, its folder, the side files of its exports) after `check_inputs`. The side files are
     {"from": [the start model's folder], "pixels": [min, max] trained}, what `final/` and `mindvl export` write."""
-    from .lora import lora_config
+    from .lora import check_lora_recipe
 
-    lora_config(recipe)  # model.lora's keys and values, before the run folder is claimed
+    check_lora_recipe(recipe)  # model.lora's keys and values, QLoRA's backend: before the run folder is claimed
     tokenizer_dir = tokenizer_source(recipe)
     tok = load_tokenizer(tokenizer_dir)
     check_inputs(recipe, tok)
@@ -106,3 +114,49 @@ def _check_pixels(recipe: Recipe, folder: Path) -> None:
                 f"data.{key} is not set (default {defaults[key]}) but {folder / 'preprocessor_config.json'} has "
                 f"{key} {value}: set data.min_pixels and data.max_pixels in the recipe (the folder's values "
                 f"{trained[0]} and {trained[1]} continue its training resolution)")
+
+
+def vision_processing_for(recipe: Recipe, config: MindVLConfig) -> tuple[VisionProcessing | None, str]:
+    """(the vision processor the model takes, where it was read): the `init_from` folder's or the composed vision
+    folder's processor configs (mindvl.data.processors.processing_from_folder) when they exist, else the defaults of
+    the vision tower's family at its patch/merge sizes (a random `arch` model, a planner preset). None: no tower."""
+    v = config.vision
+    if v is None:
+        return None, "no vision tower"
+    m = recipe.model
+    folder = Path(m.init_from) if m.init_from else Path(m.compose["vision"]) if m.compose else None
+    if folder is not None and (folder / PREPROCESSOR_CONFIG).is_file():
+        return processing_from_folder(folder), str(folder / PREPROCESSOR_CONFIG)
+    base = QWEN3_VL if v.family == "qwen3_vl" else QWEN2_VL
+    return (dataclasses.replace(base, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                                merge_size=v.spatial_merge_size), f"the {v.family} vision tower's defaults")
+
+
+def fill_processor(data_cfg: DataConfig, recipe: Recipe, config: MindVLConfig) -> None:
+    """data.processor defaults to the model's (vision_processing_for); one given in the recipe must cut the patches
+    the vision tower takes (patch, temporal patch and merge sizes), else a one-line error naming both."""
+    v = config.vision
+    if v is None:
+        return
+    own, where = vision_processing_for(recipe, config)
+    given = data_cfg.vision_processing() if data_cfg.processor is not None else None
+    p, name = (given, "data.processor") if given is not None else (own, where)
+    wrong = [f"{key} {getattr(p, key)} vs {getattr(v, attr)}" for key, attr in (
+        ("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "spatial_merge_size")) if getattr(p, key) != getattr(v, attr)]
+    if wrong:
+        raise ValueError(f"{name}: the processor does not fit the model's {v.family} vision tower "
+                         f"({'; '.join(wrong)}); " + ("set data.processor to match it (or leave it unset)"
+                                                      if given is not None else "fix the processor config"))
+    data_cfg.processor = p
+
+
+def arch_token_pixels(recipe: Recipe) -> int | None:
+    """Pixels of one merged image token, (patch x merge)^2, of the vision tower in `recipe`'s `model.arch` (28 x 28
+    for Qwen2.5-VL's, 32 x 32 for Qwen3-VL's); None when the recipe has no arch vision tower (a model folder)."""
+    vision = (recipe.model.arch or {}).get("vision")
+    if vision is None:
+        return None
+    v = VisionConfig(**vision)
+    return (v.patch_size * v.spatial_merge_size) ** 2
+

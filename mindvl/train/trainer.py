@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mindvl.checkpoint.frozen_base import KEY as FROZEN_BASE
+from mindvl.checkpoint.frozen_base import FrozenBase
 from mindvl.checkpoint.training import (
     AsyncCheckpointer,
     full_model_state,
@@ -63,7 +65,7 @@ from .parallel import (
 )
 from .plan_headline import PlannerHeadline
 from .preempt import StopSignals, clear_marker, resume_hint, write_marker
-from .preflight import preflight
+from .preflight import fill_processor, preflight
 from .runfolder import claim_run_folder
 from .seeding import data_section, seed_everything
 from .sinks import MetricSinks
@@ -266,9 +268,13 @@ class Trainer:
 
         prepared = Prepared()  # prepare_model on the meta device (freeze, checkpointing, compile, EP, FSDP)
         self.headline = PlannerHeadline(recipe, env, self.out)  # accelerators: `mindvl plan` in a child process
-        self.model = build_model(recipe, self.tok, env, lambda meta: prepare_model(meta, recipe, env, prepared))
+        # a LoRA run's checkpoints reference its base (fingerprinted as it is read) instead of copying it
+        self.base = FrozenBase() if self.adapters is not None else None
+        self.model = build_model(recipe, self.tok, env, lambda meta: prepare_model(meta, recipe, env, prepared),
+                                 self.base)
         self.config = self.model.config
         match_video_time(data_cfg, self.config)
+        fill_processor(data_cfg, recipe, self.config)  # the model folder's processor cuts the patches (16 px: Qwen3-VL)
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, recipe.optim, recipe.schedule)
         self.batches = ShardedBatches(data_cfg, self.tok, env, shards)
@@ -308,6 +314,8 @@ class Trainer:
             train_state, _ = load_checkpoint(ckpt, self.model, self.optimizer, require_rank_state=False)
         if ckpt is None:
             return None, ""
+        if self.base is not None and FROZEN_BASE in train_state:  # the base it was trained on, or one line
+            self.base.check(train_state[FROZEN_BASE], str(ckpt))
         resume_schedule(self.scheduler, self.optimizer, train_state, self.recipe, ckpt)
         old_ranks = read_rank_states(ckpt)
         if self.batches.same_layout(old_ranks):
@@ -411,7 +419,9 @@ class Trainer:
                 "model_config": self.config.to_dict(), "tokenizer_dir": self.tokenizer_dir,
                 "side_files": self.side_files, "phase": self.recipe.phase.name, "total_steps": self.total_steps,
                 "recipe": self.recipe.to_dict(),
-                **({"adapters": self.adapters.to_dict()} if self.adapters is not None else {})}
+                **({"adapters": self.adapters.to_dict()} if self.adapters is not None else {}),
+                **({FROZEN_BASE: self.adapters.base_reference(
+                    self.base, param_dtype(self.recipe.parallel, self.env.device))} if self.base is not None else {})}
 
     def should_stop(self) -> bool:
         return self.control.preempted(self.done())

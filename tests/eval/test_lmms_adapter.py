@@ -363,3 +363,42 @@ def test_generate_until_serves_a_deepseek_v3_model(lmms_eval, tmp_path):
     got = lm.generate_until([Instance(("", doc_to_messages, gen, i, "toy", "test")) for i in range(len(DOCS))])
     assert got == [chat(lm.model, lm.tokenizer, d["question"], doc_to_visual(d), max_new_tokens=5, **PIXELS)
                    for d in DOCS]
+
+
+def test_a_qwen3_vl_folder_serves_16px_rows(lmms_eval, tmp_path):
+    """A Qwen3-VL-towered folder: the adapter cuts images with the folder's processor (16-px rows, mean/std 0.5,
+    its pixel limits), the rows transformers' Qwen3-VL image processor gives (tests/test_qwen3_vl_processor.py pins
+    preprocess_image to it), and generates what `chat` does."""
+    from mindvl.checkpoint import save_pretrained
+    from mindvl.data.processors import processing_from_folder
+    from mindvl.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
+    from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+    sp = load_tokenizer(None).special
+    cfg = MindVLConfig(
+        text=TextConfig(vocab_size=686, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, mrope_section=[4, 2, 2],
+                        mrope_interleaved=True),
+        vision=VisionConfig(family="qwen3_vl", depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                            patch_size=16, hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                            deepstack_visual_indexes=[0]),
+        image_token_id=sp.image_pad, video_token_id=sp.video_pad, vision_start_token_id=sp.vision_start,
+        vision_end_token_id=sp.vision_end)
+    model = MindVL(cfg)
+    model.init_weights(seed=1, std=0.1)
+    folder = save_pretrained(model, tmp_path / "q3", side_files_from=DEFAULT_TOKENIZER_PATH.parent,
+                             pixels=(32 * 32 * 4, 32 * 32 * 16))
+    lm = adapter.MindVLLMM.create_from_arg_string(f"pretrained={folder},batch_size=2,device=cpu")
+    lm.task_dict = {"toy": {"test": DOCS}}
+    assert (lm.min_pixels, lm.max_pixels) == (4096, 16384)  # the folder's, in 32 x 32 tokens
+    prompt = lm._chat_prompt(("", doc_to_messages, {}, 0, "toy", "test"))
+    from mindvl.data.processors import preprocess_image
+
+    rows, grid = preprocess_image(DOCS[0]["image"], processing_from_folder(folder))
+    assert prompt.pixel_values.shape[1] == 1536 and torch.equal(prompt.pixel_values, torch.from_numpy(rows))
+    # 70 x 100 in 32-px units within [4096, 16384]: 64 x 96 -> (1, 4, 6)
+    assert prompt.image_grid_thw.tolist() == [list(grid)] == [[1, 4, 6]]
+    gen = {"max_new_tokens": 4, "temperature": 0, "do_sample": False}
+    got = lm.generate_until([Instance(("", doc_to_messages, gen, i, "toy", "test")) for i in range(2)])
+    assert got == [chat(lm.model, lm.tokenizer, d["question"], doc_to_visual(d), max_new_tokens=4, min_pixels=4096,
+                        max_pixels=16384, system=DEFAULT_SYSTEM) for d in DOCS[:2]]

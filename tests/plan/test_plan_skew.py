@@ -66,6 +66,24 @@ def test_deepseek_v3_at_ep16_by_hand():
         routing_skew(cfg, 4096, 16, "full", 0.9)
 
 
+def test_qwen3_moe_experts_count_under_ep_by_hand():
+    """Qwen3-VL-30B-A3B's LLM (family qwen3_moe: 48 layers, all MoE, top-8 of 128, hidden 2048, expert width 768):
+    its routed rows count in the skew term and the EP all-to-all bytes (they were ignored: not DeepSeek-V3)."""
+    from mindvl.plan.estimate import expert_all_to_all_bytes
+
+    cfg = preset_config("qwen3-vl-30b-a3b")
+    assert cfg.text.family == "qwen3_moe"
+    s = routing_skew(cfg, 8192, 8, "full", 1.25)
+    rows = 8192 * 8
+    per_row = 392 + 2 * (5.8 * 2048 + 4 * 768)  # 30,294.4 bytes
+    assert (s.rows_balanced, s.layers_in_flight) == (rows, 1)
+    assert s.bytes_per_unit == int(rows * per_row)  # 1.85 GiB per +1.0 of factor
+    assert routing_skew(cfg, 8192, 8, "off").layers_in_flight == 48  # no dense layers in front
+    # balanced all-to-all: 8192 x 8 rows, 7/8 of them leave the rank, bf16, 48 layers, x4 (x6 with recompute)
+    assert expert_all_to_all_bytes(cfg, 8192, 8, 1, recompute=True) == 48 * 6 * rows * 7 / 8 * 2048 * 2
+    assert expert_all_to_all_bytes(cfg, 8192, 1, 1, recompute=True) == 0
+
+
 def test_recorded_671b_sft_verdict_with_skew():
     """256 x 910B2-64G: 6% headroom balanced (the recorded plan) is ~3.8 GiB of slack, gone at factor ~2.25."""
     d = json.loads((ROOT / "recipes/mindvl-671b/plan_sft_256x_910b2-64g.json").read_text())

@@ -3,13 +3,10 @@ correction biases move by exactly the balancing rule, and the run resumes exactl
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from train_helpers import load_weights, raw_recipe
+from train_helpers import crash_then_resume, load_weights, raw_recipe, records
 
-import mindvl.checkpoint.training as training
 from mindvl.config import load_recipe
 from mindvl.train.trainer import train
 
@@ -31,9 +28,9 @@ def test_moe_language_model_trains_balances_and_resumes(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     result = train(load_recipe(raw=moe_raw(tmp_path / "a", cache, budget={"max_steps": 6},
                                            checkpoint={"every": 3, "keep": 2})))
-    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["loss"] < records[0]["loss"]
-    assert all(r["moe_max_violation"] >= 0 for r in records)
+    logged = records(tmp_path / "a")
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    assert all(r["moe_max_violation"] >= 0 for r in logged)
     weights = load_weights(result.final_dir)
     bias = weights["language_model.layers.1.mlp.gate.e_score_correction_bias"]
     # Each step moves every bias by +-rate (or 0 for an expert at exactly the mean load): after 6 steps every
@@ -44,20 +41,8 @@ def test_moe_language_model_trains_balances_and_resumes(tmp_path, monkeypatch):
 
     # A crash right after the step-3 checkpoint, then resume=auto, reproduces the uninterrupted run exactly (the
     # biases are checkpointed buffers; the load counters restart at zero, which they are after every step).
-    real_finalize = training._finalize
-
-    def crash_after_step_3(partial, final, root):
-        real_finalize(partial, final, root)
-        if final.name == training.step_name(3):
-            raise KeyboardInterrupt("simulated crash")
-
-    monkeypatch.setattr(training, "_finalize", crash_after_step_3)
     b = moe_raw(tmp_path / "b", cache, budget={"max_steps": 6}, checkpoint={"every": 3, "keep": 2})
-    with pytest.raises(KeyboardInterrupt):
-        train(load_recipe(raw=b))
-    monkeypatch.setattr(training, "_finalize", real_finalize)
-    train(load_recipe(raw=b, overrides=["resume=auto"]))
-    resumed = load_weights(tmp_path / "b" / "final")
+    resumed = crash_then_resume(monkeypatch, b, 3)
     assert all(torch.equal(resumed[n], weights[n]) for n in weights)
 
 
@@ -79,9 +64,6 @@ def test_moe_two_processes_fsdp_match_one_process(tmp_path):
     assert r1.returncode == 0, r1.stderr[-2000:]
     r2 = run_ranks(tmp_path, 2, ["train", str(two)], script=script)
     assert r2.returncode == 0, r2.stderr[-3000:]
-
-    def records(out):
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)

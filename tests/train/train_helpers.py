@@ -58,6 +58,29 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in TensorFolder(folder).iter_tensors()}
 
 
+def crash_then_resume(monkeypatch, raw: dict, step: int) -> dict[str, torch.Tensor]:
+    """Train `raw` until a simulated crash right after the step-`step` checkpoint is finalized, then again with
+    resume=auto; the final weights."""
+    import pytest
+
+    import mindvl.checkpoint.training as training
+    from mindvl.train.trainer import train
+
+    real_finalize = training._finalize
+
+    def crash_after_step(partial, final, root):
+        real_finalize(partial, final, root)
+        if final.name == training.step_name(step):
+            raise KeyboardInterrupt("simulated crash")
+
+    monkeypatch.setattr(training, "_finalize", crash_after_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_recipe(raw=raw))
+    monkeypatch.setattr(training, "_finalize", real_finalize)
+    train(load_recipe(raw=raw, overrides=["resume=auto"]))
+    return load_weights(Path(raw["output_dir"]) / "final")
+
+
 def records(out: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict per logged step."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

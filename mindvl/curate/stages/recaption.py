@@ -34,11 +34,12 @@ class Recaption(MapStage):
         if self.path not in _MODELS:
             import torch
 
-            from mindvl.infer.chat import load_for_chat, pixel_limits
+            from mindvl.infer.chat import folder_processing, load_for_chat, pixel_limits
 
             torch.set_num_threads(1)
             model, tok = load_for_chat(self.path, device="cpu")
-            _MODELS[self.path] = (model, tok, pixel_limits(self.path))
+            processing = folder_processing(self.path, model)  # the folder's processor (16-px rows for Qwen3-VL)
+            _MODELS[self.path] = (model, tok, pixel_limits(self.path, processing), processing)
         return _MODELS[self.path]
 
     def setup(self):
@@ -57,12 +58,12 @@ class Recaption(MapStage):
         todo, dropped = with_first_image([item for item in batch if self._wanted(item)], keep_text_only=True)
         todo = [(item, image) for item, image in todo if image is not None]
         if todo:
-            model, tok, (lo, hi) = self._load()
+            model, tok, (lo, hi), processing = self._load()
             for a in range(0, len(todo), self.o.batch_size):
                 chunk = todo[a:a + self.o.batch_size]
                 prompts = []
                 for _, image in chunk:
-                    pixels, grids = process_images([image], lo, hi)
+                    pixels, grids = process_images([image], lo, hi, processing)
                     prompts.append(conversation_prompt(tok, [user_message(self.o.prompt, 1)], pixels, grids))
                 outs = generate(model, prompts, max_new_tokens=self.o.max_new_tokens, stop_token_ids=stop_ids(tok))
                 for (item, _), ids in zip(chunk, outs, strict=True):
