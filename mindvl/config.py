@@ -84,6 +84,9 @@ class OptimSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float | None = 1.0
+    # Per-module multiplier of the LR schedule ({language_model: 0.1}): a pretrained LLM fine-tunes at a fraction of
+    # the rate a tower trained from scratch needs (the tiny testbed's recipes). Keys: the modules of phase.trainable.
+    lr_scale: dict[str, float] = field(default_factory=dict)
     # MoE language models: DeepSeek-V3's auxiliary-loss-free balancing moves each router's correction bias by this
     # much per optimizer step against its experts' load (0 disables; only while the language model trains).
     router_bias_rate: float = 1e-3
@@ -213,6 +216,10 @@ class Recipe:
         _check(0 <= self.optim.min_lr <= self.optim.lr, "optim.min_lr", "must lie in [0, optim.lr]")
         _check(len(self.optim.betas) == 2, "optim.betas", "must be two numbers")
         _check(self.optim.grad_clip is None or self.optim.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
+        for m, scale in self.optim.lr_scale.items():
+            _check(m in MODULES, "optim.lr_scale", f"unknown module {m!r} (known: {MODULES})")
+            _check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
+                   f"optim.lr_scale.{m}", f"must be a number > 0, got {scale!r}")
         ep = self.parallel.expert_parallel
         _check(isinstance(ep, int) and ep >= 1, "parallel.expert_parallel", f"must be an integer >= 1, got {ep!r}")
         text = (self.model.arch or {}).get("text", {}) if ep > 1 else {}

@@ -1,6 +1,6 @@
 """The text-ability probe of claim 4: held-out items of the synthetic text task, greedy answers, exact match.
 
-Items come from their own random stream (`mindvl-bench:reverse:SEED:i`), independent of the training set's
+Items come from their own random stream (`mindvl-bench:sort:SEED:i`), independent of the training set's
 (`mindvl-synth:SEED:i`), like the synthetic benchmarks of `mindvl.eval.synth_bench`. Predictions go to one JSON line
 per item, so a rerun reuses a finished file instead of generating again.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mindvl.data.synth import TEXT_GENERATORS
 
-TEXT_TASK = "reverse"
+TEXT_TASK = "sort"  # learnt by the base LLM only: the VL phases' text data is `reverse`
 TEXT_BENCH_SEED = 1000
 
 

@@ -25,7 +25,7 @@ RECORD_BYTES_FLOOR = 1 << 20
 SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
 # digits: short digit strings, the quickstart's learnable OCR task; reverse: text only, the ablation's text probe;
 # digits_sized, minichart, minidoc: the tiny recipes' testbed tasks (issue 29)
-SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse", "digits_sized", "minichart", "minidoc")
+SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse", "sort", "digits_sized", "minichart", "minidoc")
 
 
 def _positive(value: int | None, where: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix; GENERATORS also has "digits", TEXT_GENERATORS "reverse"
-SYNTH_VERSION = 3  # bump when the generator's output changes, so cached sets are regenerated
+SYNTH_VERSION = 4  # bump when the generator's output changes, so cached sets are regenerated
 
 WORDS = (
     "apple river mountain signal quantum harbor velvet copper garden silent orbit lantern meadow crystal thunder "
@@ -193,7 +193,7 @@ def _doc(rng: random.Random) -> tuple[Image.Image, str, str]:
 # digit strips show is readable by the tiny vision tower (one merged token is 28 x 28 pixels).
 SIZED_SHAPES = ((28, 112), (56, 140), (56, 168), (56, 196), (56, 224))  # (h, w): the canonical strip and enlargements
 MINI_LABELS = ("A", "B", "C", "D", "E", "F", "G", "H")
-MINI_FIELDS = ("Total", "Items", "Code", "Room", "Year", "Page")
+MINI_FIELDS = ("Total", "Code")  # the form's two fields, in this order
 
 
 def _digits_sized(rng: random.Random) -> tuple[Image.Image, str, str]:
@@ -208,26 +208,28 @@ def _digits_sized(rng: random.Random) -> tuple[Image.Image, str, str]:
 
 
 def _minichart(rng: random.Random) -> tuple[Image.Image, str, str]:
-    """A 224 x 112 bar chart (32 merged tokens): 3-4 lettered bars with their values (10-99) printed above them.
-    Asks for one bar's value (read the number above the named letter) or for the highest bar's letter (compare
-    heights, read its label). Below 32 tokens of max_pixels the image is downscaled: what separates the SFT variants
-    trained at 16/48/64 tokens."""
+    """A 224 x 112 bar chart (32 merged tokens): three bars lettered A, B, C from the left, each bar's value (10-99)
+    printed in a row along the top above its bar. Asks for one bar's value (read the number above the named bar) or
+    for the highest bar's letter (compare heights or values). A fixed layout keeps the task within what the tiny
+    model learns in the tiny budget (values printed on top of 3-4 bars lettered from A-H stayed at 0-7% exact match;
+    RESULTS, Testbed). Below 32 tokens of max_pixels the image is downscaled: what separates the SFT variants trained
+    at 16/48/64 tokens."""
     w, h = 224, 112
     img = Image.new("RGB", (w, h), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    n = rng.randint(3, 4)
-    labels = sorted(rng.sample(MINI_LABELS, n))
+    n = 3
+    labels = list(MINI_LABELS[:n])
     vals = rng.sample(range(10, 100), n)  # distinct: the highest bar is unambiguous
-    font = ImageFont.load_default(size=rng.randint(16, 18))
+    font = ImageFont.load_default(size=rng.randint(18, 20))
     colour = rng.choice(list(COLOURS.values())[:6])
-    base, top_room = h - 22, 22  # bars stand on y=base; values need top_room above the tallest
+    base, top_room = h - 22, 28  # bars stand on y=base; the values' row takes the top 28 px (one token row)
     step = (w - 8) / n
     draw.line([(4, base), (w - 4, base)], fill=(0, 0, 0), width=1)
     for i, (lab, v) in enumerate(zip(labels, vals, strict=True)):
         cx = 4 + step * (i + 0.5)
         top = base - (base - top_room) * v / 100
-        draw.rectangle([cx - step * 0.25, top, cx + step * 0.25, base], fill=colour)
-        draw.text((cx, top - 2), str(v), fill=(0, 0, 0), font=font, anchor="mb")
+        draw.rectangle([cx - step * 0.2, top, cx + step * 0.2, base], fill=colour)
+        draw.text((cx, top_room // 2), str(v), fill=(0, 0, 0), font=font, anchor="mm")
         draw.text((cx, base + 2), lab, fill=(0, 0, 0), font=font, anchor="mt")
     if rng.random() < 0.6:
         i = rng.randrange(n)
@@ -236,20 +238,22 @@ def _minichart(rng: random.Random) -> tuple[Image.Image, str, str]:
 
 
 def _minidoc(rng: random.Random) -> tuple[Image.Image, str, str]:
-    """A 224 x 112 form (32 merged tokens): a title line ("Invoice 482") and three "Key: value" lines, 28 px apart.
-    Asks for one field's value (find the key, read its number) or for the title."""
+    """A 224 x 112 form (32 merged tokens): a title line ("Invoice 48"), then "Total: 37" and "Code: 52" on the next
+    two lines, one 28-px token row each, two-digit numbers. Asks for one field's value (the key names the line, then
+    read its number) or for the title. A fixed layout keeps the task within the tiny budget (three of six keys in
+    random order, with up to three digits, stayed at 0%; two keys in random order too)."""
     w, h = 224, 112
     img = Image.new("RGB", (w, h), (252, 252, 248))
     draw = ImageDraw.Draw(img)
-    font = ImageFont.load_default(size=rng.randint(17, 19))
-    title = f"{rng.choice(('Invoice', 'Receipt', 'Order', 'Report'))} {rng.randint(10, 999)}"
-    fields = {k: str(rng.randint(10, 999)) for k in rng.sample(MINI_FIELDS, 3)}
+    font = ImageFont.load_default(size=rng.randint(18, 20))
+    title = f"{rng.choice(('Invoice', 'Receipt', 'Order', 'Report'))} {rng.randint(10, 99)}"
+    fields = {k: str(rng.randint(10, 99)) for k in MINI_FIELDS}
     lines = [title, *(f"{k}: {v}" for k, v in fields.items())]
     for row, line in enumerate(lines):
         draw.text((6, 14 + 28 * row), line, fill=(10, 10, 10), font=font, anchor="lm")
     if rng.random() < 0.25:
         return img, "What is the title of this form?", title
-    key = rng.choice(list(fields))
+    key = rng.choice(MINI_FIELDS)
     return img, f"What is the {key.lower()} on this form?", fields[key]
 
 
@@ -261,12 +265,21 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return q, text[::-1]
 
 
+def _sort(rng: random.Random) -> tuple[str, str]:
+    """Text only: write a 3-6 digit number's digits in ascending order. The base LLM (text.yaml) learns it beside
+    `reverse`; the vision-language phases' text data carries only `reverse`, so this is the skill they can erode and
+    the LM merge can restore (claim 4's probe), as a real model's text benchmarks differ from its instruction data."""
+    text = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 6)))
+    q = rng.choice(("Sort the digits of {}.", "Write the digits of {} in ascending order.")).format(text)
+    return q, "".join(sorted(text))
+
+
 GENERATORS: dict[str, Callable[[random.Random], tuple[Image.Image, str, str]]] = {
     "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc, "digits": _digits,
     "digits_sized": _digits_sized, "minichart": _minichart, "minidoc": _minidoc,
 }
 # Text-only tasks: (question, answer) with no image.
-TEXT_GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"reverse": _reverse}
+TEXT_GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"reverse": _reverse, "sort": _sort}
 
 
 def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Image | None, str]:

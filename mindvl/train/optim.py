@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 
 from mindvl.config import OptimSection, ScheduleSection
+from mindvl.conventions import MODULES
 
 
 def _kernel(params: list[torch.Tensor]) -> dict[str, bool]:
@@ -26,21 +27,37 @@ def _kernel(params: list[torch.Tensor]) -> dict[str, bool]:
     return {}
 
 
+def _lr_scales(model: nn.Module, lr_scale: dict[str, float]) -> dict[int, float]:
+    """id(parameter) -> its module's `optim.lr_scale` (parameters of modules not named there: 1)."""
+    scales: dict[int, float] = {}
+    for name, scale in lr_scale.items():
+        module = getattr(model, name, None) if name in MODULES else None
+        trainable = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        if not trainable:
+            raise ValueError(f"optim.lr_scale.{name}: the model has no trainable {name!r} in this phase; remove the "
+                             "key or train the module (phase.trainable)")
+        scales.update((id(p), float(scale)) for p in trainable)
+    return scales
+
+
 def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed). Frozen parameters are not
-    passed in, so they hold no optimizer state. Parameters are grouped by (decay, tensor type, device, dtype) so each
-    group runs one fused kernel; a resumed run on the same device type takes the same kernels, so resume stays exact."""
+    passed in, so they hold no optimizer state. Parameters are grouped by (decay, LR scale, tensor type, device,
+    dtype) so each group runs one fused kernel; a resumed run on the same device type takes the same kernels, so
+    resume stays exact. A group's `lr` is optim.lr times its module's `optim.lr_scale`: the scheduler's factor
+    multiplies each group's own base LR, so the whole schedule scales."""
+    scales = _lr_scales(model, cfg.lr_scale)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for _, p in model.named_parameters():
         if p.requires_grad:
-            key = (p.dim() >= 2, type(p).__name__, str(p.device), str(p.dtype))
+            key = (p.dim() >= 2, scales.get(id(p), 1.0), type(p).__name__, str(p.device), str(p.dtype))
             groups.setdefault(key, []).append(p)
     if not groups:
         raise ValueError("phase.trainable: nothing to train (every parameter is frozen)")
     # Decayed groups first, then in first-seen order: the group order is part of the optimizer's state_dict.
     order = sorted(groups, key=lambda k: not k[0])
-    param_groups = [{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0, **_kernel(groups[k])}
-                    for k in order]
+    param_groups = [{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0, "lr": cfg.lr * k[1],
+                     "lr_scale": k[1], **_kernel(groups[k])} for k in order]
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 

@@ -187,9 +187,9 @@ def resume_schedule(scheduler, optimizer: torch.optim.Optimizer, train_state: di
     check_budget_unchanged(train_state, recipe, ckpt)
     scheduler.load_state_dict(train_state["scheduler"])
     if recipe.schedule.allow_change:  # the saved base LR would otherwise stay, whatever optim.lr now says
-        scheduler.base_lrs = [recipe.optim.lr] * len(scheduler.base_lrs)
+        scheduler.base_lrs = [recipe.optim.lr * group.get("lr_scale", 1.0) for group in optimizer.param_groups]
         for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-            group["lr"] = recipe.optim.lr * fn(scheduler.last_epoch)
+            group["lr"] = group.get("lr_scale", 1.0) * recipe.optim.lr * fn(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
@@ -351,7 +351,8 @@ class Trainer:
         returns the step's metrics."""
         env, recipe = self.env, self.recipe
         t0 = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
+        # The schedule's LR (optim.lr's curve): group 0 may be one that optim.lr_scale scales.
+        lr = self.scheduler.get_last_lr()[0] / self.optimizer.param_groups[0].get("lr_scale", 1.0)
         hooks = self.control.hooks(self.step + 1)
         micro = MicroBatchStream(self.batches.next, self.accum, env.device, agree=hooks.agree)  # a prefetch window
         stats = optimizer_step(self.model, self.optimizer, micro, env, self.config, recipe.trainable_modules,

@@ -23,6 +23,16 @@ def test_reverse_task_is_text_only_and_right(tmp_path):
     assert len(list((tmp_path / "d" / "images").iterdir())) == len(records) - len(text)
 
 
+def test_sort_task_and_the_probe_are_sorting():
+    # The probe is `sort`, a task the VL recipes' text data (`reverse`) does not train: hand-checked answers.
+    items = text_items(40)
+    for question, answer in items:
+        digits = re.search(r"\d+", question).group()
+        assert answer == "".join(sorted(digits)) and 3 <= len(digits) <= 6
+    assert any(a != re.search(r"\d+", q).group() for q, a in items)  # not the identity on these items
+    assert text_items(3) == text_items(3, task="sort")
+
+
 def test_text_probe_matches_chat_and_is_reused(tmp_path):
     from mindvl.infer.chat import chat, load_for_chat
 
