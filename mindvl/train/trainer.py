@@ -164,8 +164,8 @@ class ShardedBatches:
 
 
 def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> None:
-    """A resume with another max_steps / max_tokens (or another LR: optim.lr, optim.min_lr, schedule.warmup_ratio,
-    schedule.decay) would silently bend the LR schedule: refuse unless asked."""
+    """A resume with another max_steps / max_tokens (or another LR: optim.lr, optim.min_lr, optim.lr_scale,
+    schedule.warmup_ratio, schedule.decay) would silently bend the LR schedule: refuse unless asked."""
     saved = train_state.get("recipe", {})
     before = saved.get("budget")
     now = {"max_steps": recipe.budget.max_steps, "max_tokens": recipe.budget.max_tokens}
@@ -173,7 +173,8 @@ def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> Non
         raise ValueError(f"budget: the checkpoint {ckpt.name} was trained with {before}, this run asks for {now}; "
                          "the LR schedule depends on it. Resume with the same budget, or set "
                          "schedule.allow_change=true to recompute the schedule from this step on")
-    for section, key in (("optim", "lr"), ("optim", "min_lr"), ("schedule", "warmup_ratio"), ("schedule", "decay")):
+    for section, key in (("optim", "lr"), ("optim", "min_lr"), ("optim", "lr_scale"), ("schedule", "warmup_ratio"),
+                         ("schedule", "decay")):
         old, new = saved.get(section, {}).get(key), getattr(getattr(recipe, section), key)
         if old is not None and old != new and not recipe.schedule.allow_change:
             raise ValueError(f"{section}.{key}: the checkpoint {ckpt.name} was trained with {old}, this run asks for "

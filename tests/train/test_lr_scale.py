@@ -58,6 +58,34 @@ def test_no_scale_keeps_one_lr_and_the_old_groups():
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-3]  # decayed matrices, then vectors: as before
 
 
+def test_resume_keeps_the_scales_and_refuses_a_changed_one(tmp_path):
+    from mindvl.train.trainer import resume_schedule
+
+    def recipe(*extra):
+        return load_recipe("tiny/multitask", ["output_dir=/tmp/x", "optim.lr_scale={language_model: 0.1}", *extra])
+
+    saved = recipe()
+    opt = build_optimizer(Towers(), saved.optim)
+    scheduler = build_scheduler(opt, 100, saved.optim, saved.schedule)
+    for _ in range(30):
+        opt.step()
+        scheduler.step()
+    state = {"scheduler": scheduler.state_dict(),
+             "recipe": {"optim": {"lr": saved.optim.lr, "min_lr": saved.optim.min_lr,
+                                  "lr_scale": {"language_model": 0.1}},
+                        "schedule": {"warmup_ratio": saved.schedule.warmup_ratio, "decay": saved.schedule.decay}}}
+    with pytest.raises(ValueError, match=r"^optim.lr_scale: the checkpoint step_30 was trained with"):
+        resume_schedule(scheduler, opt, state, recipe("optim.lr_scale={language_model: 0.5}"), tmp_path / "step_30")
+    # With allow_change a new optim.lr keeps each group's scale (times the schedule's factor at step 30).
+    new = recipe("lr=2e-3", "schedule.allow_change=true")
+    resume_schedule(scheduler, opt, state, new, tmp_path / "step_30")
+    factor = lr_at(30, 100, 1.0, saved.optim.min_lr / saved.optim.lr, saved.schedule.warmup_ratio,
+                   saved.schedule.decay)
+    assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx(sorted(
+        2e-3 * factor * g["lr_scale"] for g in opt.param_groups))
+    assert {g["lr_scale"] for g in opt.param_groups} == {0.1, 1.0}
+
+
 def test_a_frozen_or_unknown_module_is_one_line():
     model = Towers()
     for p in model.visual.parameters():
