@@ -100,3 +100,25 @@ def test_benchmarks_can_use_the_small_tasks(tmp_path):
         assert (chart[i]["question"], chart[i]["answer"]) == (q, a)
         _, q, a = GENERATORS["minidoc"](_rng("docvqa", 5, i))
         assert (doc[i]["question"], doc[i]["answers"]) == (q, [a])
+
+
+def test_chart_and_form_training_questions_end_as_the_benchmark_prompts_do(tmp_path):
+    # The evaluation appends the toolkit's short-answer instruction (lmms-eval ChartQA / DocVQA, VLMEvalKit ChartQA);
+    # the training questions must carry the same words, and the held-out items stay bare (no double suffix).
+    from mindvl.data.synth import make_record
+    from mindvl.eval.benchmarks import CHARTQA_LMMS, SHORT_ANSWER
+
+    expected = {"minichart": {CHARTQA_LMMS, SHORT_ANSWER}, "minidoc": {SHORT_ANSWER}}
+    for task, suffixes in expected.items():
+        seen = set()
+        for i in range(40):
+            record, _, _ = make_record(i, 3, [task])
+            prompt = record["messages"][0]["content"].replace("<image>", "").rstrip("\n")
+            suffix = next(s for s in suffixes if prompt.endswith(s))
+            seen.add(suffix)
+            _, bare, _ = GENERATORS[task](random.Random(f"mindvl-synth:3:{i}:{task}"))  # any draw: never suffixed
+            assert not any(bare.endswith(s) for s in suffixes)
+        assert seen == suffixes
+    benches = write_synthetic_benchmarks(tmp_path, n=5, seed=5, benchmarks=["chartqa"], chart_task="minichart")
+    rows = pq.read_table(next(benches["chartqa"].glob("*.parquet"))).to_pylist()
+    assert all(r["question"].endswith("?") for r in rows)
