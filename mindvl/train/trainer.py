@@ -173,8 +173,12 @@ def check_budget_unchanged(train_state: dict, recipe: Recipe, ckpt: Path) -> Non
         raise ValueError(f"budget: the checkpoint {ckpt.name} was trained with {before}, this run asks for {now}; "
                          "the LR schedule depends on it. Resume with the same budget, or set "
                          "schedule.allow_change=true to recompute the schedule from this step on")
-    for section, key in (("optim", "lr"), ("optim", "min_lr"), ("optim", "lr_scale"), ("schedule", "warmup_ratio"),
-                         ("schedule", "decay")):
+    old_scale = saved.get("optim", {}).get("lr_scale")
+    if old_scale is not None and old_scale != recipe.optim.lr_scale:  # allow_change too: groups keep their scales
+        raise ValueError(f"optim.lr_scale: the checkpoint {ckpt.name} was trained with {old_scale}, this run asks for "
+                         f"{recipe.optim.lr_scale}; the optimizer's parameter groups carry their scales, so a resume "
+                         "keeps them. Resume with the same value, or start a new run from the exported model")
+    for section, key in (("optim", "lr"), ("optim", "min_lr"), ("schedule", "warmup_ratio"), ("schedule", "decay")):
         old, new = saved.get(section, {}).get(key), getattr(getattr(recipe, section), key)
         if old is not None and old != new and not recipe.schedule.allow_change:
             raise ValueError(f"{section}.{key}: the checkpoint {ckpt.name} was trained with {old}, this run asks for "

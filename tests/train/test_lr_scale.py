@@ -74,8 +74,10 @@ def test_resume_keeps_the_scales_and_refuses_a_changed_one(tmp_path):
              "recipe": {"optim": {"lr": saved.optim.lr, "min_lr": saved.optim.min_lr,
                                   "lr_scale": {"language_model": 0.1}},
                         "schedule": {"warmup_ratio": saved.schedule.warmup_ratio, "decay": saved.schedule.decay}}}
-    with pytest.raises(ValueError, match=r"^optim.lr_scale: the checkpoint step_30 was trained with"):
-        resume_schedule(scheduler, opt, state, recipe("optim.lr_scale={language_model: 0.5}"), tmp_path / "step_30")
+    for extra in ([], ["schedule.allow_change=true"]):  # a group's scale cannot follow a new recipe: refused either way
+        with pytest.raises(ValueError, match=r"^optim.lr_scale: the checkpoint step_30 was trained with"):
+            resume_schedule(scheduler, opt, state, recipe("optim.lr_scale={language_model: 0.5}", *extra),
+                            tmp_path / "step_30")
     # With allow_change a new optim.lr keeps each group's scale (times the schedule's factor at step 30).
     new = recipe("lr=2e-3", "schedule.allow_change=true")
     resume_schedule(scheduler, opt, state, new, tmp_path / "step_30")
