@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from ablate_helpers import small_recipes
 
 from mindvl.ablate import run_ablation
 from mindvl.ablate.plan import STAGES, Scale, labels_for, stages_for
 from mindvl.ablate.runner import prepare_synth
 from mindvl.cli import main
-from mindvl.quickstart import recipe_dir
 
 TWO = Scale({name: 2 for name in ("text.yaml", "warmup.yaml", "pretrain.yaml", "multitask.yaml", "sft.yaml")},
             bench_items=2, grid="4:64")
-
-
-def small_recipes(folder):
-    """The tiny recipes with 40-sample synthetic sets (as the smoke test's)."""
-    folder.mkdir()
-    for path in recipe_dir().glob("*.yaml"):
-        recipe = yaml.safe_load(path.read_text())
-        for source in recipe["data"]["sources"]:
-            source["synth"]["n"] = 40
-        recipe["logging"] = {"every": 1, "progress": False, "tensorboard": False, "plot": False}
-        (folder / path.name).write_text(yaml.safe_dump(recipe))
-    return folder
 
 
 def test_jobs_below_one_is_one_line(tmp_path, capsys):

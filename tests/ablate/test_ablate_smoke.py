@@ -8,28 +8,15 @@ import json
 
 import pytest
 import torch
-import yaml
+from ablate_helpers import small_recipes
 
 from mindvl.ablate import run_ablation
 from mindvl.ablate.plan import ABLATIONS, CLAIMS, STAGES, Scale
 from mindvl.checkpoint.safetensors_io import TensorFolder
-from mindvl.quickstart import recipe_dir
 
 STEPS = 6
 SMOKE = Scale({name: STEPS for name in ("text.yaml", "warmup.yaml", "pretrain.yaml", "multitask.yaml", "sft.yaml")},
               bench_items=3, grid="4,8:16,64")
-
-
-def small_recipes(folder):
-    """The tiny recipes with 40-sample synthetic sets (the step counts come from the scale)."""
-    folder.mkdir()
-    for path in recipe_dir().glob("*.yaml"):
-        recipe = yaml.safe_load(path.read_text())
-        for source in recipe["data"]["sources"]:
-            source["synth"]["n"] = 40
-        recipe["logging"] = {"every": 1, "progress": False, "tensorboard": False, "plot": False}
-        (folder / path.name).write_text(yaml.safe_dump(recipe))
-    return folder
 
 
 def tensors(folder):
