@@ -23,7 +23,8 @@ RECORD_BYTES_PER_TOKEN = 256  # default record byte limit per token of seq_len (
 RECORD_BYTES_FLOOR = 1 << 20
 
 SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
-# digits: short digit strings, the quickstart's learnable OCR task; reverse: text only, the ablation's text probe;
+# digits: short digit strings, the quickstart's learnable OCR task; reverse, sort: text only (the ablation's base
+# LLM learns both, its vision-language text data is `reverse`, `sort` is the text probe);
 # digits_sized, minichart, minidoc: the tiny recipes' testbed tasks (issue 29)
 SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse", "sort", "digits_sized", "minichart", "minidoc")
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix; GENERATORS also has "digits", TEXT_GENERATORS "reverse"
+# The default mix; GENERATORS also has "digits" and the testbed's tasks, TEXT_GENERATORS "reverse" and "sort".
+TASKS = ("ocr", "chart", "grounding", "doc")
 SYNTH_VERSION = 5  # bump when the generator's output changes, so cached sets are regenerated
 
 WORDS = (
@@ -258,8 +259,8 @@ def _minidoc(rng: random.Random) -> tuple[Image.Image, str, str]:
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
-    """Text only: write a 3-6 digit number backwards. A skill a tiny language model learns in a few hundred steps and
-    that vision-language training on images alone erodes: the ablation's text-ability probe (claim 4)."""
+    """Text only: write a 3-6 digit number backwards. A skill a tiny language model learns in a few hundred steps: the
+    base LLM's first task and the text instruction data of the tiny multitask and SFT recipes (`sort` is the probe)."""
     text = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 6)))
     q = rng.choice(("Write {} backwards.", "Reverse the digits {}.", "What is {} reversed?")).format(text)
     return q, text[::-1]
