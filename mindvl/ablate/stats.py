@@ -109,7 +109,7 @@ def paired_ci(a: Sequence[float], b: Sequence[float]) -> Interval:
     mean = float(d.mean())
     if d.size < 2:
         return Interval(mean, None, None, int(d.size))
-    half = t_quantile(d.size - 1) * float(d.std(ddof=1)) / math.sqrt(d.size)
+    half = half_width(float(d.std(ddof=1)), int(d.size))
     return Interval(mean, mean - half, mean + half, int(d.size))
 
 
