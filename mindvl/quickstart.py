@@ -338,14 +338,11 @@ def merge_vs_sft(search: Path, benches: list[str]) -> dict[str, Any]:
     std and range: the spread the merge is to beat), and merged minus each SFT model with a 95% interval over items
     (paired bootstrap on the same held-out items: how much of the gap one test set alone could make)."""
     from mindvl.ablate.stats import bootstrap_ci
-
-    def item_scores(path: Path) -> list[float]:  # per item, in item order (so the models pair item by item)
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [r["exact_match"] for r in sorted(rows, key=lambda r: str(r["id"]))]
+    from mindvl.eval.runner import item_exact_matches
 
     out: dict[str, Any] = {}
     for bench in benches:
-        items = {label: item_scores(search / label / bench / f"{DEFAULT_SETTING}.jsonl")
+        items = {label: item_exact_matches(search / label / bench / f"{DEFAULT_SETTING}.jsonl")
                  for label in [*SFT_VARIANTS, "merged"]}
         sft = [sum(items[n]) / len(items[n]) for n in SFT_VARIANTS]
         out[bench] = {"merged": sum(items["merged"]) / len(items["merged"]),

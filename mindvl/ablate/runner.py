@@ -248,6 +248,7 @@ def evaluate_models(models: dict[str, Path], claims: list[str], out: Path, bench
     """{label: {"items": {bench: [exact match per item at the training resolution]}, "grid": {bench: {setting:
     exact match}} (claim 2's models), "text": [exact match per text item]}}."""
     from mindvl.eval.resolution_search import parse_grid, search_resolution
+    from mindvl.eval.runner import item_exact_matches
 
     grid_labels = {label for c in claims if CLAIMS[c].grid for label in CLAIMS[c].variants.values()}
     default = [(4 * PX, 64 * PX)]  # DEFAULT_SETTING: the training recipes' own pixel limits
@@ -261,7 +262,8 @@ def evaluate_models(models: dict[str, Path], claims: list[str], out: Path, bench
         search = search_resolution({lb: models[lb] for lb in labels}, benches, grid, out, eval_settings(),
                                    device="cpu", log=quiet)
         for label in labels:
-            scores[label]["items"] = {b: item_scores(out / label / b / f"{DEFAULT_SETTING}.jsonl") for b in benches}
+            scores[label]["items"] = {b: item_exact_matches(out / label / b / f"{DEFAULT_SETTING}.jsonl")
+                                      for b in benches}
             if len(grid) > 1:
                 scores[label]["grid"] = search["exact_match"][label]
     for label, folder in models.items():
@@ -271,8 +273,3 @@ def evaluate_models(models: dict[str, Path], claims: list[str], out: Path, bench
             f"{sum(scores[label]['text']) / len(scores[label]['text']):.1%}")
     return scores
 
-
-def item_scores(path: Path) -> list[float]:
-    """Per-item exact match of one predictions file, in item order (so variants pair item by item)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["exact_match"] for r in sorted(rows, key=lambda r: str(r["id"]))]

@@ -100,6 +100,13 @@ def read_predictions(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def item_exact_matches(path: Path) -> list[float]:
+    """Per-item exact match of one finished predictions file, in item-id order, so two models' files on the same
+    benchmark pair item by item (the quickstart's merged-vs-SFT table, the ablation's paired comparisons)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r["exact_match"] for r in sorted(rows, key=lambda r: str(r["id"]))]
+
+
 def _check_settings(meta_path: Path, settings: dict[str, Any], resuming: bool) -> None:
     if resuming and meta_path.is_file():
         before = json.loads(meta_path.read_text())
