@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     synth.add_argument("--tasks", default="ocr,chart,grounding,doc",
                        help="comma-separated tasks: ocr, chart, grounding, doc, digits, digits_sized, minichart, "
-                       "minidoc, reverse, sort (text only)")
+                       "minidoc, minichart_sized, minidoc_sized, reverse, sort (text only)")
     synth.set_defaults(func=_synth)
 
     stats = sub.add_parser("stats", help="sample/token/patch counts, histograms, packing efficiency, skipped samples")

@@ -25,8 +25,10 @@ RECORD_BYTES_FLOOR = 1 << 20
 SYNTH_TASKS = ("ocr", "chart", "grounding", "doc")  # the default mix
 # digits: short digit strings, the quickstart's learnable OCR task; reverse, sort: text only (the ablation's base
 # LLM learns both, its vision-language text data is `reverse`, `sort` is the text probe);
-# digits_sized, minichart, minidoc: the tiny recipes' testbed tasks (issue 29)
-SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse", "sort", "digits_sized", "minichart", "minidoc")
+# digits_sized, minichart, minidoc: the tiny recipes' testbed tasks (issue 29); minichart_sized, minidoc_sized: those
+# pages at the ablation's resolution-grid sizes too
+SYNTH_KNOWN_TASKS = (*SYNTH_TASKS, "digits", "reverse", "sort", "digits_sized", "minichart", "minidoc",
+                     "minichart_sized", "minidoc_sized")
 
 
 def _positive(value: int | None, where: str) -> None:

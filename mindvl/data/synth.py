@@ -22,6 +22,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from .image import FACTOR, smart_resize
+
 # The default mix; GENERATORS also has "digits" and the testbed's tasks, TEXT_GENERATORS "reverse" and "sort".
 TASKS = ("ocr", "chart", "grounding", "doc")
 SYNTH_VERSION = 5  # bump when the generator's output changes, so cached sets are regenerated
@@ -197,15 +199,43 @@ MINI_LABELS = ("A", "B", "C", "D", "E", "F", "G", "H")
 MINI_FIELDS = ("Total", "Code")  # the form's two fields, in this order
 
 
+# The sizes the ablation's resolution grid (mindvl.ablate.plan SCALES) makes of a 224 x 112 chart or form, as
+# (min, max) pixel limits in 28 x 28 units: downscaled by max_pixels 16 / 24 / 28, upscaled by min_pixels 36 / 48.
+PAGE_GRID_SETTINGS = ((4, 16), (4, 24), (4, 28), (36, 64), (48, 64))
+PAGE_SIZED_SHAPES = tuple(smart_resize(112, 224, min_pixels=lo * FACTOR**2, max_pixels=hi * FACTOR**2)
+                          for lo, hi in PAGE_GRID_SETTINGS)  # (h, w): 56x140, 84x168, 84x196, 140x252, 140x280
+
+
+def _resized(img: Image.Image, rng: random.Random, shapes: Sequence[tuple[int, int]]) -> Image.Image:
+    """Half the time, `img` resized (bicubic, as the processor resizes) to one of `shapes` (h, w): real training
+    images come at many sizes, so the model reads an image that test-time min/max_pixels resize."""
+    if rng.random() < 0.5:
+        h, w = rng.choice(list(shapes))
+        img = img.resize((w, h), Image.BICUBIC)
+    return img
+
+
 def _digits_sized(rng: random.Random) -> tuple[Image.Image, str, str]:
     """A `digits` strip, half the time enlarged (bicubic, as the processor upscales) to one of SIZED_SHAPES: real
     training images come at many sizes, so a model trained on these reads a strip that test-time min_pixels enlarges
     (the resolution grid's upscaled settings) instead of failing on every one of them."""
     img, q, text = _digits(rng)
-    if rng.random() < 0.5:
-        h, w = rng.choice(SIZED_SHAPES[1:])
-        img = img.resize((w, h), Image.BICUBIC)
-    return img, q, text
+    return _resized(img, rng, SIZED_SHAPES[1:]), q, text
+
+
+def _minichart_sized(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A `minichart`, half the time resized to one of PAGE_SIZED_SHAPES (the resolution grid's sizes). Not in the
+    tiny recipes: with these at 10% of the multitask and SFT samples, the tiny model read no chart at any size
+    (RESULTS, Testbed, session 9); kept for larger budgets."""
+    img, q, answer = _minichart(rng)
+    return _resized(img, rng, PAGE_SIZED_SHAPES), q, answer
+
+
+def _minidoc_sized(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A `minidoc`, half the time resized to one of PAGE_SIZED_SHAPES (the resolution grid's sizes); see
+    `_minichart_sized`."""
+    img, q, answer = _minidoc(rng)
+    return _resized(img, rng, PAGE_SIZED_SHAPES), q, answer
 
 
 def _minichart(rng: random.Random) -> tuple[Image.Image, str, str]:
@@ -278,6 +308,7 @@ def _sort(rng: random.Random) -> tuple[str, str]:
 GENERATORS: dict[str, Callable[[random.Random], tuple[Image.Image, str, str]]] = {
     "ocr": _ocr, "chart": _chart, "grounding": _grounding, "doc": _doc, "digits": _digits,
     "digits_sized": _digits_sized, "minichart": _minichart, "minidoc": _minidoc,
+    "minichart_sized": _minichart_sized, "minidoc_sized": _minidoc_sized,
 }
 # Text-only tasks: (question, answer) with no image.
 TEXT_GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"reverse": _reverse, "sort": _sort}
@@ -291,6 +322,8 @@ SHORT_ANSWER_INSTRUCTIONS: dict[str, tuple[str, ...]] = {
     "minichart": ("\nAnswer the question with a single word.", "\nAnswer the question using a single word or phrase."),
     "minidoc": ("\nAnswer the question using a single word or phrase.",),
 }
+SHORT_ANSWER_INSTRUCTIONS.update({"minichart_sized": SHORT_ANSWER_INSTRUCTIONS["minichart"],
+                                  "minidoc_sized": SHORT_ANSWER_INSTRUCTIONS["minidoc"]})
 
 
 def make_record(i: int, seed: int, tasks: Sequence[str]) -> tuple[dict, Image.Image | None, str]:

@@ -1,6 +1,7 @@
 """The testbed's synthetic tasks (issue 29): sized digit strips are the `digits` strip enlarged as the processor
 would, the small bar chart's answers agree with the bars drawn (measured from the pixels), the small form's answer is
-one of its lines, and the held-out ChartQA / DocVQA files can be made of them."""
+one of its lines, the sized charts and forms are the page resized to the resolution grid's sizes, and the held-out
+ChartQA / DocVQA files can be made of them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import random
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
-from mindvl.data.synth import COLOURS, GENERATORS, SIZED_SHAPES
+from mindvl.data.synth import COLOURS, GENERATORS, PAGE_SIZED_SHAPES, SIZED_SHAPES
 from mindvl.eval.synth_bench import write_synthetic_benchmarks
 
 
@@ -24,6 +26,31 @@ def test_digits_sized_is_the_strip_or_its_bicubic_enlargement():
         expected = ref if img.size == ref.size else ref.resize(img.size, Image.BICUBIC)
         assert np.array_equal(np.asarray(img), np.asarray(expected))
     assert shapes == set(SIZED_SHAPES)  # every size shows up in 40 draws, the canonical one included
+
+
+@pytest.mark.parametrize("task", ["minichart", "minidoc"])
+def test_sized_pages_are_the_page_or_its_bicubic_resize_to_the_grid_sizes(task):
+    shapes = set()
+    for i in range(60):
+        img, q, answer = GENERATORS[f"{task}_sized"](random.Random(f"p:{i}"))
+        ref, ref_q, ref_answer = GENERATORS[task](random.Random(f"p:{i}"))  # the same draws, before resizing
+        assert (q, answer) == (ref_q, ref_answer)
+        shapes.add((img.height, img.width))
+        expected = ref if img.size == ref.size else ref.resize(img.size, Image.BICUBIC)
+        assert np.array_equal(np.asarray(img), np.asarray(expected))
+    assert shapes == {(112, 224), *PAGE_SIZED_SHAPES}  # every size shows up in 60 draws, the page's own included
+
+
+def test_sized_pages_cover_the_ablation_grid():
+    # Every setting of the ablation's resolution grid, at both scales, turns a 224 x 112 page into a size the sized
+    # tasks train on (the processor's own resize arithmetic, transformers' smart_resize): the grid stays legible.
+    from mindvl.ablate.plan import SCALES
+    from mindvl.data.image import smart_resize
+    from mindvl.eval.resolution_search import parse_grid
+
+    for scale in SCALES.values():
+        sizes = {smart_resize(112, 224, min_pixels=lo, max_pixels=hi) for lo, hi in parse_grid(scale.grid)}
+        assert sizes == {(112, 224), *PAGE_SIZED_SHAPES}
 
 
 def _bars(img: Image.Image) -> list[tuple[int, int]]:
@@ -108,7 +135,8 @@ def test_chart_and_form_training_questions_end_as_the_benchmark_prompts_do(tmp_p
     from mindvl.data.synth import make_record
     from mindvl.eval.benchmarks import CHARTQA_LMMS, SHORT_ANSWER
 
-    expected = {"minichart": {CHARTQA_LMMS, SHORT_ANSWER}, "minidoc": {SHORT_ANSWER}}
+    expected = {"minichart": {CHARTQA_LMMS, SHORT_ANSWER}, "minidoc": {SHORT_ANSWER},
+                "minichart_sized": {CHARTQA_LMMS, SHORT_ANSWER}, "minidoc_sized": {SHORT_ANSWER}}
     for task, suffixes in expected.items():
         seen = set()
         for i in range(40):
