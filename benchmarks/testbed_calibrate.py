@@ -4,7 +4,7 @@ the resolution grid, so a recipe change can be judged (best variant >= 30%, none
 before a whole `mindvl ablate` run.
 
     python benchmarks/testbed_calibrate.py runs/cal/seed0/sft-1024/final runs/cal/seed0/multitask/final \
-        --out runs/calib --items 100 [--grid 4,8,16:16,24,64]
+        --out runs/calib --items 100 [--grid 4,36,48:16,24,28,64]
 
 A training checkpoint (not yet exported) is evaluated after `mindvl export RUN/checkpoints/step_N --out DIR`.
 Prints one row per model: OCRBench / ChartQA / DocVQA / text exact match in %, then per grid setting.
@@ -21,7 +21,7 @@ def main() -> None:
     p.add_argument("models", nargs="+", help="model folders (a run's final/, or an exported checkpoint)")
     p.add_argument("--out", required=True, help="where the benchmark files and predictions go (reused by a rerun)")
     p.add_argument("--items", type=int, default=100, help="held-out items per benchmark (default 100)")
-    p.add_argument("--grid", default=None, help="also over this grid (e.g. 4,8,16:16,24,64, x 28 x 28 pixels)")
+    p.add_argument("--grid", default=None, help="also over this grid (e.g. 4,36,48:16,24,28,64, x 28 x 28 pixels)")
     args = p.parse_args()
 
     from mindvl.ablate.plan import Scale

@@ -251,21 +251,23 @@ def evaluate_models(models: dict[str, Path], claims: list[str], out: Path, bench
     from mindvl.eval.runner import item_exact_matches
 
     grid_labels = {label for c in claims if CLAIMS[c].grid for label in CLAIMS[c].variants.values()}
+    grid_benches = {b: benches[b] for c in claims for b in CLAIMS[c].grid}
     default = [(4 * PX, 64 * PX)]  # DEFAULT_SETTING: the training recipes' own pixel limits
     quiet = lambda line: None  # noqa: E731
     scores: dict[str, Any] = {label: {} for label in models}
-    for labels, grid in ((sorted(grid_labels & set(models)), parse_grid(sc.grid)),
-                         (sorted(set(models) - grid_labels), default)):
-        if not labels:
-            continue
-        # One predictions folder for both calls: a setting evaluated once is never evaluated again.
-        search = search_resolution({lb: models[lb] for lb in labels}, benches, grid, out, eval_settings(),
+    grid = parse_grid(sc.grid)
+    labels = sorted(grid_labels & set(models))
+    if labels and grid_benches and len(grid) > 1:
+        search = search_resolution({lb: models[lb] for lb in labels}, grid_benches, grid, out, eval_settings(),
                                    device="cpu", log=quiet)
         for label in labels:
-            scores[label]["items"] = {b: item_exact_matches(out / label / b / f"{DEFAULT_SETTING}.jsonl")
-                                      for b in benches}
-            if len(grid) > 1:
-                scores[label]["grid"] = search["exact_match"][label]
+            scores[label]["grid"] = search["exact_match"][label]
+    # Every model at the training resolution. The predictions folder is the grid's: a setting evaluated there (the
+    # default is one of the grid's) is read back, not evaluated again.
+    search_resolution(dict(models), benches, default, out, eval_settings(), device="cpu", log=quiet)
+    for label in models:
+        scores[label]["items"] = {b: item_exact_matches(out / label / b / f"{DEFAULT_SETTING}.jsonl")
+                                  for b in benches}
     for label, folder in models.items():
         scores[label]["text"] = evaluate_text(folder, out / label / "text" / f"{TEXT_TASK}.jsonl", sc.bench_items)
         ocr = sum(scores[label]["items"]["ocrbench"]) / len(scores[label]["items"]["ocrbench"])
