@@ -208,7 +208,7 @@ PAGE_SIZED_SHAPES = tuple(smart_resize(112, 224, min_pixels=lo * FACTOR**2, max_
 
 def _resized(img: Image.Image, rng: random.Random, shapes: Sequence[tuple[int, int]]) -> Image.Image:
     """Half the time, `img` resized (bicubic, as the processor resizes) to one of `shapes` (h, w): real training
-    images come at many sizes, so the model reads an image that test-time min/max_pixels resize."""
+    images come at many sizes, so a model trained on these has seen the sizes test-time min/max_pixels make."""
     if rng.random() < 0.5:
         h, w = rng.choice(list(shapes))
         img = img.resize((w, h), Image.BICUBIC)

@@ -43,7 +43,8 @@ def test_sized_pages_are_the_page_or_its_bicubic_resize_to_the_grid_sizes(task):
 
 def test_sized_pages_cover_the_ablation_grid():
     # Every setting of the ablation's resolution grid, at both scales, turns a 224 x 112 page into a size the sized
-    # tasks train on (the processor's own resize arithmetic, transformers' smart_resize): the grid stays legible.
+    # tasks train on (the processor's own resize arithmetic, transformers' smart_resize): a model trained on them has
+    # seen every size the grid shows it.
     from mindvl.ablate.plan import SCALES
     from mindvl.data.image import smart_resize
     from mindvl.eval.resolution_search import parse_grid
