@@ -91,22 +91,31 @@ class Claim:
 GRID_STATS = ("min", "median", "max")
 NON_INFERIORITY = 0.02  # claim 3's ">=": 3-phase may trail 4-phase by at most 2 points of exact match
 _SFTS = {name: name for name in SFT_VARIANTS}
+_PHASE_PAIRS = (("3-phase", "2-phase", ">", 0.0), ("2-phase", "2-phase*", ">", 0.0),
+                ("3-phase", "4-phase", ">=", NON_INFERIORITY))
 # The paper's differences, in points of its benchmarks. Table 6, OCRBench: MindVL-8B 87.6 vs 2K/4K/8K 87.0/87.3/86.0;
 # Overall (six benchmarks) 86.5 vs 85.3/85.8/85.3. Table 17, OCRBench: 3-phase 87.6, 2-phase 87.0, 2-phase* 84.9,
-# 4-phase 83.6. Table 7, text Overall: MindVL-671B (LM-merged) 74.5 vs its 4K SFT model 60.4.
+# 4-phase 83.6; Overall 86.5 / 85.3 / 83.4 / 83.8. Table 7, text Overall: MindVL-671B (LM-merged) 74.5 vs its 4K SFT
+# model 60.4.
 PAPER_MERGE_OCR = {"sft-512": 0.006, "sft-1024": 0.003, "sft-2048": 0.016}
 PAPER_MERGE_OVERALL = {"sft-512": 0.012, "sft-1024": 0.007, "sft-2048": 0.012}
+# (better, other) -> (OCRBench, Overall) differences of Table 17.
+PAPER_PHASES = {("3-phase", "2-phase"): (0.006, 0.012), ("2-phase", "2-phase*"): (0.021, 0.019),
+                ("3-phase", "4-phase"): (0.04, 0.027)}
+# Claims 1 and 3 are decided on `overall`, the mean of the three synthetic benchmarks: the paper's headline column
+# (Tables 6 and 17), and the one metric that discriminates at both scales. OCRBench alone decided them until
+# session 10, but at `small` every OCR model sits at 97.6-99.2% (the ceiling), and at `tiny` the pages are the ones
+# near the floor; each benchmark is shown beside the verdict with its own interval.
+_BENCHES = ("ocrbench", "chartqa", "docvqa")
 CLAIMS: dict[str, Claim] = {
     "merge": Claim(
         "merge", "Averaging the three SFT models (2K/4K/8K with their max_pixels) beats every one of them (Table 6).",
-        {**_SFTS, "merged": "merged"}, "ocrbench",
-        tuple(Comparison("merged", name, paper=PAPER_MERGE_OCR[name]) for name in SFT_VARIANTS),
-        # The paper's Table 6 claim is on every benchmark and their average: the other synthetic benchmarks and the
-        # mean of the three (`overall`) are shown with intervals and power beside the OCRBench verdict.
-        secondary=tuple(Comparison("merged", name, metric=m, paper=PAPER_MERGE_OVERALL[name] if m == "overall"
+        {**_SFTS, "merged": "merged"}, "overall",
+        tuple(Comparison("merged", name, paper=PAPER_MERGE_OVERALL[name]) for name in SFT_VARIANTS),
+        secondary=tuple(Comparison("merged", name, metric=m, paper=PAPER_MERGE_OCR[name] if m == "ocrbench"
                                    else None)
-                        for m in ("overall", "chartqa", "docvqa") for name in SFT_VARIANTS),
-        paper_source="Table 6 (OCRBench; overall: the six-benchmark average)"),
+                        for m in _BENCHES for name in SFT_VARIANTS),
+        paper_source="Table 6 (overall: the six-benchmark average; OCRBench)"),
     # On DocVQA, one of the benchmarks Figure 4 names, with ChartQA beside it; the grid resizes their pages. Not on
     # OCRBench: every upscaled setting turns its 112 x 28 strips into 84-112 px tall ones, a shape no min_pixels
     # keeps, so it would read 0 for every model and decide the minimum and median by construction. The tiny model
@@ -124,10 +133,12 @@ CLAIMS: dict[str, Claim] = {
     "phases": Claim(
         "phases", "Three phases beat the alternatives (Table 17): 3-phase > 2-phase > 2-phase*, and 3-phase >= "
         "4-phase.",
-        {"3-phase": SFT_4K, "2-phase": "multitask", "2-phase*": "2phase-sft", "4-phase": "4phase-sft"}, "ocrbench",
-        (Comparison("3-phase", "2-phase", paper=0.006), Comparison("2-phase", "2-phase*", paper=0.021),
-         Comparison("3-phase", "4-phase", ">=", NON_INFERIORITY, paper=0.04)),
-        paper_source="Table 17 (OCRBench)"),
+        {"3-phase": SFT_4K, "2-phase": "multitask", "2-phase*": "2phase-sft", "4-phase": "4phase-sft"}, "overall",
+        tuple(Comparison(b, o, r, m, paper=PAPER_PHASES[b, o][1]) for b, o, r, m in _PHASE_PAIRS),
+        secondary=tuple(Comparison(b, o, r, m, metric=bench, paper=PAPER_PHASES[b, o][0] if bench == "ocrbench"
+                                   else None)
+                        for bench in _BENCHES for b, o, r, m in _PHASE_PAIRS),
+        paper_source="Table 17 (overall: the six-benchmark average; OCRBench)"),
     "lm-merge": Claim(
         "lm-merge", "Merging the language model with its base restores text ability after vision-language training "
         "(Table 7).",

@@ -104,12 +104,13 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
              "below 0), else *inconclusive* at this scale. *Detectable*: the smallest true difference each claimed "
              "comparison would detect with 80% power at this run's seed spread (the Power tables below), beside the "
              "paper's own differences.", "",
-             "| claim | verdict | detectable (points) | paper (points) |", "| --- | --- | --- | --- |"]
+             "| claim | verdict | on | detectable (points) | paper (points) |", "| --- | --- | --- | --- | --- |"]
     for name, claim in analysis["claims"].items():
         power = [c["power"] for c in claim["comparisons"]]
         detectable = ", ".join(_pts(p["detectable"]) for p in power)
         paper = ", ".join(_pts(p["paper"], True) for p in power)
-        lines.append(f"| {name} | {claim['verdict'] or '—'} | {detectable} | {paper} |")
+        on = f"{claim['metric']} over the grid" if claim["grid"] else claim["metric"]
+        lines.append(f"| {name} | {claim['verdict'] or '—'} | {on} | {detectable} | {paper} |")
     lines.append("")
     for name, claim in analysis["claims"].items():
         plots = [p for p in (plot_claim(out, name, claim),) if p is not None]

@@ -100,9 +100,11 @@ def test_merge_claim_numbers_and_verdicts():
     claim = analyse(["merge"], seeds)["claims"]["merge"]
     merged = claim["variants"]["merged"]["metrics"]["ocrbench"]
     assert merged["values"] == [0.75, 0.8, 0.7] and merged["std"] == pytest.approx(0.05)
+    assert claim["metric"] == "overall" and claim["variants"]["merged"]["metrics"]["overall"]["values"] == \
+        pytest.approx([0.25, 16 / 60, 14 / 60])
     cmp = {c["other"]: c for c in claim["comparisons"]}
-    # merged - sft-1024 per seed: 3/20, 4/20, 3/20 -> mean 1/6, sd 0.05/sqrt(3), t(2) = 4.303
-    d = [0.15, 0.2, 0.15]
+    # On overall (the 60 items of the three benchmarks), merged - sft-1024 per seed: 3/60, 4/60, 3/60; t(2) = 4.303
+    d = [3 / 60, 4 / 60, 3 / 60]
     half = 4.303 * statistics.stdev(d) / math.sqrt(3)
     assert cmp["sft-1024"]["seed_ci"]["mean"] == pytest.approx(statistics.mean(d))
     assert cmp["sft-1024"]["seed_ci"]["low"] == pytest.approx(statistics.mean(d) - half)
