@@ -12,7 +12,12 @@ from safetensors.torch import load_file, save_file
 
 import mindvl.checkpoint.merge as merge_mod
 from mindvl.checkpoint import TensorFolder, load_model, save_pretrained
-from mindvl.checkpoint.merge import merge_checkpoints, merge_language_model, normalise_weights
+from mindvl.checkpoint.merge import (
+    merge_checkpoints,
+    merge_language_model,
+    normalise_weights,
+    transplant_vision_tower,
+)
 from mindvl.checkpoint.safetensors_io import StreamingShardWriter
 from mindvl.cli import main as cli_main
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
@@ -175,6 +180,35 @@ def test_language_model_merge_refuses_a_different_llm(ckpts, tmp_path):
     with pytest.raises(ValueError, match="pass exactly one"):
         merge_checkpoints([root / "a", root / "b"], tmp_path / "m", language_model_from=tmp_path / "v200")
     assert not (tmp_path / "m").exists()
+
+
+def test_transplanted_vision_tower_is_the_donors_and_the_rest_the_bases(ckpts, tmp_path):
+    root, states = ckpts
+    res = transplant_vision_tower(root / "a", root / "b", tmp_path / "t")  # b is sharded: names are found per shard
+    got = load_model(tmp_path / "t").state_dict()
+    assert got.keys() == states["a"].keys() and res.averaged == 0 and res.copied == len(states["a"])
+    visual = [k for k in got if k.startswith("visual.")]
+    assert visual and any(k.startswith("projector.") for k in got) and any(k.startswith("language_model.") for k in got)
+    for name, tensor in got.items():
+        want = states["b" if name.startswith("visual.") else "a"][name]
+        assert torch.equal(tensor, want), name
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["source"]["merged_tensors"] == "visual" and cfg["source"]["merge_weights"] == [0.0, 1.0]
+    # A bf16 donor into an fp32 base: the base's dtype, the donor's values.
+    transplant_vision_tower(root / "a", root / "p", tmp_path / "t16")
+    got16 = load_model(tmp_path / "t16").state_dict()
+    for name in visual:
+        assert got16[name].dtype == torch.float32 and torch.equal(got16[name], states["p"][name].float()), name
+
+
+def test_a_vision_tower_of_another_shape_is_refused_naming_the_key(ckpts, tmp_path):
+    root, _ = ckpts
+    other = MindVLConfig(text=TextConfig(**{**TEXT, "mrope_section": [2, 3, 3]}),
+                         vision=VisionConfig(**{**VISION, "intermediate_size": 64}), **TOKENS)
+    save_pretrained(randomised(other, 9), tmp_path / "wide")
+    with pytest.raises(ValueError, match=r"differs from .* in vision\.intermediate_size"):
+        transplant_vision_tower(root / "a", tmp_path / "wide", tmp_path / "t")
+    assert not (tmp_path / "t").exists()
 
 
 def test_different_architectures_are_refused_naming_the_key(ckpts, tmp_path):

@@ -1,11 +1,13 @@
 """Streaming weight averaging of mindvl model folders: the paper's model merging (MindVL §5.3, §6.3).
 
-Two recipes:
+Three recipes:
 - `merge_checkpoints(inputs, out)`: the weighted average of whole models of one architecture. MindVL-8B is the plain
   mean of the SFT models trained at 2K, 4K and 8K sequence length.
 - `merge_checkpoints([mllm], out, language_model_from=base)` (or `merge_language_model`): only the language model is
   averaged with a base LLM's; the vision tower and projector are copied bit for bit from the multimodal checkpoint.
   MindVL-671B-A37B is the 4K SFT model with its LLM merged with DeepSeek-V3 to keep the pure-text ability.
+- `transplant_vision_tower(base, donor, out)`: `base` with `donor`'s vision tower, copied bit for bit (a pretrained
+  ViT behind a fresh projector and a pretrained LLM: how the paper's models start).
 
 Weights are relative and are normalised to sum to 1: `2,1,1` means 0.5/0.25/0.25, and the default is the uniform mean
 (the paper's "simple averaging"; 0.5/0.5 for the language-model merge). Normalising keeps the result a convex
@@ -59,6 +61,7 @@ PROVENANCE_KEYS = ("source", "projector_seed")
 # adds M-RoPE sections for image positions, and the position limit is a setting, not a parameter.
 LM_MERGE_IGNORED_TEXT_KEYS = ("mrope_section", "max_position_embeddings")
 LM_PREFIX = "language_model."
+VISUAL_PREFIX = "visual."
 # HF families whose LLM tensors map one to one onto mindvl's by name, so a base can be read in place. Others (a
 # deepseek_v3's per-expert tensors are stacked on import) are converted once with `mindvl convert` first.
 RENAME_ONLY_FAMILIES = ("qwen3", "qwen2", "qwen2_5_vl")
@@ -192,6 +195,36 @@ def merge_language_model(mllm: str | os.PathLike, base: str | os.PathLike, out: 
         entries.append(_Entry(name, written, shapes[name], sources))
     config = _merged_config(cfg, [mllm, base], [cfg, base_cfg], norm, "language_model")
     return _write(entries, Path(out), config, mllm, overwrite, max_shard_bytes, [mllm, base], norm)
+
+
+def transplant_vision_tower(base: str | os.PathLike, donor: str | os.PathLike, out: str | os.PathLike,
+                            overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> MergeResult:
+    """`base` with its vision tower (`visual.*`) replaced by `donor`'s, bit for bit where the dtypes agree (else in
+    `base`'s dtype); the projector and language model stay `base`'s. The paper's starting point at toy scale: a
+    pretrained ViT, a freshly initialised projector and a pretrained LLM (`base` is then a model whose projector was
+    never trained). Both are mindvl folders whose vision configs and vision tensors agree; the text parts may differ
+    (the projector maps into `base`'s LLM).
+    """
+    base, donor = Path(base), Path(donor)
+    _check_out_is_not_an_input(Path(out), [base, donor])
+    cfg, folder = _open_mindvl(base)
+    donor_cfg, donor_folder = _open_mindvl(donor)
+    diff = _first_difference(asdict(cfg.vision), asdict(donor_cfg.vision), "vision.")
+    if diff:
+        raise ValueError(f"{donor / CONFIG_NAME} differs from {base / CONFIG_NAME} in {diff}; a vision tower moves "
+                         "only between models of one vision architecture")
+    shapes = folder.shapes()
+    check_tensors(shapes, expected_shapes(cfg), str(base))
+    visual = {n: s for n, s in shapes.items() if n.startswith(VISUAL_PREFIX)}
+    donor_visual = {n: s for n, s in donor_folder.shapes().items() if n.startswith(VISUAL_PREFIX)}
+    _check_same_tensors(base, visual, donor, donor_visual, what="vision-tower tensors")
+    dtypes = folder.dtypes()
+    # Every tensor in `base`'s dtype (the donor only donates weights, as the base LLM of a language-model merge).
+    entries = [_Entry(name, dtypes[name], shapes[name],
+                      (_Source(donor_folder if name in visual else folder, name, 1.0),)) for name in folder.names()]
+    # Provenance as for the other merges: the vision tensors with weights 0 (base) and 1 (donor).
+    config = _merged_config(cfg, [base, donor], [cfg, donor_cfg], [0.0, 1.0], "visual")
+    return _write(entries, Path(out), config, base, overwrite, max_shard_bytes, [base, donor], [0.0, 1.0])
 
 
 def normalise_weights(weights: list[float] | None, inputs: list[str]) -> list[float]:
