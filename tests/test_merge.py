@@ -186,8 +186,10 @@ def test_transplanted_vision_tower_is_the_donors_and_the_rest_the_bases(ckpts, t
     root, states = ckpts
     res = transplant_vision_tower(root / "a", root / "b", tmp_path / "t")  # b is sharded: names are found per shard
     got = load_model(tmp_path / "t").state_dict()
-    assert got.keys() == states["a"].keys() and res.averaged == 0 and res.copied == len(states["a"])
     visual = [k for k in got if k.startswith("visual.")]
+    assert got.keys() == states["a"].keys() and res.averaged == 0
+    assert (res.transplanted, res.copied) == (len(visual), len(states["a"]) - len(visual))
+    assert f"the vision tower ({len(visual)} tensors) from {root / 'b'}" in res.describe()
     assert visual and any(k.startswith("projector.") for k in got) and any(k.startswith("language_model.") for k in got)
     for name, tensor in got.items():
         want = states["b" if name.startswith("visual.") else "a"][name]

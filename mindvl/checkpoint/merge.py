@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,13 @@ class MergeResult:
     copied: int  # tensors copied from the first input (the vision tower and projector of a language-model merge)
     total_bytes: int
     files: list[str]
+    transplanted: int = 0  # vision-tower tensors copied from the second input (transplant_vision_tower)
 
     def describe(self) -> str:
+        if self.transplanted:
+            return (f"wrote {self.out}: the vision tower ({self.transplanted} tensors) from {self.inputs[1]}, "
+                    f"{self.copied} tensors from {self.inputs[0]}; {self.total_bytes / 1e6:.1f} MB in "
+                    f"{len(self.files)} file(s)")
         weights = ", ".join(f"{w:.4g}" for w in self.weights)
         copied = f", {self.copied} copied from {self.inputs[0]}" if self.copied else ""
         return (f"wrote {self.out}: {self.averaged} tensors averaged over {', '.join(self.inputs)} "
@@ -224,7 +229,8 @@ def transplant_vision_tower(base: str | os.PathLike, donor: str | os.PathLike, o
                       (_Source(donor_folder if name in visual else folder, name, 1.0),)) for name in folder.names()]
     # Provenance as for the other merges: the vision tensors with weights 0 (base) and 1 (donor).
     config = _merged_config(cfg, [base, donor], [cfg, donor_cfg], [0.0, 1.0], "visual")
-    return _write(entries, Path(out), config, base, overwrite, max_shard_bytes, [base, donor], [0.0, 1.0])
+    result = _write(entries, Path(out), config, base, overwrite, max_shard_bytes, [base, donor], [0.0, 1.0])
+    return replace(result, copied=result.copied - len(visual), transplanted=len(visual))
 
 
 def normalise_weights(weights: list[float] | None, inputs: list[str]) -> list[float]:
