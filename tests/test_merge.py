@@ -31,9 +31,9 @@ TOKENS = dict(image_token_id=H.IMAGE_TOKEN, video_token_id=H.VIDEO_TOKEN, vision
               vision_end_token_id=H.VISION_END)
 
 
-def mllm_config(**text) -> MindVLConfig:
-    return MindVLConfig(text=TextConfig(**{**TEXT, "mrope_section": [2, 3, 3], **text}), vision=VisionConfig(**VISION),
-                        **TOKENS)
+def mllm_config(vision: dict | None = None, **text) -> MindVLConfig:
+    return MindVLConfig(text=TextConfig(**{**TEXT, "mrope_section": [2, 3, 3], **text}),
+                        vision=VisionConfig(**{**VISION, **(vision or {})}), **TOKENS)
 
 
 def randomised(config: MindVLConfig, seed: int, dtype: torch.dtype = torch.float32) -> MindVL:
@@ -205,9 +205,7 @@ def test_transplanted_vision_tower_is_the_donors_and_the_rest_the_bases(ckpts, t
 
 def test_a_vision_tower_of_another_shape_is_refused_naming_the_key(ckpts, tmp_path):
     root, _ = ckpts
-    other = MindVLConfig(text=TextConfig(**{**TEXT, "mrope_section": [2, 3, 3]}),
-                         vision=VisionConfig(**{**VISION, "intermediate_size": 64}), **TOKENS)
-    save_pretrained(randomised(other, 9), tmp_path / "wide")
+    save_pretrained(randomised(mllm_config(vision={"intermediate_size": 64}), 9), tmp_path / "wide")
     with pytest.raises(ValueError, match=r"differs from .* in vision\.intermediate_size"):
         transplant_vision_tower(root / "a", tmp_path / "wide", tmp_path / "t")
     assert not (tmp_path / "t").exists()

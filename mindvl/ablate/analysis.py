@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import CLAIMS, GRID_STATS, Claim, Comparison
+from .plan import BENCHES, CLAIMS, GRID_STATS, Claim, Comparison
 from .stats import (
     bootstrap_ci,
     claim_verdict,
@@ -25,7 +25,6 @@ from .stats import (
     seeds_for,
 )
 
-BENCHES = ("ocrbench", "chartqa", "docvqa")
 # Exact match on each synthetic benchmark, their mean (`overall`: the paper's Overall column, over equal item counts
 # the mean of the three), and the text probe.
 METRICS = (*BENCHES, "overall", "text")

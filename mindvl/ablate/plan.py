@@ -106,7 +106,7 @@ PAPER_PHASES = {("3-phase", "2-phase"): (0.006, 0.012), ("2-phase", "2-phase*"):
 # (Tables 6 and 17), and the one metric that discriminates at both scales. OCRBench alone decided them until
 # session 10, but at `small` every OCR model that reads sits at 97-100% (the ceiling), and at `tiny` the pages are
 # the ones near the floor; each benchmark is shown beside the verdict with its own interval.
-_BENCHES = ("ocrbench", "chartqa", "docvqa")
+BENCHES = ("ocrbench", "chartqa", "docvqa")  # the synthetic benchmarks every model is scored on
 CLAIMS: dict[str, Claim] = {
     "merge": Claim(
         "merge", "Averaging the three SFT models (2K/4K/8K with their max_pixels) beats every one of them (Table 6).",
@@ -114,7 +114,7 @@ CLAIMS: dict[str, Claim] = {
         tuple(Comparison("merged", name, paper=PAPER_MERGE_OVERALL[name]) for name in SFT_VARIANTS),
         secondary=tuple(Comparison("merged", name, metric=m, paper=PAPER_MERGE_OCR[name] if m == "ocrbench"
                                    else None)
-                        for m in _BENCHES for name in SFT_VARIANTS),
+                        for m in BENCHES for name in SFT_VARIANTS),
         paper_source="Table 6 (overall: the six-benchmark average; OCRBench)"),
     # On DocVQA, one of the benchmarks Figure 4 names, with ChartQA beside it; the grid resizes their pages. Not on
     # OCRBench: every upscaled setting turns its 112 x 28 strips into 84-112 px tall ones, a shape no min_pixels
@@ -137,7 +137,7 @@ CLAIMS: dict[str, Claim] = {
         tuple(Comparison(b, o, rel, margin, paper=PAPER_PHASES[b, o][1]) for b, o, rel, margin in _PHASE_PAIRS),
         secondary=tuple(Comparison(b, o, rel, margin, metric=bench,
                                    paper=PAPER_PHASES[b, o][0] if bench == "ocrbench" else None)
-                        for bench in _BENCHES for b, o, rel, margin in _PHASE_PAIRS),
+                        for bench in BENCHES for b, o, rel, margin in _PHASE_PAIRS),
         paper_source="Table 17 (overall: the six-benchmark average; OCRBench)"),
     "lm-merge": Claim(
         "lm-merge", "Merging the language model with its base restores text ability after vision-language training "

@@ -6,8 +6,8 @@ Three recipes:
 - `merge_checkpoints([mllm], out, language_model_from=base)` (or `merge_language_model`): only the language model is
   averaged with a base LLM's; the vision tower and projector are copied bit for bit from the multimodal checkpoint.
   MindVL-671B-A37B is the 4K SFT model with its LLM merged with DeepSeek-V3 to keep the pure-text ability.
-- `transplant_vision_tower(base, donor, out)`: `base` with `donor`'s vision tower, copied bit for bit (a pretrained
-  ViT behind a fresh projector and a pretrained LLM: how the paper's models start).
+- `transplant_vision_tower(base, donor, out)`: `base` with `donor`'s vision tower, copied (bit for bit where the
+  dtypes agree): a pretrained ViT behind a fresh projector and a pretrained LLM, how the paper's models start.
 
 Weights are relative and are normalised to sum to 1: `2,1,1` means 0.5/0.25/0.25, and the default is the uniform mean
 (the paper's "simple averaging"; 0.5/0.5 for the language-model merge). Normalising keeps the result a convex
