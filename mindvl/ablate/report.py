@@ -89,6 +89,20 @@ def power_section(claim: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def vision_line(vision: str | dict[str, Any]) -> str:
+    """Where every seed's vision tower started (runner.prepare_tower's record)."""
+    if vision == "random":
+        return ("Vision tower: each seed's own seeded init (`--vision-tower random`): no pretrained ViT, unlike the "
+                "paper's.")
+    if vision.get("source") != "trained":
+        return f"Vision tower: taken from `{vision['final']}` into every seed's base LLM."
+    seconds = sum(t["seconds"] for t in vision["training"].values())
+    return (f"Vision tower: pretrained, as the paper's: the tower of one `{vision['stage']}` chain at seed "
+            f"{vision['seed']} (steps {vision['steps']}; {seconds:.0f} s when trained), transplanted into every "
+            f"seed's base LLM with a fresh projector. It reads ChartQA {100 * vision['reads']['chartqa']:.1f}% and "
+            f"DocVQA {100 * vision['reads']['docvqa']:.1f}% at the training resolution.")
+
+
 def write_report(out: Path, analysis: dict[str, Any]) -> Path:
     cfg = analysis["config"]
     n = analysis["seeds"]
@@ -98,7 +112,7 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
              + (f"; overrides {cfg['overrides']}" if cfg["overrides"] else "") + ". "
              + ("A report of the claims finished so far (`--report-only`)." if cfg.get("report_only") else
                 f"Whole run {analysis['seconds']} s (reused runs count their original time below, not here)."),
-             "",
+             "", vision_line(cfg.get("vision", "random")), "",
              "Verdicts: *supported* when the 95% interval over seeds of every claimed difference lies above 0 (for "
              "\">=\": above minus the margin), *not supported* when one lies wholly at or below 0 (for \">=\": "
              "below 0), else *inconclusive* at this scale. *Detectable*: the smallest true difference each claimed "

@@ -7,6 +7,9 @@ Layout under OUT (every piece is reused by a rerun, so an interrupted ablation r
 
     bench/                     held-out synthetic OCRBench / ChartQA / DocVQA (the quickstart's), shared by all seeds
     synth/                     the synthetic training sets (seed-independent), generated once
+    tower/seed<t>/             the pretrained vision tower's chain (plan.TOWER_FROM at seed t) and tower.json (what
+                               it reads), trained once before any seed
+    seed<s>/start              `text` with the pretrained tower transplanted in: where the warm-up starts
     seed<s>/<stage>/           one training run each (quickstart.run_phase: phase.json once finished, else resume)
     seed<s>/merged, lm-merged  the merges
     seed<s>/eval/<model>/...   per-item predictions (resumable), text/<task>.jsonl for the text probe
@@ -26,7 +29,19 @@ from typing import Any
 
 from mindvl.quickstart import DEFAULT_SETTING, PX, eval_settings, recipe_dir, run_phase, write_benchmarks
 
-from .plan import CLAIMS, MERGES, RUN_ORDER, SCALES, STAGES, Scale, labels_for, stages_for
+from .plan import (
+    CLAIMS,
+    MERGES,
+    RUN_ORDER,
+    SCALES,
+    STAGES,
+    TOWER,
+    TOWER_FROM,
+    TOWER_SEED,
+    Scale,
+    labels_for,
+    stages_for,
+)
 from .text_eval import TEXT_TASK, evaluate_text
 
 RESULTS = "results.json"
@@ -49,9 +64,14 @@ def check_request(claims: list[str], seeds: int, scale: str | Scale, verdicts: b
 
 def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Scale = "tiny",
                  recipes: str | Path | None = None, overrides: list[str] | None = None, verdicts: bool = True,
-                 log=print, report_only: bool = False, jobs: int = 1) -> dict[str, Any]:
+                 log=print, report_only: bool = False, jobs: int = 1, vision: str = "trained",
+                 tower_seed: int = TOWER_SEED) -> dict[str, Any]:
     """Train, merge and evaluate seeds 0..seeds-1 for `claims`, then write OUT/report.md, PNGs and ablation.json;
     returns the analysis (see mindvl.ablate.analysis.analyse). `scale` names one of SCALES or is a Scale.
+
+    `vision`: where every seed's vision tower starts. `trained` (default): a pretrained tower, the paper's set-up,
+    trained here once at `tower_seed` (see `prepare_tower`); `random`: each seed's own seeded init (the records
+    before session 11); else a mindvl model folder whose `visual.*` is transplanted.
 
     `jobs` > 1: that many seeds at once, each in its own process with cores / jobs threads (a tiny model gains
     little from a second thread: 1.35x measured, so two one-thread seeds use two cores better than one two-thread
@@ -62,6 +82,9 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
     check_request(claims, seeds, scale, verdicts)
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: must be >= 1")
+    if vision not in ("trained", "random") and not (Path(vision) / "config.json").is_file():
+        raise ValueError(f"--vision-tower {vision}: not a mindvl model folder (no config.json there); give one, or "
+                         "trained or random")
     out = Path(out)
     recipes = Path(recipes) if recipes else recipe_dir()
     sc = scale if isinstance(scale, Scale) else SCALES[scale]
@@ -79,46 +102,61 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
                              "report")
         # The runs may have used another budget than the one named now: report what they were trained with.
         trained = {name: t["steps"] for s in per_seed for name, t in s["training"].items()}
-        config.update(scale="as trained", steps=trained)
+        config.update(scale="as trained", steps=trained, vision=_vision_of(per_seed[0]))
         return _finish(ready, per_seed, verdicts, out, config, start, log)
     benches = _benchmarks(out / "bench", sc.bench_items)
     config["jobs"] = jobs
     if jobs > 1 and seeds > 1:
-        per_seed = _run_seeds_parallel(claims, seeds, out, recipes, sc, list(overrides or []), benches, jobs, log)
+        prepare_synth(claims, out, recipes, sc, list(overrides or []), log)  # once, not raced by every worker
+    tower = prepare_tower(vision, tower_seed, out, recipes, sc, list(overrides or []), benches, log)
+    config["vision"] = tower or "random"
+    tower_final = Path(tower["final"]) if tower else None
+    if jobs > 1 and seeds > 1:
+        per_seed = _run_seeds_parallel(claims, seeds, out, recipes, sc, list(overrides or []), benches, jobs,
+                                       tower_final, log)
         return _finish(claims, per_seed, verdicts, out, config, start, log)
     per_seed = []
     for seed in range(seeds):
         t0 = time.perf_counter()
         log(f"--- seed {seed} ---")
-        per_seed.append(run_seed(claims, seed, out, recipes, sc, list(overrides or []), benches, log))
+        per_seed.append(run_seed(claims, seed, out, recipes, sc, list(overrides or []), benches, log, tower_final))
         log(f"seed {seed} done in {time.perf_counter() - t0:.0f} s")
     return _finish(claims, per_seed, verdicts, out, config, start, log)
 
 
+def _vision_of(seed_result: dict[str, Any]) -> str | dict[str, Any]:
+    """The tower a finished seed started from, as prepare_tower recorded it (its tower.json beside a trained one)."""
+    vision = seed_result["budget"].get("vision", "random")
+    if vision == "random":
+        return vision
+    info = Path(vision).parent.parent / TOWER_INFO  # tower/seed<t>/<TOWER_FROM>/final -> tower/seed<t>/tower.json
+    return json.loads(info.read_text()) if info.is_file() else {"source": vision, "final": vision}
+
+
 def _seed_worker(threads: int, claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale,
-                 overrides: list[str], benches: dict[str, Path]) -> dict[str, Any]:
+                 overrides: list[str], benches: dict[str, Path], tower: Path | None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     result = run_seed(claims, seed, out, recipes, sc, overrides, benches,
-                      lambda line: print(f"[seed {seed}] {line}", flush=True))
+                      lambda line: print(f"[seed {seed}] {line}", flush=True), tower)
     print(f"[seed {seed}] done in {time.perf_counter() - t0:.0f} s", flush=True)
     return result
 
 
 def _run_seeds_parallel(claims: list[str], seeds: int, out: Path, recipes: Path, sc: Scale, overrides: list[str],
-                        benches: dict[str, Path], jobs: int, log) -> list[dict[str, Any]]:
-    """Seeds in `jobs` spawned processes; results in seed order."""
+                        benches: dict[str, Path], jobs: int, tower: Path | None, log) -> list[dict[str, Any]]:
+    """Seeds in `jobs` spawned processes (the synthetic sets and the tower made beforehand); results in seed
+    order."""
     import multiprocessing as mp
     import os
     from concurrent.futures import ProcessPoolExecutor
 
-    prepare_synth(claims, out, recipes, sc, overrides, log)  # once, not raced by every worker
     threads = max(1, (os.cpu_count() or 1) // jobs)
     log(f"--- seeds 0..{seeds - 1}, {jobs} at a time, {threads} thread(s) each ---")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_seed_worker, threads, claims, seed, out, recipes, sc, overrides, benches)
+        futures = [pool.submit(_seed_worker, threads, claims, seed, out, recipes, sc, overrides, benches, tower)
                    for seed in range(seeds)]
         return [f.result() for f in futures]
 
@@ -176,9 +214,73 @@ def _benchmarks(folder: Path, n: int) -> dict[str, Path]:
     return benches
 
 
+def train_stages(names: list[str], root: Path, seed: int, steps: dict[str, int], recipes: Path, cache: Path,
+                 overrides: list[str], models: dict[str, Path], log=print) -> dict[str, Any]:
+    """Train the stages `names` (parents first) that `models` lacks into ROOT/<stage> at `seed`, each from its
+    parent's final weights; a parent that is a merge (`start`) is made when first needed. Adds each final folder to
+    `models`; returns {stage: its run_phase summary, less the recipe}."""
+    training: dict[str, Any] = {}
+    for name in [n for n in names if n not in models]:
+        stage = STAGES[name]
+        if stage.parent in MERGES and stage.parent not in models:
+            models[stage.parent] = make_merge(stage.parent, root, models, log)
+        parent = models[stage.parent] if stage.parent else None
+        extra = [*stage.extra, f"max_steps={steps[stage.recipe]}", *seed_overrides(seed), *overrides]
+        summary = run_phase(name, recipes / stage.recipe, root, cache, parent, extra, log)
+        training[name] = {k: v for k, v in summary.items() if k != "recipe"}
+        models[name] = Path(summary["final"])
+    return training
+
+
+TOWER_INFO = "tower.json"
+
+
+def prepare_tower(vision: str, seed: int, out: Path, recipes: Path, sc: Scale, overrides: list[str],
+                  benches: dict[str, Path], log=print) -> dict[str, Any] | None:
+    """The pretrained vision tower every seed starts from (None for `random`): for `trained`, plan.TOWER_FROM's
+    chain at `seed` with `sc.tower_steps`, trained once under OUT/tower/seed<seed> (a rerun reuses it, a changed
+    budget is refused by run_phase), then its ChartQA and DocVQA exact match at the training resolution, which must
+    reach `sc.tower_reads`; else `vision` names a mindvl model folder. Returns what OUT/tower/.../tower.json holds."""
+    from mindvl.eval.runner import write_json
+
+    if vision == "random":
+        return None
+    if vision != "trained":  # a model folder (run_ablation checked it is one)
+        return {"source": vision, "final": vision}
+    root = out / "tower" / f"seed{seed}"
+    models: dict[str, Path] = {}  # no TOWER here: the chain's own tower starts seeded random
+    log(f"--- pretrained vision tower: {TOWER_FROM} chain at seed {seed} under {root} ---")
+    training = train_stages(stages_for([TOWER_FROM]), root, seed, sc.tower_steps, recipes, out / "synth",
+                            overrides, models, log)
+    final = models[TOWER_FROM]
+    reads = _reads_pages(final, root / "eval", benches)
+    info = {"source": "trained", "seed": seed, "stage": TOWER_FROM, "steps": sc.tower_steps, "final": str(final),
+            "reads": reads, "training": training}
+    write_json(root / TOWER_INFO, info)
+    log(f"tower: ChartQA {reads['chartqa']:.1%}, DocVQA {reads['docvqa']:.1%} at the training resolution")
+    if min(reads.values()) < sc.tower_reads:
+        raise ValueError(f"{root}: the pretrained tower's chain reads ChartQA {reads['chartqa']:.1%} and DocVQA "
+                         f"{reads['docvqa']:.1%}, under the {sc.tower_reads:.0%} it must reach; give another "
+                         "--tower-seed (its chain trains anew), or --vision-tower random")
+    return info
+
+
+def _reads_pages(model: Path, out: Path, benches: dict[str, Path]) -> dict[str, float]:
+    """`model`'s ChartQA and DocVQA exact match at the training resolution."""
+    from mindvl.eval.resolution_search import search_resolution
+    from mindvl.eval.runner import item_exact_matches
+
+    pages = {b: benches[b] for b in ("chartqa", "docvqa")}
+    search_resolution({TOWER: model}, pages, [(4 * PX, 64 * PX)], out, eval_settings(), device="cpu",
+                      log=lambda line: None)
+    items = {b: item_exact_matches(out / TOWER / b / f"{DEFAULT_SETTING}.jsonl") for b in pages}
+    return {b: round(sum(v) / len(v), 4) for b, v in items.items()}
+
+
 def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, overrides: list[str],
-             benches: dict[str, Path], log=print) -> dict[str, Any]:
+             benches: dict[str, Path], log=print, tower: Path | None = None) -> dict[str, Any]:
     """One seed's training, merges and evaluations; returns (and stores as seed<s>/results.json) its scores.
+    `tower`: the pretrained model whose vision tower `start` takes (None: `text`'s own seeded tower).
 
     Claims are worked through cheapest first and results.json is rewritten after each, so a seed stopped part-way
     already holds the finished claims' numbers (and a rerun picks up from there)."""
@@ -187,12 +289,13 @@ def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, 
     root = out / f"seed{seed}"
     done = root / RESULTS
     budget = {"steps": sc.steps, "bench_items": sc.bench_items, "grid": sc.grid, "overrides": overrides,
-              "recipes": str(recipes)}
+              "recipes": str(recipes), "vision": str(tower) if tower else "random"}
     result: dict[str, Any] = {"seed": seed, "budget": budget, "claims": [], "models": {}, "training": {},
                               "scores": {}, "eval_seconds": 0.0}
     if done.is_file():
         result = json.loads(done.read_text())
-        if result.get("budget", budget) != budget:
+        result.setdefault("budget", budget).setdefault("vision", "random")  # written before the pretrained tower
+        if result["budget"] != budget:
             keys = sorted(k for k in budget if result["budget"].get(k) != budget[k])
             raise ValueError(f"{done} was made with another budget (differs in {', '.join(keys)}); write to another "
                              "--out or delete it")
@@ -200,17 +303,14 @@ def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, 
             log(f"seed {seed}: reused {done}")
             return result
     models = {label: Path(path) for label, path in result["models"].items()}
+    if tower is not None:
+        models[TOWER] = tower
     for claim in sorted(claims, key=RUN_ORDER.index):
         if claim in result["claims"]:
             continue
         labels = labels_for([claim])
-        for name in [n for n in stages_for(labels) if n not in models]:  # shared stages: once per seed
-            stage = STAGES[name]
-            parent = models[stage.parent] if stage.parent else None
-            extra = [*stage.extra, f"max_steps={sc.steps[stage.recipe]}", *seed_overrides(seed), *overrides]
-            summary = run_phase(name, recipes / stage.recipe, root, out / "synth", parent, extra, log)
-            result["training"][name] = {k: v for k, v in summary.items() if k != "recipe"}
-            models[name] = Path(summary["final"])
+        result["training"].update(train_stages(stages_for(labels), root, seed, sc.steps, recipes, out / "synth",
+                                               overrides, models, log))
         for name in [m for m in MERGES if m in labels]:
             models[name] = make_merge(name, root, models, log)
         t0 = time.perf_counter()
@@ -219,27 +319,32 @@ def run_seed(claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale, 
         for label, per in scores.items():
             result["scores"].setdefault(label, {}).update(per)
         result["eval_seconds"] = round(result["eval_seconds"] + time.perf_counter() - t0, 1)
-        result["models"] = {label: str(path) for label, path in models.items()}
+        result["models"] = {label: str(path) for label, path in models.items() if label != TOWER}
         result["claims"].append(claim)
         write_json(done, result)
     return result
 
 
 def make_merge(name: str, root: Path, models: dict[str, Path], log=print) -> Path:
-    """`merged` (the SFT average) or `lm-merged` (the 4K SFT model's language model averaged with the base LLM);
-    an existing merge is reused (merges are written atomically, so a folder there is complete)."""
-    from mindvl.checkpoint.merge import merge_checkpoints
+    """`start` (text with the pretrained tower; `text` itself when there is none), `merged` (the SFT average) or
+    `lm-merged` (the 4K SFT model's language model averaged with the base LLM); an existing merge is reused (merges
+    are written atomically, so a folder there is complete)."""
+    from mindvl.checkpoint.merge import merge_checkpoints, transplant_vision_tower
 
+    kind, inputs = MERGES[name]
+    if kind == "transplant" and inputs[1] not in models:
+        return models[inputs[0]]
     target = root / name
     if (target / "config.json").is_file():
         return target
-    kind, inputs = MERGES[name]
     if kind == "average":
         merge_checkpoints([models[i] for i in inputs], target)
+    elif kind == "transplant":
+        transplant_vision_tower(models[inputs[0]], models[inputs[1]], target)
     else:
         mllm, base = inputs
         merge_checkpoints([models[mllm]], target, language_model_from=models[base])
-    log(f"{name:>9}: {kind} merge of {', '.join(inputs)}")
+    log(f"{name:>9}: {kind} of {', '.join(inputs)}")
     return target
 
 

@@ -19,6 +19,12 @@ def register(subparsers) -> None:
                    "cores/jobs threads (default 1; 2 on a 2-core machine uses both cores best)")
     p.add_argument("--recipes", default=None, help="folder with text/warmup/pretrain/multitask/sft.yaml (default: "
                    "the tiny ones)")
+    p.add_argument("--vision-tower", default="trained", help="where every seed's vision tower starts: trained (a "
+                   "pretrained tower, as the paper's: one whole chain trained once under OUT/tower at --tower-seed "
+                   "and the small budget, about 15 min on 2 cores, reused by reruns), random (each seed's seeded "
+                   "init), or a mindvl model folder whose vision tower to take (default trained)")
+    p.add_argument("--tower-seed", type=int, default=None, help="seed of the pretrained tower's chain (default "
+                   "1000, apart from the ablation's seeds)")
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
     p.add_argument("--report-only", action="store_true", help="train nothing: report the claims the seeds under "
                    "--out have finished so far (e.g. while the ablation runs in another process)")
@@ -38,5 +44,6 @@ def run(args) -> int:
     # A stopped training run advises this very command: a rerun reuses finished runs and resumes the stopped one.
     with rerun_command(shlex.join(["mindvl", *sys.argv[1:]])):
         run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
-                     verdicts=not args.no_verdict, report_only=args.report_only, jobs=args.jobs)
+                     verdicts=not args.no_verdict, report_only=args.report_only, jobs=args.jobs,
+                     vision=args.vision_tower, **({} if args.tower_seed is None else {"tower_seed": args.tower_seed}))
     return 0

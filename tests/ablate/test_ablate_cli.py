@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindvl.ablate.plan import ABLATIONS, RUN_ORDER, STAGES, labels_for, parse_ablations, stages_for
+from mindvl.ablate.plan import ABLATIONS, MERGES, RUN_ORDER, STAGES, TOWER, labels_for, parse_ablations, stages_for
 from mindvl.cli import main
 
 
@@ -36,5 +36,9 @@ def test_parse_and_plan():
     assert sorted(order) == sorted(STAGES)
     for name in order:
         parent = STAGES[name].parent
-        assert parent is None or order.index(parent) < order.index(name)
+        # A parent is trained before its child; a parent that is a merge (`start`) has its trained inputs before.
+        if parent is None:
+            continue
+        before = [i for i in MERGES[parent][1] if i != TOWER] if parent in MERGES else [parent]
+        assert before and all(order.index(p) < order.index(name) for p in before), name
     assert stages_for(labels_for(["lm-merge"])) == ["text", "warmup", "multitask", "sft-1024"]

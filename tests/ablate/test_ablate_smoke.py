@@ -1,6 +1,7 @@
 """`mindvl ablate all` wired end to end at the smallest scale (one seed, 6 steps per stage, 3 items per benchmark):
-the report's structure, that every variant trained (its loss fell), that each stage trains what it should, and that
-an interrupted ablation resumes where it stopped. Not the verdicts: one seed and six steps decide nothing."""
+the report's structure, that every variant trained (its loss fell), that each stage trains what it should (the
+warm-up from the pretrained tower), and that an interrupted ablation resumes where it stopped. Not the verdicts: one
+seed and six steps decide nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from ablate_helpers import small_recipes
 
 from mindvl.ablate import run_ablation
-from mindvl.ablate.plan import ABLATIONS, CLAIMS, STAGES, Scale
+from mindvl.ablate.plan import ABLATIONS, CLAIMS, MERGES, STAGES, TOWER_FROM, TOWER_SEED, Scale, stages_for
 from mindvl.checkpoint.safetensors_io import TensorFolder
 
 STEPS = 6
@@ -54,8 +55,14 @@ def test_ablate_all_smoke_and_resume(tmp_path):
         t = analysis["training"][name]
         assert t["steps"] == STEPS and t["last_loss"][0] < t["first_loss"][0], name
         recipe = json.loads((seed0 / name / "recipe.json").read_text())
-        parent = str(seed0 / stage.parent / "final") if stage.parent else None
+        parent = None if stage.parent is None else str(seed0 / stage.parent) if stage.parent in MERGES else str(
+            seed0 / stage.parent / "final")
         assert recipe["model"]["init_from"] == parent and recipe["data"]["seed"] == 0, name
+    # The warm-up starts from the base LLM with the pretrained tower (trained once, at its own seed) transplanted in.
+    start, text, tower = (tensors(seed0 / "start"), tensors(seed0 / "text" / "final"),
+                          tensors(out / "tower" / f"seed{TOWER_SEED}" / TOWER_FROM / "final"))
+    assert all(torch.equal(start[k], tower[k] if k.startswith("visual.") else text[k]) for k in text)
+    assert any(not torch.equal(text[k], tower[k]) for k in text if k.startswith("visual."))
     # The 4-phase pretrain trains ViT + projector and leaves the language model as the warm-up left it.
     warm, pre = tensors(seed0 / "warmup" / "final"), tensors(seed0 / "4phase-pretrain" / "final")
     lm = [k for k in warm if k.startswith("language_model.")]
@@ -76,9 +83,9 @@ def test_ablate_all_smoke_and_resume(tmp_path):
     lines: list[str] = []
     again = run_ablation(list(ABLATIONS), 1, out, SMOKE, recipes, verdicts=False, log=lines.append)
     reused = [line.split(":")[0].strip() for line in lines if "reused" in line]
-    assert sorted(reused) == sorted(set(STAGES) - {"4phase-sft"})
+    assert sorted(reused) == sorted([*stages_for([TOWER_FROM]), *(set(STAGES) - {"4phase-sft"})])
     assert again["claims"] == analysis["claims"]
     # Another budget into the same folder is refused in one line rather than mixed with these runs.
-    other = Scale({**SMOKE.steps, "sft.yaml": STEPS + 1}, SMOKE.bench_items, SMOKE.grid)
+    other = Scale({**SMOKE.steps, "sft.yaml": STEPS + 1}, SMOKE.bench_items, SMOKE.grid, tower=SMOKE.steps)
     with pytest.raises(ValueError, match="another budget"):
         run_ablation(["merge"], 1, out, other, recipes, verdicts=False, log=lambda line: None)
