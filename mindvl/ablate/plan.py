@@ -4,11 +4,11 @@
 Per seed, every claim draws on one chain, so shared models are trained once (paper names in brackets):
 
     text + tower ─> start ─> warmup ─> multitask ─┬─> sft-512 ─┐
-    (base LLM)          [2-phase] ├─> sft-1024 ┼─> merged        [MindVL-8B: claims 1, 2]
-                                  └─> sft-2048 ┘  [3-phase = sft-1024: claim 3; 4K: claim 4]
-             warmup ─> sft-1024 (2phase-sft)                     [2-phase*]
-             warmup ─> pretrain (ViT + projector) ─> multitask ─> sft-1024 (4phase-sft)   [4-phase]
-    sft-1024's language model averaged with text's ─> lm-merged                            [claim 4]
+    (base LLM)  (pretrained ViT)        [2-phase] ├─> sft-1024 ┼─> merged       [MindVL-8B: claims 1, 2]
+                                                  └─> sft-2048 ┘  [3-phase = sft-1024: claim 3; 4K: claim 4]
+                             warmup ─> sft-1024 (2phase-sft)                                   [2-phase*]
+                             warmup ─> pretrain (ViT + projector) ─> multitask ─> sft-1024 (4phase-sft) [4-phase]
+    sft-1024's language model averaged with text's ─> lm-merged                                 [claim 4]
 
 `text` stands in for the paper's pretrained LLM: the language model alone learns a text-only task first, so the
 vision-language phases have a text ability to erode and the LM merge something to restore. `tower` stands in for
