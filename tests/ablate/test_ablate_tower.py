@@ -15,6 +15,8 @@ from mindvl.ablate.plan import STAGES, TOWER_FROM, TOWER_SEED, Scale, stages_for
 from mindvl.checkpoint.safetensors_io import TensorFolder
 from mindvl.cli import main
 
+pytestmark = pytest.mark.slow  # ~3 min of short training runs: scheduled early in CI (conftest)
+
 RECIPES = ("text.yaml", "warmup.yaml", "pretrain.yaml", "multitask.yaml", "sft.yaml")
 # The seeds' stages take 2 steps, the tower's chain 3: which budget each stage ran shows in its step count.
 TWO = Scale({name: 2 for name in RECIPES}, bench_items=2, grid="4:64", tower={name: 3 for name in RECIPES})
