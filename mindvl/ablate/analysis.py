@@ -88,6 +88,24 @@ def power(a: list[float], b: list[float], item_se: float | None, paper: float | 
     return out
 
 
+# A grid setting is legible where some model reads at least this fraction of the best score any model reaches on
+# that benchmark (its training resolution, in practice). Where no model does, every model answers by the prior, so
+# a minimum or median taken over such settings compares priors, not robustness (RESULTS, Testbed, session 11).
+LEGIBLE_FRACTION = 0.25
+
+
+def legible_settings(variants: dict[str, Any]) -> dict[str, list[str]]:
+    """Per grid benchmark, the settings (in grid order) where the best model's seed-mean exact match is at least
+    LEGIBLE_FRACTION of the best anywhere."""
+    benches = next(iter(variants.values()))["settings"]
+    out: dict[str, list[str]] = {}
+    for bench, settings in benches.items():
+        best_at = {st: max(v["settings"][bench][st] for v in variants.values()) for st in settings}
+        top = max(best_at.values())
+        out[bench] = [st for st, x in best_at.items() if top > 0 and x >= LEGIBLE_FRACTION * top]
+    return out
+
+
 def analyse_claim(claim: Claim, per_seed: list[dict[str, Any]], verdicts: bool) -> dict[str, Any]:
     variants: dict[str, Any] = {}
     for name, label in claim.variants.items():
@@ -105,7 +123,7 @@ def analyse_claim(claim: Claim, per_seed: list[dict[str, Any]], verdicts: bool) 
     secondary = [compare(claim, c, per_seed, verdicts) for c in claim.secondary]
     verdict = claim_verdict([c["verdict"] for c in comparisons]) if verdicts else None
     return {"statement": claim.statement, "seeds": [s["seed"] for s in per_seed], "metric": claim.metric,
-            "grid": claim.grid, "variants": variants,
+            "grid": claim.grid, "variants": variants, "legible": legible_settings(variants) if claim.grid else {},
             "comparisons": comparisons, "secondary": secondary, "verdict": verdict, "paper_source": claim.paper_source}
 
 

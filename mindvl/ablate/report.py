@@ -10,7 +10,7 @@ from typing import Any
 from mindvl.eval.resolution_search import box_plot
 from mindvl.quickstart import pyplot
 
-from .analysis import METRICS
+from .analysis import LEGIBLE_FRACTION, METRICS
 
 
 def _pct(mean: float, std: float | None) -> str:
@@ -44,6 +44,7 @@ def claim_section(name: str, claim: dict[str, Any], plots: list[Path], out: Path
                                                                                               "max"))
                      for b in benches]
             lines.append(f"| {vname} | " + " | ".join(cells) + " |")
+        lines += ["", legibility_line(claim)]
     lines += ["", "Paired differences (points of exact match; 95% interval over seeds, and over items by bootstrap "
               "as a second view):", "", "| comparison | over seeds | over items | verdict |",
               "| --- | --- | --- | --- |"]
@@ -56,6 +57,18 @@ def claim_section(name: str, claim: dict[str, Any], plots: list[Path], out: Path
     lines += power_section(claim)
     lines += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
     return [*lines, ""]
+
+
+def legibility_line(claim: dict[str, Any]) -> str:
+    """Which grid settings any model reads, so a minimum or median over settings nobody reads (the answer prior) is
+    not taken for robustness."""
+    n = len(next(iter(claim["variants"].values()))["settings"][claim["metric"]])
+    parts = [f"{bench} {len(sts)} of {n} ({', '.join(sts) or 'none'})" for bench, sts in claim["legible"].items()]
+    warn = ("" if all(len(sts) > n // 2 for sts in claim["legible"].values()) else
+            " Where half the settings or more are illegible, the minimum and median compare the models' answer "
+            "priors, not their robustness: read this claim's verdict with that in mind.")
+    return (f"Legible settings (some model reads at least {LEGIBLE_FRACTION:.0%} of the best score there): "
+            + "; ".join(parts) + "." + warn)
 
 
 def _pts(x: float | None, sign: bool = False) -> str:
@@ -123,7 +136,10 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
         power = [c["power"] for c in claim["comparisons"]]
         detectable = ", ".join(_pts(p["detectable"]) for p in power)
         paper = ", ".join(_pts(p["paper"], True) for p in power)
-        on = f"{claim['metric']} over the grid" if claim["grid"] else claim["metric"]
+        on = claim["metric"]
+        if claim["grid"]:
+            settings = len(next(iter(claim["variants"].values()))["settings"][claim["metric"]])
+            on += f" over the grid ({len(claim['legible'][claim['metric']])} of {settings} settings legible)"
         lines.append(f"| {name} | {claim['verdict'] or '—'} | {on} | {detectable} | {paper} |")
     lines.append("")
     for name, claim in analysis["claims"].items():

@@ -9,8 +9,9 @@ from .overrides import add_overrides
 def register(subparsers) -> None:
     p = subparsers.add_parser("ablate", help="re-check the paper's claims at toy scale, with seeds and verdicts")
     p.add_argument("ablation", help="merge, resolution, phases, lm-merge, a comma-separated list of them, or all")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 2 for a verdict; default 3; a "
-                   "±3-point interval on claim 1 at --scale small takes 5: benchmarks/RESULTS.md, Testbed)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 2 for a verdict; default 3; 4 at "
+                   "tiny with the pretrained tower put claim 1's intervals at ±3.0 / ±0.9 points against the 1024 / "
+                   "2048 SFT models: benchmarks/RESULTS.md, Testbed)")
     p.add_argument("--out", default="runs/ablate", help="output folder; a rerun reuses finished runs (default "
                    "runs/ablate)")
     p.add_argument("--scale", default="tiny", help="step budget: tiny (the tiny recipes' own step counts, 300 items "
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
                    "the tiny ones)")
     p.add_argument("--vision-tower", default="trained", help="where every seed's vision tower starts: trained (a "
                    "pretrained tower, as the paper's: one whole chain trained once under OUT/tower at --tower-seed "
-                   "and the small budget, about 15 min on 2 cores, reused by reruns), random (each seed's seeded "
+                   "and the small budget, about 13 min on 2 idle cores, reused by reruns), random (each seed's seeded "
                    "init), or a mindvl model folder whose vision tower to take (default trained)")
     p.add_argument("--tower-seed", type=int, default=None, help="seed of the pretrained tower's chain (default "
                    "1000, apart from the ablation's seeds)")

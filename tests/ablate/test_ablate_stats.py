@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mindvl.ablate.analysis import analyse
+from mindvl.ablate.report import legibility_line
 from mindvl.ablate.stats import (
     INCONCLUSIVE,
     NOT_SUPPORTED,
@@ -114,3 +115,28 @@ def test_merge_claim_numbers_and_verdicts():
     assert analyse(["merge"], seeds)["claims"]["merge"]["verdict"] == INCONCLUSIVE
     no_verdict = analyse(["merge"], seeds[:1], verdicts=False)["claims"]["merge"]
     assert no_verdict["verdict"] is None and no_verdict["comparisons"][0]["seed_ci"]["low"] is None
+
+
+def _grid_seed(seed: int, grid: dict[str, dict[str, float]]) -> dict:
+    """One seed of claim 2: every model's `grid` (bench -> setting -> exact match) and 10 items per benchmark."""
+    scores = {name: {"items": {b: [0.0] * 10 for b in ("ocrbench", "chartqa", "docvqa")}, "text": [0.0] * 10,
+                     "grid": grid[name]} for name in grid}
+    return {"seed": seed, "scores": scores, "training": {}, "eval_seconds": 1.0}
+
+
+def test_legible_settings_flag_a_grid_nobody_reads():
+    # DocVQA: native read 0.8 by the best model; "up" read 0.3 by one model (>= 0.25 x 0.8: legible); "down" at most
+    # 0.1 (the prior: illegible). ChartQA: the best score anywhere is 0.4, at "down" (0.12 >= 0.1 at native too).
+    def grid(native: float, up: float, down: float, chart_down: float) -> dict[str, dict[str, float]]:
+        return {"docvqa": {"down": down, "native": native, "up": up},
+                "chartqa": {"down": chart_down, "native": 0.12, "up": 0.05}}
+
+    models = {"sft-512": grid(0.5, 0.1, 0.1, 0.4), "sft-1024": grid(0.8, 0.3, 0.05, 0.2),
+              "sft-2048": grid(0.7, 0.1, 0.0, 0.1), "merged": grid(0.75, 0.2, 0.1, 0.3)}
+    claim = analyse(["resolution"], [_grid_seed(0, models), _grid_seed(1, models)])["claims"]["resolution"]
+    assert claim["legible"] == {"docvqa": ["native", "up"], "chartqa": ["down", "native"]}
+    line = legibility_line(claim)
+    assert "docvqa 2 of 3 (native, up)" in line and "answer priors" not in line
+    models = {name: {**g, "docvqa": {**g["docvqa"], "up": 0.1}} for name, g in models.items()}
+    claim = analyse(["resolution"], [_grid_seed(0, models), _grid_seed(1, models)])["claims"]["resolution"]
+    assert claim["legible"]["docvqa"] == ["native"] and "answer priors" in legibility_line(claim)
