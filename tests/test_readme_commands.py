@@ -94,7 +94,8 @@ EXCLUDED: dict[str, str] = {
         "needs the benchmarks' files",
     "mindvl search-resolution sft2k=out/sft-2k sft8k=out/sft-8k merged=out/merged --bench chartqa=/data/ChartQA "
     "--out evals/search --grid paper": "needs models and ChartQA's files",
-    "mindvl ablate all --seeds 3 --out runs/ablate": "48 minutes (the merge,lm-merge example is started here)",
+    "mindvl ablate all --seeds 4 --jobs 2 --out runs/ablate": "about 60 minutes on 2 cores (the merge,lm-merge "
+                                                              "example is started here)",
     "mindvl moe-trace /models/Qwen3-30B-A3B --corpus corpus.jsonl --out trace.npz": "needs a real MoE checkpoint",
     "mindvl moe-analyze trace.npz --segments 4,16,64,256 --cache-ratios 0.5,1,2,4 --out analysis/":
         "needs a trace of a real model (tests/moe_analysis covers it)",

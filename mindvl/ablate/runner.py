@@ -1,7 +1,7 @@
 """Run the ablation: per seed, train the stages the chosen claims need, make the merges, evaluate every model, then
 hand the per-seed results to `mindvl.ablate.analysis` and `mindvl.ablate.report`.
 
-    summary = run_ablation(["merge", "phases"], seeds=3, out="runs/ablate", scale="tiny")
+    summary = run_ablation(["merge", "phases"], seeds=4, out="runs/ablate", scale="tiny")
 
 Layout under OUT (every piece is reused by a rerun, so an interrupted ablation resumes where it stopped):
 
