@@ -45,6 +45,7 @@ from .plan import (
 from .text_eval import TEXT_TASK, evaluate_text
 
 RESULTS = "results.json"
+TRAINING_LIMITS = [(4 * PX, 64 * PX)]  # DEFAULT_SETTING: the training recipes' own (min_pixels, max_pixels)
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -271,7 +272,7 @@ def _reads_pages(model: Path, out: Path, benches: dict[str, Path]) -> dict[str, 
     from mindvl.eval.runner import item_exact_matches
 
     pages = {b: benches[b] for b in ("chartqa", "docvqa")}
-    search_resolution({TOWER: model}, pages, [(4 * PX, 64 * PX)], out, eval_settings(), device="cpu",
+    search_resolution({TOWER: model}, pages, TRAINING_LIMITS, out, eval_settings(), device="cpu",
                       log=lambda line: None)
     items = {b: item_exact_matches(out / TOWER / b / f"{DEFAULT_SETTING}.jsonl") for b in pages}
     return {b: round(sum(v) / len(v), 4) for b, v in items.items()}
@@ -357,7 +358,6 @@ def evaluate_models(models: dict[str, Path], claims: list[str], out: Path, bench
 
     grid_labels = {label for c in claims if CLAIMS[c].grid for label in CLAIMS[c].variants.values()}
     grid_benches = {b: benches[b] for c in claims for b in CLAIMS[c].grid}
-    default = [(4 * PX, 64 * PX)]  # DEFAULT_SETTING: the training recipes' own pixel limits
     quiet = lambda line: None  # noqa: E731
     scores: dict[str, Any] = {label: {} for label in models}
     grid = parse_grid(sc.grid)
@@ -369,7 +369,7 @@ def evaluate_models(models: dict[str, Path], claims: list[str], out: Path, bench
             scores[label]["grid"] = search["exact_match"][label]
     # Every model at the training resolution. The predictions folder is the grid's: a setting evaluated there (the
     # default is one of the grid's) is read back, not evaluated again.
-    search_resolution(dict(models), benches, default, out, eval_settings(), device="cpu", log=quiet)
+    search_resolution(dict(models), benches, TRAINING_LIMITS, out, eval_settings(), device="cpu", log=quiet)
     for label in models:
         scores[label]["items"] = {b: item_exact_matches(out / label / b / f"{DEFAULT_SETTING}.jsonl")
                                   for b in benches}
