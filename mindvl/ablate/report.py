@@ -59,10 +59,15 @@ def claim_section(name: str, claim: dict[str, Any], plots: list[Path], out: Path
     return [*lines, ""]
 
 
+def _grid_size(claim: dict[str, Any]) -> int:
+    """How many (min_pixels, max_pixels) settings the claim's grid has."""
+    return len(next(iter(claim["variants"].values()))["settings"][claim["metric"]])
+
+
 def legibility_line(claim: dict[str, Any]) -> str:
     """Which grid settings any model reads, so a minimum or median over settings nobody reads (the answer prior) is
     not taken for robustness."""
-    n = len(next(iter(claim["variants"].values()))["settings"][claim["metric"]])
+    n = _grid_size(claim)
     parts = [f"{bench} {len(sts)} of {n} ({', '.join(sts) or 'none'})" for bench, sts in claim["legible"].items()]
     warn = ("" if all(len(sts) > n // 2 for sts in claim["legible"].values()) else
             " Where half the settings or more are illegible, the minimum and median compare the models' answer "
@@ -138,8 +143,7 @@ def write_report(out: Path, analysis: dict[str, Any]) -> Path:
         paper = ", ".join(_pts(p["paper"], True) for p in power)
         on = claim["metric"]
         if claim["grid"]:
-            settings = len(next(iter(claim["variants"].values()))["settings"][claim["metric"]])
-            on += f" over the grid ({len(claim['legible'][claim['metric']])} of {settings} settings legible)"
+            on += f" over the grid ({len(claim['legible'][claim['metric']])} of {_grid_size(claim)} settings legible)"
         lines.append(f"| {name} | {claim['verdict'] or '—'} | {on} | {detectable} | {paper} |")
     lines.append("")
     for name, claim in analysis["claims"].items():

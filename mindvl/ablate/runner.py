@@ -45,6 +45,7 @@ from .plan import (
 from .text_eval import TEXT_TASK, evaluate_text
 
 RESULTS = "results.json"
+TOWER_INFO = "tower.json"  # under OUT/tower/seed<t>: prepare_tower's record of the tower it made
 TRAINING_LIMITS = [(4 * PX, 64 * PX)]  # DEFAULT_SETTING: the training recipes' own (min_pixels, max_pixels)
 
 
@@ -66,13 +67,13 @@ def check_request(claims: list[str], seeds: int, scale: str | Scale, verdicts: b
 def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Scale = "tiny",
                  recipes: str | Path | None = None, overrides: list[str] | None = None, verdicts: bool = True,
                  log=print, report_only: bool = False, jobs: int = 1, vision: str = "trained",
-                 tower_seed: int = TOWER_SEED) -> dict[str, Any]:
+                 tower_seed: int | None = None) -> dict[str, Any]:
     """Train, merge and evaluate seeds 0..seeds-1 for `claims`, then write OUT/report.md, PNGs and ablation.json;
     returns the analysis (see mindvl.ablate.analysis.analyse). `scale` names one of SCALES or is a Scale.
 
     `vision`: where every seed's vision tower starts. `trained` (default): a pretrained tower, the paper's set-up,
-    trained here once at `tower_seed` (see `prepare_tower`); `random`: each seed's own seeded init (the records
-    before session 11); else a mindvl model folder whose `visual.*` is transplanted.
+    trained here once at `tower_seed` (default plan.TOWER_SEED; see `prepare_tower`); `random`: each seed's own
+    seeded init (the records before session 11); else a mindvl model folder whose `visual.*` is transplanted.
 
     `jobs` > 1: that many seeds at once, each in its own process with cores / jobs threads (a tiny model gains
     little from a second thread: 1.35x measured, so two one-thread seeds use two cores better than one two-thread
@@ -88,10 +89,11 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
                          "trained or random")
     out = Path(out)
     recipes = Path(recipes) if recipes else recipe_dir()
+    overrides = list(overrides or [])
     sc = scale if isinstance(scale, Scale) else SCALES[scale]
     start = time.perf_counter()
     config = {"claims": claims, "seeds": seeds, "scale": scale if isinstance(scale, str) else "custom",
-              "steps": sc.steps, "bench_items": sc.bench_items, "grid": sc.grid, "overrides": list(overrides or []),
+              "steps": sc.steps, "bench_items": sc.bench_items, "grid": sc.grid, "overrides": overrides,
               "recipes": str(recipes), "report_only": report_only}
     if report_only:
         files = [out / f"seed{seed}" / RESULTS for seed in range(seeds)]
@@ -107,20 +109,21 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
         return _finish(ready, per_seed, verdicts, out, config, start, log)
     benches = _benchmarks(out / "bench", sc.bench_items)
     config["jobs"] = jobs
-    if jobs > 1 and seeds > 1:
-        prepare_synth(claims, out, recipes, sc, list(overrides or []), log)  # once, not raced by every worker
-    tower = prepare_tower(vision, tower_seed, out, recipes, sc, list(overrides or []), benches, log)
+    parallel = jobs > 1 and seeds > 1
+    if parallel:
+        prepare_synth(claims, out, recipes, sc, overrides, log)  # once, not raced by every worker
+    tower = prepare_tower(vision, TOWER_SEED if tower_seed is None else tower_seed, out, recipes, sc, overrides,
+                          benches, log)
     config["vision"] = tower or "random"
     tower_final = Path(tower["final"]) if tower else None
-    if jobs > 1 and seeds > 1:
-        per_seed = _run_seeds_parallel(claims, seeds, out, recipes, sc, list(overrides or []), benches, jobs,
-                                       tower_final, log)
+    if parallel:
+        per_seed = _run_seeds_parallel(claims, seeds, out, recipes, sc, overrides, benches, jobs, tower_final, log)
         return _finish(claims, per_seed, verdicts, out, config, start, log)
     per_seed = []
     for seed in range(seeds):
         t0 = time.perf_counter()
         log(f"--- seed {seed} ---")
-        per_seed.append(run_seed(claims, seed, out, recipes, sc, list(overrides or []), benches, log, tower_final))
+        per_seed.append(run_seed(claims, seed, out, recipes, sc, overrides, benches, log, tower_final))
         log(f"seed {seed} done in {time.perf_counter() - t0:.0f} s")
     return _finish(claims, per_seed, verdicts, out, config, start, log)
 
@@ -231,9 +234,6 @@ def train_stages(names: list[str], root: Path, seed: int, steps: dict[str, int],
         training[name] = {k: v for k, v in summary.items() if k != "recipe"}
         models[name] = Path(summary["final"])
     return training
-
-
-TOWER_INFO = "tower.json"
 
 
 def prepare_tower(vision: str, seed: int, out: Path, recipes: Path, sc: Scale, overrides: list[str],

@@ -46,5 +46,5 @@ def run(args) -> int:
     with rerun_command(shlex.join(["mindvl", *sys.argv[1:]])):
         run_ablation(claims, args.seeds, args.out, args.scale, args.recipes, args.overrides,
                      verdicts=not args.no_verdict, report_only=args.report_only, jobs=args.jobs,
-                     vision=args.vision_tower, **({} if args.tower_seed is None else {"tower_seed": args.tower_seed}))
+                     vision=args.vision_tower, tower_seed=args.tower_seed)
     return 0
