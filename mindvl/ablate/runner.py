@@ -129,12 +129,20 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
 
 
 def _vision_of(seed_result: dict[str, Any]) -> str | dict[str, Any]:
-    """The tower a finished seed started from, as prepare_tower recorded it (its tower.json beside a trained one)."""
+    """The tower a finished seed started from (its budget's `vision`), described as prepare_tower describes it."""
     vision = seed_result["budget"].get("vision", "random")
-    if vision == "random":
-        return vision
-    info = Path(vision).parent.parent / TOWER_INFO  # tower/seed<t>/<TOWER_FROM>/final -> tower/seed<t>/tower.json
-    return json.loads(info.read_text()) if info.is_file() else {"source": vision, "final": vision}
+    return vision if vision == "random" else tower_record(Path(vision))
+
+
+def tower_record(final: Path) -> dict[str, Any]:
+    """What is known of the model folder `final` whose tower the seeds take: prepare_tower's tower.json where it
+    made that folder (OUT/tower/seed<t>/<TOWER_FROM>/final), else only where it is."""
+    info = final.parent.parent / TOWER_INFO
+    if info.is_file():
+        record = json.loads(info.read_text())
+        if Path(record["final"]).resolve() == final.resolve():
+            return record
+    return {"source": str(final), "final": str(final)}
 
 
 def _seed_worker(threads: int, claims: list[str], seed: int, out: Path, recipes: Path, sc: Scale,
@@ -247,7 +255,7 @@ def prepare_tower(vision: str, seed: int, out: Path, recipes: Path, sc: Scale, o
     if vision == "random":
         return None
     if vision != "trained":  # a model folder (run_ablation checked it is one)
-        return {"source": vision, "final": vision}
+        return tower_record(Path(vision))
     root = out / "tower" / f"seed{seed}"
     models: dict[str, Path] = {}  # no TOWER here: the chain's own tower starts seeded random
     log(f"--- pretrained vision tower: {TOWER_FROM} chain at seed {seed} under {root} ---")

@@ -106,6 +106,8 @@ def test_random_tower_starts_from_text_and_a_run_of_another_tower_is_refused(tmp
     assert recipe["model"]["init_from"] == str(out / "seed0" / "text" / "final")
     assert not (out / "tower").exists() and not (out / "seed0" / "start").exists()
     assert "Vision tower: each seed's own seeded init" in (out / "report.md").read_text()
+    again = run_ablation(["lm-merge"], 1, out, TWO, recipes, verdicts=False, log=quiet, report_only=True)
+    assert again["config"]["vision"] == "random"
     # A seed made before the pretrained tower existed (no `vision` in its budget) counts as random: reused as such,
     # refused under a trained tower.
     done = out / "seed0" / "results.json"
@@ -122,13 +124,22 @@ def test_random_tower_starts_from_text_and_a_run_of_another_tower_is_refused(tmp
 
 def test_a_model_folder_as_the_tower(tmp_path, trained):
     recipes, trained_out, _, _ = trained
-    folder = trained_out / "tower" / f"seed{TOWER_SEED}" / TOWER_FROM / "final"
+    folder = trained_out / "seed0" / "sft-1024" / "final"  # any model of the same vision architecture
     out = tmp_path / "out"
     analysis = run_ablation(["lm-merge"], 1, out, TWO, recipes, verdicts=False, log=quiet, vision=str(folder))
     start, tower = tensors(out / "seed0" / "start"), tensors(folder)
     assert all(torch.equal(start[k], tower[k]) for k in start if k.startswith("visual."))
     assert analysis["config"]["vision"] == {"source": str(folder), "final": str(folder)}
     assert not (out / "tower").exists()
+    # A report of the finished seeds alone names the same folder.
+    again = run_ablation(["lm-merge"], 1, out, TWO, recipes, verdicts=False, log=quiet, report_only=True)
+    assert again["config"]["vision"] == analysis["config"]["vision"]
+    assert f"Vision tower: taken from `{folder}`" in (out / "report.md").read_text()
+    # The folder of another run's trained tower brings that run's record (its seed, budget and what it reads).
+    made = trained_out / "tower" / f"seed{TOWER_SEED}"
+    other = run_ablation(["lm-merge"], 1, tmp_path / "other", TWO, recipes, verdicts=False, log=quiet,
+                         vision=str(made / TOWER_FROM / "final"))
+    assert other["config"]["vision"] == json.loads((made / "tower.json").read_text())
 
 
 def test_cli_vision_tower_that_is_no_model_is_one_line(tmp_path, capsys):
