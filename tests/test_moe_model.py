@@ -11,6 +11,7 @@ import hf_tiny as H
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from vl_alignment import assert_reload_is_exact
 
 from mindvl.checkpoint import compose, convert_from_hf, load_model
 from mindvl.checkpoint.hf_export import export_to_hf
@@ -81,9 +82,7 @@ def test_hf_round_trip_is_exact_and_reloads_in_transformers(ds_folder, tmp_path)
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in back  # the hub's per-expert form
     reloaded = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
-    ids = ids_of(20, 6)[None]
-    with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=ids).logits, hf(input_ids=ids).logits)
+    assert_reload_is_exact(reloaded, hf, input_ids=ids_of(20, 6)[None])
 
 
 def test_fused_experts_mtp_layers_and_fp8_on_disk(ds_folder, tmp_path):

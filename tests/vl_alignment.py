@@ -96,20 +96,35 @@ def assert_same_tensors(a: Path, b: Path) -> None:
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
+# How far transformers' logits may move between two loads of the SAME weights in float32. The CPU BLAS may pick a
+# kernel (and so a summation order) by the alignment of a tensor's memory, which differs between two loads: on an AMD
+# EPYC machine transformers' reload of its own original folder differed from the in-memory model by 1.2e-7 (eager)
+# and 2.5e-6 (sdpa) relative to the largest logit (issue 42). A wrong tensor moves logits by orders of magnitude
+# more; the bit-exact claim is made on the tensors themselves (`assert_reload_is_exact`).
+RELOAD_TOL = 1e-5
+
+
+def assert_reload_is_exact(again, hf, **kwargs) -> None:
+    """transformers' reload of an exported folder (`again`) holds `hf`'s tensors bit for bit, under the same names,
+    and gives its logits to float reordering (RELOAD_TOL)."""
+    got, want = again.state_dict(), hf.state_dict()
+    assert got.keys() == want.keys()
+    assert not [k for k in want if not torch.equal(got[k], want[k])]
+    with torch.no_grad():
+        assert rel(again(**kwargs).logits, hf(**kwargs).logits) <= RELOAD_TOL
+
+
 def assert_round_trip(hf, root: Path, arch: str) -> None:
-    """export -> convert is bit-exact, and transformers' `arch` loads the export (the same parameter names as `hf`)
-    and gives `hf`'s logits exactly."""
+    """export -> convert is bit-exact, and transformers' `arch` loads the export: the same parameter names and
+    tensors as `hf`, and `hf`'s logits (to the float reordering of a second load)."""
     import transformers
 
     export_to_hf(root / "mv", root / "back")
     convert_from_hf(root / "back", root / "mv2")
     assert_same_tensors(root / "mv", root / "mv2")
     again = getattr(transformers, arch).from_pretrained(root / "back", attn_implementation="eager").eval()
-    assert set(again.state_dict()) == set(hf.state_dict())
     ids, kinds, px, pv = inputs()
-    kw = {**vl_kwargs(ids, px, pv), "mm_token_type_ids": kinds}
-    with torch.no_grad():
-        assert torch.equal(again(**kw).logits, hf(**kw).logits)
+    assert_reload_is_exact(again, hf, **vl_kwargs(ids, px, pv), mm_token_type_ids=kinds)
 
 
 def assert_greedy_generation_matches(hf, ours) -> None:
