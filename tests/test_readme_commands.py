@@ -61,7 +61,8 @@ EXCLUDED: dict[str, str] = {
     "#!/bin/bash": "the SLURM batch script (needs SLURM); tests/train/test_requeue.py runs its loop, with `scontrol "
                    "requeue` as a rerun, on 2 torchrun processes",
     "python3 -m venv .venv && . .venv/bin/activate": "environment set-up",
-    "pip install torch==2.13.0": "installs packages (network)",
+    "scripts/install-cpu-torch": "installs packages (network); tests/test_install_cpu_torch.py checks what it "
+                                 "asks pip for",
     'pip install -e ".[test,curate,ray]"': "installs packages (network)",
     'pip install -e ".[curate]"': "installs packages (network)",
     'pip install "torch==$(python -c \'import torch; print(torch.__version__.split("+")[0])\')" -e ".[lmms]"':
