@@ -258,3 +258,44 @@ def test_the_read_counter_sees_reads_and_data_shaped_ops():
         x.repeat_interleave(2)
         torch.repeat_interleave(x, torch.ones(6, dtype=torch.long), output_size=6)
     assert reads.reads == []
+
+
+# ------------------------------------------------------------------------------------------ sorted batching
+
+
+def test_plan_batches_by_hand():
+    from mindvl.infer.batching import plan_batches
+
+    # most expensive first (ties in index order); a batch closes before 10 cost units or 3 prompts are exceeded;
+    # 12 is over the budget and goes alone; 5 + 4 + 3 > 10; 3 + 2 + 1 then a fourth prompt
+    assert plan_batches([3, 12, 5, 4, 1, 1, 1, 2], token_budget=10, max_batch=3) == [[1], [2, 3], [0, 7, 4], [5, 6]]
+    assert plan_batches([], 10, 3) == []
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_batches([1], 0, 3)
+
+
+def test_sorted_generation_returns_each_prompts_own_answer_in_order(monkeypatch):
+    """Seven prompts in length-sorted batches under a budget: the batches hold prompts of falling cost, and the
+    answers (greedy, per-prompt budgets) equal one generate call over all prompts in their own order."""
+    import importlib
+
+    from mindvl.infer.batching import generate_sorted, prompt_cost
+
+    module = importlib.import_module("mindvl.infer.generate")
+    model = build("dense")
+    prompts = prompts_for(model, 7)
+    budgets = [5, 3, 7, 2, 6, 4, 5]
+    want = generate(model, prompts, budgets)
+    calls = []
+    real = module.generate
+
+    def spy(model, batch, max_new_tokens, **kw):
+        calls.append([prompt_cost(p, b) for p, b in zip(batch, max_new_tokens, strict=True)])
+        return real(model, batch, max_new_tokens, **kw)
+
+    monkeypatch.setattr(module, "generate", spy)
+    got = generate_sorted(model, prompts, budgets, token_budget=60, max_batch=3)
+    assert got == want
+    flat = [c for batch in calls for c in batch]
+    assert flat == sorted(flat, reverse=True) and len(calls) > 2
+    assert all(len(b) <= 3 and (sum(b) <= 60 or len(b) == 1) for b in calls)
