@@ -299,3 +299,22 @@ def test_sorted_generation_returns_each_prompts_own_answer_in_order(monkeypatch)
     flat = [c for batch in calls for c in batch]
     assert flat == sorted(flat, reverse=True) and len(calls) > 2
     assert all(len(b) <= 3 and (sum(b) <= 60 or len(b) == 1) for b in calls)
+
+
+def test_cache_capacity_is_checked_on_the_host_and_masked_rows_stay_in_bounds():
+    """A prompt longer than the capacity, or a plain decode step past it, is refused (host bound, no read); a masked
+    row at capacity rewrites its last slot instead of writing out of bounds, and compaction re-reads the bound."""
+    model = build("dense")
+    prompts = [Prompt(torch.arange(5)), Prompt(torch.arange(3))]
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="holds 4 tokens.*needs 5"):
+            prefilled(model, prompts, capacity=4)
+        cache, logits, positions = prefilled(model, prompts, capacity=6)
+        model.decode_step(logits.argmax(-1), positions, cache)  # lengths 6, 4
+        with pytest.raises(ValueError, match="holds 6 tokens.*needs 7"):
+            model.decode_step(logits.argmax(-1), positions + 1, cache)
+        cache.advance = torch.tensor([0, 1])  # row 0 (full) masked: its write lands on slot 5, row 1 advances
+        model.decode_step(logits.argmax(-1), positions + 1, cache)
+        assert cache.lengths == [6, 5] and cache.bound == 6
+        cache.keep([1])
+        assert cache.lengths == [5] and cache.bound == 5 and cache.batch == 1

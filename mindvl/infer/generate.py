@@ -1,7 +1,7 @@
 """Batched autoregressive generation with a static KV cache.
 
     generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=(),
-             sync_every=8, graphs=False) -> one list of generated ids per prompt
+             sync_every=8, graphs=None) -> one list of generated ids per prompt
 
 All prompts are prefilled together as one packed row (varlen attention, no padding: each prompt's numerics are
 those of its own full forward), then every decode step feeds one token per cache row. A sequence stops at its first
@@ -12,7 +12,7 @@ finished flag and output length are updated on the device, and a finished row is
 cache length stops advancing, its tokens are not kept) rather than copied out. The host reads the finished flags
 once every `sync_every` steps (to stop, and to compact the cache when more than half of the rows are done), and the
 outputs once at the end. With `graphs` on a CUDA device the step (the model's decode_step) is captured once per
-batch size and replayed (decode_graph.py).
+batch size and replayed (decode_graph.py); None means GRAPHS_BY_DEFAULT.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
 (in that order, like transformers' logits warpers) by the exponential race: token = argmax(p / E) with E ~ Exp(1)
@@ -32,6 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from mindvl.models import MindVL
+
+# What `graphs=None` means: replay the decode step from a CUDA graph on CUDA devices. Off until a GPU run of the
+# proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed.
+GRAPHS_BY_DEFAULT = False
 
 
 @dataclass
@@ -109,7 +113,7 @@ def generate(
     seed: int | None = None,
     stop_token_ids: Sequence[int] = (),
     sync_every: int = 8,
-    graphs: bool = False,
+    graphs: bool | None = None,
     engine: str = "static",
 ) -> list[list[int]]:
     """Generate up to max_new_tokens (one int, or one per prompt) for each prompt; see the module docstring."""
@@ -140,6 +144,7 @@ def generate(
     sampling = (temperature, top_p, top_k, generator)
     if engine == "eager":
         return _eager_loop(model, cache, logits, positions, budgets, set(stop_token_ids), sampling)
+    graphs = GRAPHS_BY_DEFAULT if graphs is None else graphs
     return _static_loop(model, cache, logits, positions, budgets, stop_token_ids, sampling, sync_every, graphs)
 
 
