@@ -57,6 +57,8 @@ import time
 import traceback
 from pathlib import Path
 
+from proof_generate import generate_summary, sec_generate  # the generate section (benchmarks/, beside this file)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GIB = 2**30
@@ -66,6 +68,7 @@ MINDVL_IMPORTS = ("numpy", "PIL", "yaml", "rich", "tokenizers", "safetensors", "
 # (The dry run's limits are generous: CI machines and shared ones are slow; a quiet 2-core run takes ~20-50 s each.)
 SECTIONS = [("environment", 60, 120), ("tests", 150, 180), ("prepare", 120, 180), ("mindvl", 120, 240),
             ("hf_packed", 90, 180), ("moe", 75, 180), ("tiny", 60, 180), ("hf_padded", 90, 180)]
+SECTIONS.insert(3, ("generate", 150, 240))  # issue 39, right after prepare: benchmarks/proof_generate.py
 PLAN_TIMEOUT = (240, 300)  # the planner runs in the background from after `prepare`
 FAIL_ENV = "MINDVL_PROOF_FAIL"  # a section name: that section raises at once (tests of the failure isolation)
 
@@ -605,6 +608,7 @@ def sec_tiny(args, work: Path) -> dict:
 WORKERS = {"environment": sec_environment, "tests": sec_tests, "prepare": sec_prepare, "plan": sec_plan,
            "mindvl": sec_mindvl, "hf_packed": sec_hf_packed, "hf_padded": sec_hf_padded, "moe": sec_moe,
            "tiny": sec_tiny}
+WORKERS["generate"] = sec_generate
 
 
 # ------------------------------------------------------------------------------------------------------ driver
@@ -696,6 +700,8 @@ def report(res: dict) -> str:
                     f"to {fmt(max((x['ep8_factor'] for x in g.get('routing', [])), default=None), '.2f')}")
         elif name == "tiny":
             what = f"{fmt(data.get('tokens_per_s_median'), ',.0f')} tokens/s, MFU {fmt(data.get('mfu_median'), '.2%')}"
+        elif name == "generate":
+            what = generate_summary(data)
         elif name == "plan":
             what = f"planned peak {fmt(data.get('peak_bytes_per_rank', 0) / GIB, '.2f')} GiB"
         elif name == "prepare":

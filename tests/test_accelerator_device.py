@@ -223,6 +223,34 @@ def test_cached_generation_on_device_matches_cpu(moe):
     assert generate(gpu, ps, 12) == generate(cpu, ps, 12)
 
 
+@pytest.mark.parametrize("name,dtype", [("dense", torch.float32), ("moe_mla", torch.bfloat16),
+                                        ("qwen3_vl", torch.float32), ("qwen3_5", torch.float32)])
+def test_decode_replayed_from_a_cuda_graph_gives_the_eager_loops_tokens(name, dtype):
+    """Issue 39: the static loop with the step captured in a CUDA graph (per batch size: once, then again after a
+    compaction) gives the eager loop's greedy tokens on the same device, with budgets and stop tokens; the capture
+    must succeed (no fallback warning). The MoE runs in bf16, where its experts are a grouped_mm (fp32 experts fall
+    back to a per-expert loop that reads the counts, which cannot be captured)."""
+    import warnings
+
+    from test_static_decode import build, prompts_for
+
+    from mindvl.infer import generate
+
+    model = build(name).to(device(), dtype)
+    ps = prompts_for(model, 5)
+    for p in ps:
+        if p.pixel_values is not None:
+            p.pixel_values = p.pixel_values.to(dtype)
+    budgets = [14, 3, 9, 2, 12]
+    free = generate(model, ps, budgets, engine="eager")
+    stops = sorted({free[0][6], free[2][4]})
+    want = generate(model, ps, budgets, stop_token_ids=stops, engine="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capture that falls back to eager warns: fail on it
+        got = generate(model, ps, budgets, stop_token_ids=stops, sync_every=2, graphs=ON_CUDA)
+    assert got == want
+
+
 # ------------------------------------------------------------------------------------------------ grouped experts
 
 

@@ -23,6 +23,8 @@ ALLOWED = {
     "mindvl/models/moe.py": (3, "where grouped_mm kernels exist (CUDA from sm80 in bf16; none on NPU)"),
     "mindvl/checkpoint/training.py": (8, "the CUDA RNG state saved in and restored from training checkpoints"),
     "mindvl/config.py": (2, "the parallel.device choices a recipe may name"),
+    "mindvl/infer/decode_graph.py": (8, "CUDA-graph capture and replay of the decode step (CUDA only: graphs, "
+                                        "streams, the device check)"),
     "mindvl/infer/device.py": (5, "the device a user names for chat/eval/search/moe-trace: checked before loading, "
                                   "with the default (cuda when available)"),
 }

@@ -25,7 +25,8 @@ Model args (lmms-eval's `k=v,k2=v2` string; values cannot contain commas):
     pretrained      the model folder (`mindvl export`/`convert` layout); required
     tokenizer       a tokenizer folder, when the model folder has no tokenizer.json
     device, dtype   default: cuda if available (bfloat16), else cpu (float32); dtype: bfloat16|float16|float32
-    batch_size      requests per generate / forward call (packed into one row, no padding)
+    batch_size      requests per generate / forward call (packed into one row, no padding; generate_until sorts
+                    each group's requests by length first, mindvl.infer.batching)
     min_pixels, max_pixels
                     the image resolution range; default: the folder's preprocessor_config.json, else Qwen2-VL's
     system          the system turn when a task gives none; default Qwen's "You are a helpful assistant.", "none"
@@ -66,7 +67,8 @@ import torch
 
 from mindvl.data.schema import IGNORE_INDEX, IMAGE_PLACEHOLDER, ROLES, Message
 from mindvl.data.template import DEFAULT_SYSTEM, encode_conversation
-from mindvl.eval.runner import FALLBACK_MAX_NEW_TOKENS, truncate_at_stop
+from mindvl.eval.runner import FALLBACK_MAX_NEW_TOKENS, SORT_WINDOW, truncate_at_stop
+from mindvl.infer.batching import generate_sorted
 from mindvl.infer.chat import (
     conversation_prompt,
     folder_processing,
@@ -76,7 +78,7 @@ from mindvl.infer.chat import (
     stop_ids,
     user_message,
 )
-from mindvl.infer.generate import Prompt, generate, pack_prompts
+from mindvl.infer.generate import Prompt, pack_prompts
 
 # MindVLLMM and MindVLSimple are provided by the module __getattr__ below (built on first access).
 __all__ = ["MindVLLMM", "MindVLSimple", "Sampling",  # noqa: F822
@@ -413,8 +415,9 @@ class _MindVLLMMImpl:
     # --------------------------------------------------------------------------------------- lmms interface
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
-        """Answers in request order. Requests with equal gen_kwargs are generated together, `batch_size` at a
-        time; each answer is cut at the first of the task's `until` strings."""
+        """Answers in request order. Requests with equal gen_kwargs are generated together: read SORT_WINDOW
+        batches at a time, sorted by length, `batch_size` per generate call (mindvl.infer.batching); each answer is
+        cut at the first of the task's `until` strings."""
         answers: list[str] = [""] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
@@ -424,16 +427,22 @@ class _MindVLLMMImpl:
         for indices in groups.values():
             gen_kwargs = self._gen_kwargs(requests[indices[0]].args)
             sampling = sampling_from_gen_kwargs(gen_kwargs, self.max_new_tokens)
-            for start in range(0, len(indices), self.batch_size):
-                chunk = indices[start:start + self.batch_size]
-                prompts = [self._chat_prompt(requests[i].args) for i in chunk]
-                outputs = generate(self.model, prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
-                                   sampling.top_k, seed=self._batch_seed(batch_index), stop_token_ids=self._stops)
-                batch_index += 1
-                for i, ids in zip(chunk, outputs, strict=True):
-                    answers[i] = truncate_at_stop(self._decode(ids), sampling.until)
-                if bar is not None:
-                    bar.update(len(chunk))
+            for start in range(0, len(indices), self.batch_size * SORT_WINDOW):
+                window = indices[start:start + self.batch_size * SORT_WINDOW]
+                prompts = [self._chat_prompt(requests[i].args) for i in window]
+
+                def done(batch: list[int], outputs: list[list[int]], window: list[int] = window,
+                         until: Sequence[str] = sampling.until) -> None:
+                    for j, ids in zip(batch, outputs, strict=True):
+                        answers[window[j]] = truncate_at_stop(self._decode(ids), until)
+                    if bar is not None:
+                        bar.update(len(batch))
+
+                # length-sorted batches of at most batch_size prompts; batch k samples with the seed's k-th step
+                generate_sorted(self.model, prompts, sampling.max_new_tokens, max_batch=self.batch_size,
+                                on_batch=done, seed=self._batch_seed(batch_index), temperature=sampling.temperature,
+                                top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=self._stops)
+                batch_index += len(window)
         if bar is not None:
             bar.close()
         return answers

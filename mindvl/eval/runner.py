@@ -3,10 +3,14 @@
     settings = EvalSettings(min_pixels=4 * 28 * 28, max_pixels=1280 * 28 * 28)
     summary = evaluate_benchmark(model, tok, "ocrbench", "/data/OCRBench", settings, "out/ocrbench.jsonl")
 
-Predictions are written one JSON line per item as soon as its batch is scored (flushed), so a crash loses at most
-one batch: a rerun with the same file reads the finished items back and generates only the rest. The settings the
-predictions were made with are stored beside them (`*.settings.json`); resuming with different settings is an
-error rather than a silent mix. A torn last line (a crash mid-write) is dropped and its item redone.
+Items are read `SORT_WINDOW` batches at a time; within that window they are generated in length-sorted batches of
+at most `batch_size` prompts and `token_budget` tokens (mindvl.infer.batching), so each batch's rows are alike in
+length and the device decodes full batches. Predictions are written one JSON line per item as soon as its batch is
+scored (flushed), so a crash loses at most one batch: a rerun with the same file reads the finished items back and
+generates only the rest. A finished run rewrites the file in the benchmark's item order (the scores are per item,
+so the order of generation never shows). The settings the predictions were made with are stored beside them
+(`*.settings.json`); resuming with different settings is an error rather than a silent mix. A torn last line (a
+crash mid-write) is dropped and its item redone.
 
 Every row also carries `exact_match` (the stripped prediction equals one of the answers, case-sensitive): the
 toolkits' rules are lenient in different ways (OCRBench counts an answer *contained* in the prediction), and exact
@@ -30,6 +34,9 @@ from .scorers import check_toolkit, prepare_prediction
 
 # VLMEvalKit leaves the answer length to the model class; this is the budget used when neither side sets one.
 FALLBACK_MAX_NEW_TOKENS = 128
+# Items read (and length-sorted) at a time, in batches of `batch_size`: a larger window sorts better and holds more
+# decoded images in memory.
+SORT_WINDOW = 8
 
 
 @dataclass
@@ -107,6 +114,13 @@ def item_exact_matches(path: Path) -> list[float]:
     return [r["exact_match"] for r in sorted(rows, key=lambda r: str(r["id"]))]
 
 
+def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace the predictions file by `rows` (written beside it, then renamed: never half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
 def _check_settings(meta_path: Path, settings: dict[str, Any], resuming: bool) -> None:
     if resuming and meta_path.is_file():
         before = json.loads(meta_path.read_text())
@@ -127,14 +141,15 @@ def _batches(items: Iterator[BenchItem], size: int) -> Iterator[list[BenchItem]]
 
 def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings: EvalSettings,
                        predictions: str | os.PathLike, pixel_defaults: tuple[int, int] | None = None,
-                       progress=None, processing=None) -> dict[str, Any]:
+                       progress=None, processing=None, token_budget: int | None = None) -> dict[str, Any]:
     """Generate and score every item of benchmark `name` at `path`; returns the toolkit's summary plus `n`,
     `exact_match`, `skipped` (bad rows by reason), the pixel limits and the patch size used. `progress(done,
     total)` is called after each batch when given. `processing` (mindvl.data.processors.VisionProcessing, the model
-    folder's: `mindvl.infer.chat.folder_processing`) cuts the images; None: the model's tower family's."""
+    folder's: `mindvl.infer.chat.folder_processing`) cuts the images; None: the model's tower family's.
+    `token_budget` bounds a batch's prompt + vision + answer tokens (None: mindvl.infer.batching's default)."""
     from mindvl.data.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PATCH_SIZE
+    from mindvl.infer.batching import DEFAULT_TOKEN_BUDGET, generate_sorted
     from mindvl.infer.chat import conversation_prompt, process_images, stop_ids, user_message, vision_processing
-    from mindvl.infer.generate import generate
 
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r} (known: {', '.join(BENCHMARKS)})")
@@ -161,25 +176,40 @@ def evaluate_benchmark(model, tok, name: str, path: str | os.PathLike, settings:
     items = islice(reader, settings.limit) if settings.limit else reader
     total = min(filter(None, (reader.expected_rows, settings.limit)), default=None)
     stops = stop_ids(tok)
+    order: dict[str, int] = {}  # item id -> its place in the benchmark, for the final rewrite
+
+    def in_order(stream: Iterator[BenchItem]) -> Iterator[BenchItem]:
+        for it in stream:
+            order.setdefault(it.id, len(order))
+            if it.id not in done:
+                yield it
+
     with open(out, "a") as f:
-        for batch in _batches((it for it in items if it.id not in done), settings.batch_size):
+        for window in _batches(in_order(items), settings.batch_size * SORT_WINDOW):
             prompts = []
-            for item in batch:
+            for item in window:
                 pixels, grids = process_images(item.images, lo, hi, processing)
                 message = user_message(item.prompt, len(item.images))
                 prompts.append(conversation_prompt(tok, [message], pixels, grids, settings.system))
-            outputs = generate(model, prompts, max_new, stop_token_ids=stops)
-            for item, ids in zip(batch, outputs, strict=True):
-                text = truncate_at_stop(tok.decode([i for i in ids if i not in stops], skip_special_tokens=True),
-                                        gen.stop)
-                row = bench.score_item(text, item, settings.toolkit)
-                row["id"] = item.id
-                row["exact_match"] = float(exact_match(text, item.answers))
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                rows.append(row)
-            f.flush()
-            if progress is not None:
-                progress(len(rows), total)
+
+            def write(indices: list[int], outputs: list[list[int]], window: list[BenchItem] = window) -> None:
+                for i, ids in zip(indices, outputs, strict=True):
+                    item = window[i]
+                    text = truncate_at_stop(tok.decode([t for t in ids if t not in stops], skip_special_tokens=True),
+                                            gen.stop)
+                    row = bench.score_item(text, item, settings.toolkit)
+                    row["id"] = item.id
+                    row["exact_match"] = float(exact_match(text, item.answers))
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    rows.append(row)
+                f.flush()
+                if progress is not None:
+                    progress(len(rows), total)
+
+            generate_sorted(model, prompts, max_new, token_budget=token_budget or DEFAULT_TOKEN_BUDGET,
+                            max_batch=settings.batch_size, on_batch=write, stop_token_ids=stops)
+    rows.sort(key=lambda r: order.get(r["id"], len(order)))
+    _rewrite(out, rows)
     if not rows:  # every row skipped: a score over 0 items (nan) would read as a result
         raise NoItemsScored(no_items_message(bench, reader))
     summary = bench.summarise(rows, settings.toolkit)

@@ -1,14 +1,27 @@
-"""Batched autoregressive generation with a KV cache.
+"""Batched autoregressive generation with a static KV cache.
 
-    generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=())
-        -> one list of generated ids per prompt
+    generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=(),
+             sync_every=8, graphs=None) -> one list of generated ids per prompt
 
 All prompts are prefilled together as one packed row (varlen attention, no padding: each prompt's numerics are
-those of its own full forward), then every decode step feeds one token per unfinished sequence. A sequence stops
-at its first stop token (kept in its output, as transformers does) or after its max_new_tokens; finished sequences
-leave the cache so later steps do not compute them. `temperature == 0` is greedy (argmax); otherwise tokens are
-sampled after temperature, top-k and top-p filtering (in that order, like transformers' logits warpers) from a
-generator seeded by `seed`, so a seeded run is reproducible.
+those of its own full forward), then every decode step feeds one token per cache row. A sequence stops at its first
+stop token (kept in its output, as transformers does) or after its max_new_tokens.
+
+The decode loop reads nothing from the device inside a step: the tokens go into a device buffer, each row's
+finished flag and output length are updated on the device, and a finished row is masked (it keeps computing, its
+cache length stops advancing, its tokens are not kept) rather than copied out. The host reads the finished flags
+once every `sync_every` steps (to stop, and to compact the cache when more than half of the rows are done), and the
+outputs once at the end. With `graphs` on a CUDA device the step (the model's decode_step) is captured once per
+batch size and replayed (decode_graph.py); None means GRAPHS_BY_DEFAULT.
+
+`temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
+(in that order, like transformers' logits warpers) by the exponential race: token = argmax(p / E) with E ~ Exp(1)
+drawn for every (prompt, vocabulary entry) from a generator seeded by `seed`, which picks token i with probability
+p_i. The noise of step s is drawn for all prompts whether or not they are still running, so a seeded run's tokens do
+not depend on `sync_every`, compaction or graph replay.
+
+`engine="eager"` keeps the loop this module had before the static cache (read every step's tokens, drop finished
+rows from the cache at once, torch.multinomial): the benchmark's baseline and the tests' second opinion.
 """
 
 from __future__ import annotations
@@ -19,6 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from mindvl.models import MindVL
+
+# What `graphs=None` means: replay the decode step from a CUDA graph on CUDA devices. Off until a GPU run of the
+# proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed.
+GRAPHS_BY_DEFAULT = False
 
 
 @dataclass
@@ -95,17 +112,24 @@ def generate(
     top_k: int = 0,
     seed: int | None = None,
     stop_token_ids: Sequence[int] = (),
+    sync_every: int = 8,
+    graphs: bool | None = None,
+    engine: str = "static",
 ) -> list[list[int]]:
     """Generate up to max_new_tokens (one int, or one per prompt) for each prompt; see the module docstring."""
     if not prompts:
         return []
     check_sampling(temperature, top_p, top_k)
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    if engine not in ("static", "eager"):
+        raise ValueError(f"engine must be 'static' or 'eager', got {engine!r}")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts) or min(budgets) < 1:
         raise ValueError("max_new_tokens must be >= 1, given once or once per prompt")
     device = model.language_model.embed_tokens.weight.device
     packed = pack_prompts(prompts, device)
-    lengths = (packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).tolist()
+    lengths = [int(torch.as_tensor(p.input_ids).numel()) for p in prompts]
     # The last generated token is never fed back, so a sequence needs prompt + budget - 1 slots.
     cache = model.new_kv_cache(len(prompts), max(n + b - 1 for n, b in zip(lengths, budgets, strict=True)))
     generator = None
@@ -115,12 +139,73 @@ def generate(
             generator.seed()  # non-deterministic, without touching torch's global RNG
         else:
             generator.manual_seed(seed)
-    stops = set(stop_token_ids)
-
     logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache,
                                       packed["pixel_values"], packed["image_grid_thw"], packed["second_per_grid_ts"])
-    outputs: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))  # prompt index of each cache row
+    sampling = (temperature, top_p, top_k, generator)
+    if engine == "eager":
+        return _eager_loop(model, cache, logits, positions, budgets, set(stop_token_ids), sampling)
+    graphs = GRAPHS_BY_DEFAULT if graphs is None else graphs
+    return _static_loop(model, cache, logits, positions, budgets, stop_token_ids, sampling, sync_every, graphs)
+
+
+def race_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, noise: torch.Tensor
+                ) -> torch.Tensor:
+    """logits [B, V], noise [B, V] ~ Exp(1) -> token ids [B] distributed as the filtered softmax (argmax p / E)."""
+    probs = filter_logits(logits, temperature, top_p, top_k).softmax(-1)
+    return (probs / noise).argmax(-1)
+
+
+def _static_loop(model: MindVL, cache, logits: torch.Tensor, positions: torch.Tensor, budgets: list[int],
+                 stop_token_ids: Sequence[int], sampling: tuple, sync_every: int, graphs: bool) -> list[list[int]]:
+    """The decode loop over a static cache (module docstring): device-side bookkeeping, one read per `sync_every`
+    steps. Buffers are indexed by prompt; `rows` [B] maps each cache row to its prompt (compaction reorders)."""
+    from .decode_graph import DecodeStep
+
+    temperature, top_p, top_k, generator = sampling
+    device, n, width = logits.device, len(budgets), max(budgets)
+    out = torch.zeros(n, width, dtype=torch.long, device=device)  # generated ids; a prompt keeps its first `made`
+    made = torch.zeros(n, dtype=torch.long, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    budget = torch.tensor(budgets, device=device)
+    stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    rows = torch.arange(n, device=device)
+    cache.advance = torch.ones(n, dtype=torch.long, device=device)
+    step = DecodeStep(model, cache, graphs)
+    for s in range(width):
+        if temperature == 0:
+            tokens = logits.argmax(-1)
+        else:
+            noise = torch.empty(n, logits.shape[-1], device=device).exponential_(generator=generator)
+            tokens = race_tokens(logits, temperature, top_p, top_k, noise[rows].clamp_(min=torch.finfo().tiny))
+        running = ~done[rows]
+        out[rows, s] = tokens
+        made.index_add_(0, rows, running.long())
+        finished = torch.isin(tokens, stops) | (budget[rows] <= s + 1)
+        done[rows] = ~running | finished
+        if s + 1 == width:
+            break
+        if (s + 1) % sync_every == 0:
+            flags = done[rows].tolist()  # the loop's one device read every sync_every steps
+            if all(flags):
+                break
+            keep = [r for r, f in enumerate(flags) if not f]
+            if 2 * len(keep) < len(flags):  # more than half done: compaction pays for itself
+                index = torch.tensor(keep, device=device)
+                cache.keep(keep)
+                tokens, positions, rows = tokens[index], positions[index], rows[index]
+        cache.advance.copy_((~done[rows]).long())  # in place: a captured step reads it at a fixed address
+        logits = step(tokens, positions)
+        positions = positions + 1
+    return [ids[:k] for ids, k in zip(out.tolist(), made.tolist(), strict=True)]
+
+
+def _eager_loop(model: MindVL, cache, logits: torch.Tensor, positions: torch.Tensor, budgets: list[int],
+                stops: set[int], sampling: tuple) -> list[list[int]]:
+    """The loop before the static cache: each step's tokens are read back, finished rows leave the cache at once."""
+    temperature, top_p, top_k, generator = sampling
+    device = logits.device
+    outputs: list[list[int]] = [[] for _ in budgets]
+    active = list(range(len(budgets)))  # prompt index of each cache row
     while True:
         tokens = next_tokens(logits, temperature, top_p, top_k, generator)
         keep = []

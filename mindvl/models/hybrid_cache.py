@@ -4,7 +4,9 @@ linear-attention layers.
 A linear-attention layer keeps, per sequence, its convolution window (the last K-1 inputs of the short conv,
 [B, C, K-1]) and its recurrent state ([B, Hv, dk, dv], float32): memory that does not grow with the sequence.
 Full-attention layers use the KVCache part unchanged (their `keys`/`values` entries stay None for linear layers).
-`keep` drops finished sequences from both.
+A decode step overwrites both states in place (`update_states`), so they keep their addresses (a captured graph
+replays into the same buffers); a masked (finished) row's states keep changing, which nothing reads. `keep` drops
+finished sequences from both.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ class HybridCache(KVCache):
         self.conv_states: list[torch.Tensor | None] = [None] * num_layers
         self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while the forward in progress fills an empty cache (lengths change only at `commit`)."""
-        return max(self.lengths) == 0
+    def update_states(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor | None = None) -> None:
+        """Store a layer's new conv window (and recurrent state): the prefill sets them, a decode step copies into
+        the existing buffers."""
+        for store, new in ((self.conv_states, conv), (self.recurrent_states, recurrent)):
+            if new is None:
+                continue
+            if self.filled and store[layer] is not None:
+                store[layer].copy_(new)
+            else:
+                store[layer] = new
 
-    def keep(self, rows: list[int]) -> None:
-        super().keep(rows)
-        for store in (self.conv_states, self.recurrent_states):
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = t[torch.tensor(rows, device=t.device)]
+    def _row_stores(self) -> list[list[torch.Tensor | None]]:
+        return [*super()._row_stores(), self.conv_states, self.recurrent_states]
+
+    def step_state(self) -> list[torch.Tensor]:
+        return [*super().step_state(), *(t for t in self.conv_states + self.recurrent_states if t is not None)]

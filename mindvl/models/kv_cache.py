@@ -1,8 +1,21 @@
 """KV cache of B independent sequences for incremental decoding (the GQA layout: per-head keys and values).
 
 `KVCache` owns the bookkeeping every cache shares (where a forward's tokens land, the lengths, the decode mask,
-dropping finished sequences); `MLACache` (mla_cache.py) reuses it for MLA's latents. An attention layer receives a
-`LayerKV`: its own layer's view of the cache.
+masking or dropping finished sequences); `MLACache` (mla_cache.py) reuses it for MLA's latents and `HybridCache`
+(hybrid_cache.py) adds Qwen3.5's conv/recurrent state. An attention layer receives a `LayerKV`: its own layer's view
+of the cache.
+
+The cache is static: its buffers are allocated once (by the prefill) for the batch and the capacity, and a decode
+step reads and updates only device tensors at fixed addresses, so it needs no device read and can be replayed from a
+CUDA graph:
+- `lengths_dev` [B] int64 lives on the device; a decode step writes row b's token at slot lengths_dev[b] and adds
+  `advance[b]` (1, or 0 for a finished row when the generation loop masks it) in place;
+- the host keeps only an upper bound of every row's length (`bound`: the longest prompt plus the steps taken), which
+  sizes the attention window without reading the lengths; `full_width` makes the window the whole capacity instead
+  (one shape for every step, what a captured graph needs);
+- a finished sequence is masked (its row keeps computing, its length stops advancing, its output is ignored) rather
+  than copied out; `keep` compacts the rows when that is worth it (the generation loop does it when more than half
+  of the batch is done).
 """
 
 from __future__ import annotations
@@ -17,10 +30,10 @@ class KVCache:
     """Keys and values of B independent sequences for incremental decoding.
 
     Per layer K and V are [B, Hkv, capacity, D], allocated on the first write in the keys' dtype and device;
-    `lengths[b]` counts the tokens cached for sequence b. Rows never see each other: the prefill writes the packed
-    prompts (segment b of cu_seqlens -> row b, slots 0..len_b-1), a decode step writes one token per row at slot
-    lengths[b], and decode attention masks every slot at or beyond a row's new length. No padding ever enters the
-    attention of a valid token, so batching prompts of different lengths does not change their numerics.
+    `lengths_dev[b]` counts the tokens cached for sequence b. Rows never see each other: the prefill writes the
+    packed prompts (segment b of cu_seqlens -> row b, slots 0..len_b-1), a decode step writes one token per row at
+    slot lengths_dev[b], and decode attention masks every slot at or beyond a row's new length. No padding ever
+    enters the attention of a valid token, so batching prompts of different lengths does not change their numerics.
     """
 
     def __init__(self, num_layers: int, batch: int, capacity: int) -> None:
@@ -29,53 +42,102 @@ class KVCache:
         self.capacity = capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.lengths: list[int] = [0] * batch  # host copy: shapes and slicing need Python ints
+        self._batch = batch
+        self.lengths_dev: torch.Tensor | None = None  # [B] int64 on the device, set by the prefill
+        self.bound = 0  # host: no row is longer than this (no device read needed to size the window)
+        self.filled = False  # host: the prefill has run
+        # [B] int64 on the device: what a decode step adds to each row's length (1 running, 0 finished); None: 1.
+        self.advance: torch.Tensor | None = None
+        self.full_width = False  # decode attends over the whole capacity (fixed shapes, for graph capture)
+        self._rows: torch.Tensor | None = None  # arange(B) on the device, made once
+        self._slots_range: torch.Tensor | None = None  # arange(capacity) on the device, made once
         self._step: _Step | None = None
 
     @property
     def batch(self) -> int:
-        return len(self.lengths)
+        return self._batch
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the forward in progress fills an empty cache (`filled` changes only at `commit`)."""
+        return not self.filled
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's cached token count, read back to the host (a device read: for checks and tests, never inside
+        a decode step)."""
+        return [0] * self.batch if self.lengths_dev is None else self.lengths_dev.tolist()
 
     def begin(self, num_tokens: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> None:
         """Plan where this forward's tokens go (once per forward, shared by every layer)."""
         b = self.batch
-        if max(self.lengths) == 0:  # prefill: segment i of the packed row is sequence i
+        if not self.filled:  # prefill: segment i of the packed row is sequence i
             if cu_seqlens is None or len(cu_seqlens) != b + 1:
                 raise ValueError(f"a prefill into a cache of {b} sequences needs cu_seqlens with {b + 1} entries")
             seg = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
-            rows = torch.repeat_interleave(torch.arange(b, device=device), seg)  # [T]
+            rows = torch.repeat_interleave(torch.arange(b, device=device), seg, output_size=num_tokens)  # [T]
             slots = torch.arange(num_tokens, device=device) - cu_seqlens[:-1].long().to(device)[rows]
-            new_lengths = seg.tolist()
-            if min(new_lengths) < 1:
+            host = seg.tolist()  # the prefill may read: it sizes the window and checks the prompts
+            if min(host) < 1:
                 raise ValueError("every prompt needs at least one token")
-            mask = None
-        else:
-            if num_tokens != b:
-                raise ValueError(f"a decode step takes one token per sequence ({b}), got {num_tokens}")
-            rows = torch.arange(b, device=device)
-            slots = torch.tensor(self.lengths, device=device)
-            new_lengths = [n + 1 for n in self.lengths]
-            width = max(new_lengths)
-            # [B, 1, 1, width]: a row's query sees its own cached slots (the new token included), none beyond.
-            mask = (torch.arange(width, device=device)[None, :] < (slots + 1)[:, None])[:, None, None, :]
-        if max(new_lengths) > self.capacity:
+            if max(host) > self.capacity:
+                raise ValueError(f"the KV cache holds {self.capacity} tokens per sequence; this prompt needs "
+                                 f"{max(host)} (allocate a larger cache)")
+            self._rows = torch.arange(b, device=device)
+            self._slots_range = torch.arange(self.capacity, device=device)
+            self._step = _Step(rows, slots, seg, max(host), None, host)
+            return
+        if num_tokens != b:
+            raise ValueError(f"a decode step takes one token per sequence ({b}), got {num_tokens}")
+        if self.advance is None and self.bound + 1 > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} tokens per sequence; this step needs "
-                             f"{max(new_lengths)} (allocate a larger cache)")
-        self._step = _Step(rows, slots, new_lengths, mask)
+                             f"{self.bound + 1} (allocate a larger cache)")
+        # A masked (finished) row stops advancing; once at capacity it rewrites its last slot, which nothing reads.
+        slots = self.lengths_dev if self.advance is None else self.lengths_dev.clamp(max=self.capacity - 1)
+        width = self.capacity if self.full_width else min(self.capacity, self.bound + 1)
+        # [B, 1, 1, width]: a row's query sees its own cached slots (the new token included), none beyond.
+        mask = (self._slots_range[None, :width] <= slots[:, None])[:, None, None, :]
+        self._step = _Step(self._rows, slots, None, min(self.capacity, self.bound + 1), mask, None)
 
     def commit(self) -> None:
-        self.lengths = self._step.new_lengths
-        self._step = None
+        step, self._step = self._step, None
+        if step.new_lengths is not None:  # prefill
+            self.lengths_dev, self.filled = step.new_lengths, True
+        else:
+            self.lengths_dev.add_(1 if self.advance is None else self.advance)  # in place: a fixed address
+        self.bound = step.bound
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these sequences, in this order (finished ones are dropped so decode steps skip them)."""
+    def keep(self, rows: list[int] | torch.Tensor) -> None:
+        """Keep only these sequences, in this order (compaction: the dropped rows' memory and compute are freed)."""
         if self._step is not None:
             raise RuntimeError("cannot reorder a KV cache in the middle of a forward")
-        for store in (self.keys, self.values):
+        index = None
+        for store in self._row_stores():
             for i, t in enumerate(store):
                 if t is not None:
-                    store[i] = t[torch.tensor(rows, device=t.device)]
-        self.lengths = [self.lengths[r] for r in rows]
+                    if index is None or index.device != t.device:
+                        index = torch.as_tensor(rows, device=t.device, dtype=torch.long)
+                    store[i] = t.index_select(0, index)
+        if index is None:
+            index = torch.as_tensor(rows, dtype=torch.long)
+        if self.lengths_dev is not None:
+            index = index.to(self.lengths_dev.device)
+            self.lengths_dev = self.lengths_dev.index_select(0, index)
+            self._rows = torch.arange(len(index), device=index.device)
+            # a compaction point may read: the dropped rows may have been the longest
+            self.bound = max(self.lengths_dev.tolist(), default=0)
+        if self.advance is not None:
+            self.advance = self.advance.index_select(0, index)
+        self._batch = len(index)
+
+    def _row_stores(self) -> list[list[torch.Tensor | None]]:
+        """Every per-layer list whose tensors have one row per sequence (subclasses add theirs)."""
+        return [self.keys, self.values]
+
+    def step_state(self) -> list[torch.Tensor]:
+        """The tensors a decode step updates in place besides K/V slots (whose writes are idempotent): what a graph
+        capture must save and restore around its warm-up runs."""
+        return [self.lengths_dev]
 
     def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False
                ) -> torch.Tensor:
@@ -108,15 +170,18 @@ class KVCache:
 
 
 class _Step:
-    """Where one forward's tokens land in the cache: row and slot per token, the lengths after it, the decode mask."""
+    """Where one forward's tokens land in the cache: row and slot per token, the lengths after a prefill (device,
+    and `host`), the host bound after it, and the decode mask (None for a prefill)."""
 
-    def __init__(self, rows, slots, new_lengths: list[int], mask: torch.Tensor | None) -> None:
-        self.rows, self.slots, self.new_lengths, self.mask = rows, slots, new_lengths, mask
+    def __init__(self, rows, slots, new_lengths, bound: int, mask: torch.Tensor | None,
+                 host: list[int] | None) -> None:
+        self.rows, self.slots, self.new_lengths, self.bound, self.mask, self.host = (
+            rows, slots, new_lengths, bound, mask, host)
 
     def last_mask(self) -> torch.Tensor:
         """[B, 1, 1, width]: each row's last token sees every slot of its sequence (a prefill's last query)."""
-        lengths = torch.tensor(self.new_lengths, device=self.rows.device)
-        return (torch.arange(max(self.new_lengths), device=self.rows.device)[None, :] < lengths[:, None])[:, None, None]
+        device = self.rows.device
+        return (torch.arange(self.bound, device=device)[None, :] < self.new_lengths[:, None])[:, None, None]
 
 
 class LayerKV:

@@ -116,9 +116,9 @@ def rope_cos_sin(
             per_axis = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, hd/2]
             if interleaved:
                 slot = torch.arange(head_dim // 2, device=position_ids.device)
-                axis = torch.zeros_like(slot)
-                axis[(slot % 3 == 1) & (slot < 3 * mrope_section[1])] = 1
-                axis[(slot % 3 == 2) & (slot < 3 * mrope_section[2])] = 2
+                # torch.where, not masked assignment: boolean indexing is a device read (nonzero) per call
+                axis = torch.where((slot % 3 == 1) & (slot < 3 * mrope_section[1]), 1,
+                                   torch.where((slot % 3 == 2) & (slot < 3 * mrope_section[2]), 2, 0))
                 freqs = per_axis.gather(0, axis[None, None, :].expand(1, per_axis.shape[1], -1))[0]
                 emb = torch.cat((freqs, freqs), dim=-1)
                 return emb.cos(), emb.sin()

@@ -11,7 +11,7 @@ Module and parameter names are transformers' (`linear_attn.in_proj_qkv`, `conv1d
 `dt_bias`, `norm.weight`, `out_proj`), so checkpoints convert by renaming alone.
 
 With a cache (HybridCache via LayerKV): a prefill runs the packed prompts like training and stores each prompt's
-conv window and final state; a decode step (one token per sequence) advances them by one token.
+conv window and final state; a decode step (one token per sequence) advances them by one token, in place.
 """
 
 from __future__ import annotations
@@ -78,10 +78,11 @@ class GatedDeltaNet(nn.Module):
         cache = kv.cache if kv is not None else None
         decode = cache is not None and not cache.is_prefill
         if decode:
-            mixed, cache.conv_states[kv.layer] = causal_conv1d_step(mixed, weight, cache.conv_states[kv.layer])
+            mixed, window = causal_conv1d_step(mixed, weight, cache.conv_states[kv.layer])
+            cache.update_states(kv.layer, window)
         else:
             if cache is not None:
-                cache.conv_states[kv.layer] = conv_states(mixed, cu_seqlens, weight.shape[1] - 1)
+                cache.update_states(kv.layer, conv_states(mixed, cu_seqlens, weight.shape[1] - 1))
             mixed = causal_conv1d(mixed, weight, cu_seqlens)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim))
@@ -89,11 +90,12 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if decode:
-            o, cache.recurrent_states[kv.layer] = gated_delta_step(q, k, v, g, beta, cache.recurrent_states[kv.layer])
+            o, state = gated_delta_step(q, k, v, g, beta, cache.recurrent_states[kv.layer])
+            cache.update_states(kv.layer, None, state)
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, cu_seqlens, chunk_size=self.chunk_size)
             if cache is not None:
-                cache.recurrent_states[kv.layer] = state
+                cache.update_states(kv.layer, None, state)
         z = self.in_proj_z(x).unflatten(-1, (-1, self.head_v_dim))
         out = self.out_proj(self.norm(o, z).flatten(1))
         return out if rows is None else out[rows]

@@ -204,7 +204,7 @@ class TextModel(nn.Module):
         if type(cache) is not expected or len(cache.keys) != len(self.layers):
             raise ValueError(f"this model needs a {expected.__name__} of {len(self.layers)} layers "
                              f"(model.new_kv_cache), got a {type(cache).__name__} of {len(cache.keys)}")
-        if last_only and (cu_seqlens is None or max(cache.lengths) > 0):
+        if last_only and (cu_seqlens is None or cache.filled):
             raise ValueError("last_only applies to a prefill into an empty cache (with cu_seqlens)")
         cache.begin(x.shape[0], cu_seqlens, x.device)
         last = len(self.layers) - 1

@@ -42,19 +42,28 @@ def test_predictions_equal_independent_chat_calls(setup, tmp_path):
 def test_perfect_and_empty_predictors_score_one_and_zero(setup, tmp_path, monkeypatch):
     _, folder, _, benches = setup
     model, tok = load_for_chat(folder, device="cpu")
-    answers = [it.answers[0] for it in BENCHMARKS["ocrbench"].load(benches["ocrbench"])]
-    stop = tok.special.im_end
-    queue: list[list[int]] = []
+    from mindvl.infer.chat import process_images, vision_processing
 
-    def oracle(model, prompts, max_new_tokens, **kw):  # answers in item order, then the stop token
-        return [queue.pop(0) for _ in prompts]
+    items = list(BENCHMARKS["ocrbench"].load(benches["ocrbench"]))
+    stop = tok.special.im_end
+
+    def key(pixels) -> bytes:  # an item's processed image, whatever order the runner generates in
+        return pixels.numpy().tobytes()
+
+    keys = [key(process_images(it.images, SETTINGS["min_pixels"], SETTINGS["max_pixels"],
+                               vision_processing(model))[0]) for it in items]
+    assert len(set(keys)) == len(items)
+    reply: dict[bytes, list[int]] = {}
+
+    def oracle(model, prompts, max_new_tokens, **kw):  # each prompt's answer, then the stop token
+        return [reply[key(p.pixel_values)] for p in prompts]
 
     monkeypatch.setattr(generate_module, "generate", oracle)
-    queue[:] = [[*tok.encode(a), stop] for a in answers]
+    reply.update({k: [*tok.encode(it.answers[0]), stop] for k, it in zip(keys, items, strict=True)})
     perfect = evaluate_benchmark(model, tok, "ocrbench", benches["ocrbench"], EvalSettings(**SETTINGS),
                                  tmp_path / "perfect.jsonl")
     assert perfect["exact_match"] == 1.0 and perfect["accuracy"] == 1.0 and perfect["hits"] == 5
-    queue[:] = [[stop] for _ in answers]
+    reply.update({k: [stop] for k in keys})
     empty = evaluate_benchmark(model, tok, "ocrbench", benches["ocrbench"], EvalSettings(**SETTINGS),
                                tmp_path / "empty.jsonl")
     assert empty["exact_match"] == 0.0 and empty["hits"] == 0

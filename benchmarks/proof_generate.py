@@ -1,0 +1,133 @@
+"""The accelerator proof's `generate` section (issue 39): decode speed of the prepared mid model in bf16.
+
+    python benchmarks/accelerator_proof.py --out $OUT --sections prepare,generate
+
+Kept in its own module so the proof's driver changes by three lines (the section's entry, its worker, its summary
+line). Needs `prepare` (the mid model saved as transformers' Qwen2.5-VL and imported by mindvl).
+
+Per batch (1 and 32 on a GPU; 1 and 4 in --dry-run), B text prompts of 128 random tokens (equal lengths, so
+transformers needs no padding) and 64 greedy tokens each:
+- mindvl `engine="eager"`: the loop before the static cache (reads every step, drops finished rows);
+- mindvl static cache, eager kernels (`graphs=False`);
+- mindvl static cache with the decode step replayed from a CUDA graph (`graphs=True`; captured once per call);
+- transformers `generate` on the same weights (bf16, its default cache).
+Every mindvl arm must give the eager loop's tokens (`identical`); transformers' agreement is reported as the
+common prefix (bf16 kernels differ). Tokens/s is B x 64 / wall time of the call (prefill included); `step_ms` is
+(wall - prefill) / 63 and `decode_tokens_per_s` B / step time. The bandwidth bound of a decode step is the language
+model's weight bytes over the measured device copy bandwidth (read + write of a 1 GiB buffer): batch 1 cannot beat
+bw / weight bytes tokens/s, batch B (KV reads aside) B times that.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> tuple[float, object]:
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def copy_bandwidth(device, nbytes: int = 2**30, reps: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves (read + write)."""
+    import torch
+
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    seconds, _ = _timed(lambda: [y.copy_(x) for _ in range(reps)], device)
+    return 2 * nbytes * reps / seconds
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def sec_generate(args, work: Path) -> dict:
+    import torch
+
+    from mindvl.checkpoint import load_model
+    from mindvl.infer import Prompt, generate
+
+    if not (work / "mindvl").is_dir():
+        raise RuntimeError("the generate section needs the prepare section's model (run prepare first)")
+    dry = args.dry_run
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not dry else torch.device("cpu")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    new, length = (8, 32) if dry else (64, 128)
+    batches = (1, 4) if dry else (1, 32)
+    t0 = time.perf_counter()
+    model = load_model(work / "mindvl", dtype=dtype, device=device).eval()
+    out: dict = {"load_s": time.perf_counter() - t0, "dtype": str(dtype), "new_tokens": new, "prompt_tokens": length}
+    lm = model.language_model
+    out["weights_bytes"] = sum(p.numel() * p.element_size() for p in lm.parameters())
+    out["copy_bytes_per_s"] = copy_bandwidth(device, 2**26 if dry else 2**30)
+    out["bound_tokens_per_s_batch1"] = out["copy_bytes_per_s"] / out["weights_bytes"]
+    vocab = model.config.text.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts_all = [Prompt(torch.randint(0, min(vocab, 150000) - 1000, (length,), generator=gen))
+                   for _ in range(max(batches))]
+
+    hf = None
+    try:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(work / "hf", dtype=dtype).to(device).eval()
+    except Exception as exc:  # the mindvl arms still count
+        out["transformers_error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+    out["batches"] = {}
+    for b in batches:
+        prompts = prompts_all[:b]
+        arms = {"eager": dict(engine="eager"), "static": dict(graphs=False), "graphs": dict(graphs=True)}
+        row: dict = {}
+        tokens: dict[str, list[list[int]]] = {}
+        for name, kw in arms.items():
+            generate(model, prompts, 2, **kw)  # warm-up (kernels, allocator; a graph capture at this batch)
+            prefill_s, _ = _timed(lambda kw=kw, ps=prompts: generate(model, ps, 1, **kw), device)
+            seconds, tokens[name] = _timed(lambda kw=kw, ps=prompts: generate(model, ps, new, **kw), device)
+            step_ms = 1000 * (seconds - prefill_s) / (new - 1)
+            row[name] = {"s": round(seconds, 4), "tokens_per_s": b * new / seconds, "step_ms": step_ms,
+                         "decode_tokens_per_s": b * 1000 / step_ms if step_ms > 0 else None}
+        row["identical"] = {name: tokens[name] == tokens["eager"] for name in ("static", "graphs")}
+        if hf is not None:
+            ids = torch.stack([p.input_ids for p in prompts]).to(device)
+            kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                      eos_token_id=None, pad_token_id=0)
+            with torch.inference_mode():
+                hf.generate(input_ids=ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+                seconds, seq = _timed(lambda ids=ids, kw=kw: hf.generate(input_ids=ids, **kw), device)
+            ref = seq[:, length:].tolist()
+            row["transformers"] = {"s": round(seconds, 4), "tokens_per_s": b * new / seconds,
+                                   "common_prefix_with_eager": min(common_prefix(a, r) for a, r in
+                                                                   zip(tokens["eager"], ref, strict=True))}
+            row["graphs_over_transformers"] = row["graphs"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+        decode = row["graphs"]["decode_tokens_per_s"]
+        row["graphs_over_bound"] = decode / (b * out["bound_tokens_per_s_batch1"]) if decode else None
+        out["batches"][str(b)] = row
+    return out
+
+
+def generate_summary(data: dict) -> str:
+    """One line for the proof's summary table."""
+    parts = []
+    for b, row in data.get("batches", {}).items():
+        hf = row.get("transformers", {}).get("tokens_per_s")
+        bound = row.get("graphs_over_bound")
+        parts.append(f"b{b}: graphs {row['graphs']['tokens_per_s']:,.0f} tokens/s "
+                     f"({row['graphs']['step_ms']:.2f} ms/step, {'-' if bound is None else format(bound, '.0%')} of "
+                     f"bandwidth bound), "
+                     f"static {row['static']['tokens_per_s']:,.0f}, eager {row['eager']['tokens_per_s']:,.0f}, "
+                     f"transformers {'-' if hf is None else format(hf, ',.0f')}; identical {row['identical']}")
+    return "; ".join(parts) or "no batches"

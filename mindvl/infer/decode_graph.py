@@ -1,0 +1,70 @@
+"""One decode step of a model over its static cache, run eagerly or replayed from a CUDA graph.
+
+    step = DecodeStep(model, cache, graphs)
+    logits = step(tokens [B], positions [B])   # -> [B, V]; advances the cache by one token per row
+
+With `graphs` on a CUDA device the step (`model.decode_step`: embedding, every layer's cache write and attention
+over the padded cache, the logits) is captured once per batch size and replayed: the host launches one graph instead
+of a few hundred small kernels per token. Capture needs what the static cache provides (kv_cache.py): fixed buffer
+addresses, state updated in place, no device read, one shape for every step (`cache.full_width`: attention over
+the whole capacity, masked). Tokens and positions are copied into the graph's own input buffers before each replay.
+A step that cannot be captured (a kernel that reads the device, e.g. fp32 MoE experts without grouped_mm) falls back
+to eager with a warning; the cache is restored to its state before the capture attempt either way.
+
+Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class DecodeStep:
+    def __init__(self, model, cache, graphs: bool = False) -> None:
+        self.model, self.cache = model, cache
+        self.graphs = bool(graphs) and torch.cuda.is_available() and cache.lengths_dev is not None \
+            and cache.lengths_dev.device.type == "cuda"
+        self._graph = None
+        self._batch = -1
+        self._tokens = self._positions = self._logits = None
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.graphs:
+            return self.model.decode_step(tokens, positions, self.cache)
+        if self._graph is None or self._batch != tokens.shape[0]:
+            self._capture(tokens, positions)
+            if not self.graphs:
+                return self.model.decode_step(tokens, positions, self.cache)
+        self._tokens.copy_(tokens)
+        self._positions.copy_(positions)
+        self._graph.replay()
+        # The host half of the cache's commit, which a replay does not run.
+        self.cache.bound = min(self.cache.capacity, self.cache.bound + 1)
+        return self._logits
+
+    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        cache = self.cache
+        cache.full_width = True
+        self._tokens, self._positions = tokens.clone(), positions.clone()
+        saved = [t.clone() for t in cache.step_state()]
+        bound = cache.bound
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: lazy initialisation (cuBLAS handles, workspaces) before capture
+                self.model.decode_step(self._tokens, self._positions, cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._logits = self.model.decode_step(self._tokens, self._positions, cache)
+            self._graph, self._batch = graph, tokens.shape[0]
+        except Exception as error:  # noqa: BLE001 - any capture failure means: run this model eagerly
+            warnings.warn(f"decode step not captured in a CUDA graph ({error}); running it eagerly", stacklevel=3)
+            self.graphs, self._graph = False, None
+            cache.full_width = False
+        finally:
+            for t, s in zip(cache.step_state(), saved, strict=True):
+                t.copy_(s)
+            cache.bound = bound

@@ -1,0 +1,320 @@
+"""The static KV cache and the decode loop (mindvl.infer.generate, kv_cache.py, decode_graph.py).
+
+For every family the cache supports (dense GQA, MoE/MLA latents, Qwen3-VL's interleaved M-RoPE + DeepStack,
+Qwen3.5's hybrid conv/recurrent state): greedy tokens equal the pre-static loop's (`engine="eager"`: reads every
+step, drops finished rows at once) with per-prompt budgets and stop tokens, so masking and compaction both happen;
+seeded sampled tokens equal an independent reference (full forwards, no cache, the same noise); a decode step reads
+nothing from the device and updates the cache in place (what CUDA-graph replay needs). The comparisons against
+transformers' `generate` are in test_generation.py, test_mla_cache.py, test_qwen3_vl.py and test_qwen3_5.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mindvl.infer import Prompt, generate
+from mindvl.infer.generate import filter_logits, pack_prompts
+from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+VOCAB = 211  # odd, so a vocabulary-sized bug cannot hide in a power of two
+IMAGE, VIDEO, START, END = 200, 201, 202, 203
+
+TEXT = {
+    "dense": dict(family="qwen2", hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=5,
+                  num_key_value_heads=1, head_dim=8, mrope_section=[1, 1, 2]),
+    "moe_mla": dict(family="deepseek_v3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                    num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                    kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                    head_dim=16, mrope_section=[2, 3, 3]),
+    "qwen3_vl": dict(family="qwen3", hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, mrope_section=[2, 2, 2],
+                     mrope_interleaved=True),
+    "qwen3_5": dict(family="qwen3_5", hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[2, 1, 1],
+                    mrope_interleaved=True, partial_rotary_factor=0.5, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+                    linear_num_value_heads=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+}
+QWEN3_TOWER = dict(family="qwen3_vl", depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16,
+                   hidden_act="gelu_pytorch_tanh", num_position_embeddings=16)
+
+
+def build(name: str) -> MindVL:
+    if name in ("qwen3_vl", "qwen3_5"):
+        vision = VisionConfig(**QWEN3_TOWER, deepstack_visual_indexes=[0, 2] if name == "qwen3_vl" else [])
+    else:
+        vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
+    cfg = MindVLConfig(text=TextConfig(vocab_size=VOCAB, **TEXT[name]), vision=vision, image_token_id=IMAGE,
+                       video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    model = MindVL(cfg)
+    model.init_weights(seed=5, std=0.15)  # large enough that the tokens depend on the context
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(TEXT))
+def family(request):
+    return request.param, build(request.param)
+
+
+def prompts_for(model: MindVL, n: int = 5) -> list[Prompt]:
+    """n prompts of different lengths, every other one with an image (grid [1, 4, 8]: 8 pads)."""
+    patch = 16 if model.config.vision.family == "qwen3_vl" else 14
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for i in range(n):
+        words = torch.randint(0, 190, (3 + 2 * i,), generator=gen)
+        if i % 2:
+            prompts.append(Prompt(words))
+            continue
+        pads = torch.tensor([START] + [IMAGE] * 8 + [END])
+        pixels = torch.randn(32, 3 * 2 * patch * patch, generator=gen)
+        prompts.append(Prompt(torch.cat([words[:2], pads, words[2:]]), pixels, torch.tensor([[1, 4, 8]])))
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------- greedy tokens
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_greedy_tokens_equal_the_eager_loop_with_budgets_and_stops(family, sync_every):
+    """Budgets of 2..14 and two stop tokens: rows finish at different steps, are masked, and (with more than half
+    done at a sync point) compacted; every prompt's tokens equal the eager loop's."""
+    _, model = family
+    prompts = prompts_for(model)
+    budgets = [14, 3, 9, 2, 12]
+    free = generate(model, prompts, budgets, engine="eager")
+    stops = sorted({free[0][6], free[2][4]})
+    want = generate(model, prompts, budgets, stop_token_ids=stops, engine="eager")
+    got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=sync_every)
+    assert got == want
+    assert [len(t) for t in want] != budgets  # the stops did cut some sequences short
+    assert generate(model, prompts, budgets, sync_every=sync_every) == free
+
+
+def test_static_loop_compacts_when_more_than_half_is_done(monkeypatch):
+    """Compaction is a real code path: with budgets 1, 1, 1, 9 it runs once (3 of 4 rows done at the first sync
+    point), and the surviving row's tokens are those of its generation alone."""
+    from mindvl.models.kv_cache import KVCache
+
+    model = build("dense")
+    prompts = prompts_for(model, 4)
+    calls = []
+    keep = KVCache.keep
+    monkeypatch.setattr(KVCache, "keep", lambda self, rows: (calls.append(list(rows)), keep(self, rows)))
+    got = generate(model, prompts, [1, 1, 1, 9], sync_every=2)
+    assert calls == [[3]]
+    assert got[3] == generate(model, prompts[3:], 9, engine="eager")[0]
+
+
+# -------------------------------------------------------------------------------------------- sampled tokens
+
+
+def reference_sampling(model: MindVL, prompts: list[Prompt], n: int, seed: int, temperature: float, top_p: float,
+                       top_k: int) -> list[list[int]]:
+    """Sampling by full recomputation: at step s, each prompt's next-token logits from a forward over prompt +
+    tokens so far (no cache), filtered, and the exponential race with step s's noise (one [B, V] draw per step)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[list[int]] = [[] for _ in prompts]
+    for _ in range(n):
+        noise = torch.empty(len(prompts), VOCAB).exponential_(generator=gen).clamp_(min=torch.finfo().tiny)
+        for b, p in enumerate(prompts):
+            ids = torch.cat([p.input_ids, torch.tensor(out[b], dtype=torch.long)])
+            with torch.no_grad():
+                logits = model(input_ids=ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw).logits
+            probs = filter_logits(logits[-1:], temperature, top_p, top_k).softmax(-1)[0]
+            out[b].append(int((probs / noise[b]).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("name", ["dense", "qwen3_5"])
+def test_seeded_sampling_equals_recomputation_and_ignores_sync_and_compaction(name):
+    model = build(name)
+    prompts = prompts_for(model, 3)
+    kw = dict(temperature=1.3, top_p=0.9, top_k=40, seed=11)
+    want = reference_sampling(model, prompts, 8, **kw)
+    assert generate(model, prompts, 8, **kw) == want
+    assert generate(model, prompts, 8, sync_every=1, **kw) == want
+    # A row that finishes early (budget 2) frees nothing from the others' noise: their tokens are unchanged.
+    short = generate(model, prompts, [2, 8, 8], sync_every=1, **kw)
+    assert short == [want[0][:2], want[1], want[2]]
+    assert generate(model, prompts, 8, **{**kw, "seed": 12}) != want
+
+
+# -------------------------------------------------------------------------------------- no reads inside a step
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the ops that read device memory back to the host, or whose output shape depends on the data (a
+    read on an accelerator): `_local_scalar_dense` (item/int/bool), nonzero, masked_select, unique,
+    repeat_interleave by a tensor of counts without output_size, boolean-mask indexing. `Tensor.tolist` does not
+    dispatch, so it is counted by wrapping it (`count_tolist`)."""
+
+    DATA_SHAPED = ("aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        kwargs = kwargs or {}
+        if "_local_scalar_dense" in name or name.startswith(self.DATA_SHAPED):
+            self.reads.append(name)
+        elif name.startswith("aten.repeat_interleave") and kwargs.get("output_size") is None:
+            if isinstance(args[1] if len(args) > 1 else args[0], torch.Tensor):  # counts, not an int
+                self.reads.append(name)
+        elif name.startswith(("aten.index.", "aten.index_put")) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            self.reads.append(name + " (bool mask)")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def count_tolist(monkeypatch):
+    calls: list[str] = []
+    original = torch.Tensor.tolist
+
+    def tolist(self):
+        calls.append("tolist")
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return calls
+
+
+def prefilled(model: MindVL, prompts: list[Prompt], capacity: int = 40):
+    packed = pack_prompts(prompts, torch.device("cpu"))
+    cache = model.new_kv_cache(len(prompts), capacity)
+    logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache, packed["pixel_values"],
+                                      packed["image_grid_thw"])
+    return cache, logits, positions
+
+
+@pytest.mark.parametrize("name", list(TEXT))
+def test_a_decode_step_reads_nothing_and_updates_the_cache_in_place(name, count_tolist):
+    """model.decode_step over the static cache (masked rows included): zero reads, and every tensor the step
+    changes keeps its address (a replayed CUDA graph writes where it was captured)."""
+    from mindvl.infer.decode_graph import DecodeStep
+
+    model = build(name)
+    with torch.inference_mode():
+        cache, logits, positions = prefilled(model, prompts_for(model, 3))
+        cache.advance = torch.tensor([1, 0, 1])  # row 1 finished: masked
+        step = DecodeStep(model, cache, graphs=True)  # graphs: CUDA only, so eager here
+        before = cache.lengths
+        buffers = [t for t in cache.keys + cache.values + cache.step_state() if t is not None]
+        addresses = [t.data_ptr() for t in buffers]
+        tokens = logits.argmax(-1)
+        count_tolist.clear()
+        with DeviceReads() as reads:
+            for _ in range(3):
+                tokens = step(tokens, positions).argmax(-1)
+                positions = positions + 1
+        assert reads.reads == [] and count_tolist == []
+        assert [t.data_ptr() for t in cache.keys + cache.values + cache.step_state() if t is not None] == addresses
+        assert cache.lengths == [before[0] + 3, before[1], before[2] + 3]
+
+
+def test_the_static_loop_reads_once_per_sync_interval_and_the_eager_loop_every_step(count_tolist, monkeypatch):
+    """Reads in the decode phase of a 12-token generation (after the prefill): the static loop reads the finished
+    flags once every sync_every = 4 steps (2 times) plus the outputs at the end (2); the eager loop reads every
+    step's tokens (12): the count is > 0 on the old path, so the counter sees what it is meant to."""
+    model = build("qwen3_vl")
+    prompts = prompts_for(model, 3)
+    reads = DeviceReads()
+    prefill = MindVL.prefill
+
+    def counted_prefill(*args, **kwargs):  # the count starts after the prefill
+        out = prefill(*args, **kwargs)
+        count_tolist.clear()
+        reads.reads.clear()
+        return out
+
+    monkeypatch.setattr(MindVL, "prefill", counted_prefill)
+    counts = {}
+    for engine in ("static", "eager"):
+        with reads:
+            generate(model, prompts, 12, sync_every=4, engine=engine)
+        counts[engine] = len(reads.reads) + len(count_tolist)
+    assert counts == {"static": 2 + 2, "eager": 12}
+
+
+def test_the_read_counter_sees_reads_and_data_shaped_ops():
+    """The counter itself: each of these is one read (or a data-shaped op), and shape-static ops are none."""
+    x, mask = torch.arange(6.0), torch.tensor([True, False] * 3)
+    cases = [lambda: int(x[0]), lambda: bool(x.any()), lambda: x[mask], lambda: x.nonzero(),
+             lambda: torch.repeat_interleave(x, torch.tensor([1, 2, 0, 1, 1, 1])),
+             lambda: x.clone().__setitem__(mask, 0)]
+    for case in cases:
+        with DeviceReads() as reads:
+            case()
+        assert len(reads.reads) >= 1
+    with DeviceReads() as reads:
+        torch.where(mask, x, 0).argmax(-1)
+        x.repeat_interleave(2)
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long), output_size=6)
+    assert reads.reads == []
+
+
+# ------------------------------------------------------------------------------------------ sorted batching
+
+
+def test_plan_batches_by_hand():
+    from mindvl.infer.batching import plan_batches
+
+    # most expensive first (ties in index order); a batch closes before 10 cost units or 3 prompts are exceeded;
+    # 12 is over the budget and goes alone; 5 + 4 + 3 > 10; 3 + 2 + 1 then a fourth prompt
+    assert plan_batches([3, 12, 5, 4, 1, 1, 1, 2], token_budget=10, max_batch=3) == [[1], [2, 3], [0, 7, 4], [5, 6]]
+    assert plan_batches([], 10, 3) == []
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_batches([1], 0, 3)
+
+
+def test_sorted_generation_returns_each_prompts_own_answer_in_order(monkeypatch):
+    """Seven prompts in length-sorted batches under a budget: the batches hold prompts of falling cost, and the
+    answers (greedy, per-prompt budgets) equal one generate call over all prompts in their own order."""
+    import importlib
+
+    from mindvl.infer.batching import generate_sorted, prompt_cost
+
+    module = importlib.import_module("mindvl.infer.generate")
+    model = build("dense")
+    prompts = prompts_for(model, 7)
+    budgets = [5, 3, 7, 2, 6, 4, 5]
+    want = generate(model, prompts, budgets)
+    calls = []
+    real = module.generate
+
+    def spy(model, batch, max_new_tokens, **kw):
+        calls.append([prompt_cost(p, b) for p, b in zip(batch, max_new_tokens, strict=True)])
+        return real(model, batch, max_new_tokens, **kw)
+
+    monkeypatch.setattr(module, "generate", spy)
+    got = generate_sorted(model, prompts, budgets, token_budget=60, max_batch=3)
+    assert got == want
+    flat = [c for batch in calls for c in batch]
+    assert flat == sorted(flat, reverse=True) and len(calls) > 2
+    assert all(len(b) <= 3 and (sum(b) <= 60 or len(b) == 1) for b in calls)
+
+
+def test_cache_capacity_is_checked_on_the_host_and_masked_rows_stay_in_bounds():
+    """A prompt longer than the capacity, or a plain decode step past it, is refused (host bound, no read); a masked
+    row at capacity rewrites its last slot instead of writing out of bounds, and compaction re-reads the bound."""
+    model = build("dense")
+    prompts = [Prompt(torch.arange(5)), Prompt(torch.arange(3))]
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="holds 4 tokens.*needs 5"):
+            prefilled(model, prompts, capacity=4)
+        cache, logits, positions = prefilled(model, prompts, capacity=6)
+        model.decode_step(logits.argmax(-1), positions, cache)  # lengths 6, 4
+        with pytest.raises(ValueError, match="holds 6 tokens.*needs 7"):
+            model.decode_step(logits.argmax(-1), positions + 1, cache)
+        cache.advance = torch.tensor([0, 1])  # row 0 (full) masked: its write lands on slot 5, row 1 advances
+        model.decode_step(logits.argmax(-1), positions + 1, cache)
+        assert cache.lengths == [6, 5] and cache.bound == 6
+        cache.keep([1])
+        assert cache.lengths == [5] and cache.bound == 5 and cache.batch == 1
