@@ -148,12 +148,15 @@ def _sdpa(q, k, v, offsets, max_seqlen, causal, window, scale):
             continue
         seg_len = [lengths[i] for i in members]
         width = max(seg_len)
-        seg_start = to_device(torch.tensor([starts[i] for i in members]), q.device)
-        seg_n = to_device(torch.tensor(seg_len), q.device)
-        offs = torch.arange(width, device=q.device)
-        valid = offs[None, :] < seg_n[:, None]  # [B, L]
+        # The gather plan is built on the host from the lengths, so no shape depends on device data.
+        seg_start, seg_n = torch.tensor([starts[i] for i in members]), torch.tensor(seg_len)
+        host_offs = torch.arange(width)
+        host_valid = host_offs[None, :] < seg_n[:, None]  # [B, L]
         # Padded slots read token 0 of their own sequence: finite values, masked out as keys, discarded as queries.
-        gather = seg_start[:, None] + torch.where(valid, offs[None, :], 0)  # [B, L]
+        host_gather = seg_start[:, None] + torch.where(host_valid, host_offs[None, :], 0)  # [B, L]
+        kept = host_valid.flatten().nonzero()[:, 0]  # the real tokens among the B * L slots
+        gather, valid = to_device(host_gather, q.device), to_device(host_valid, q.device)
+        offs = torch.arange(width, device=q.device)
         qb, kb, vb = q[gather], k[gather], v[gather]  # [B, L, H, D]
         mask = None
         if window is not None or min(seg_len) != width:
@@ -165,11 +168,11 @@ def _sdpa(q, k, v, offsets, max_seqlen, causal, window, scale):
             # A padded query row may be fully masked (with a window); let it see key 0 so softmax stays finite.
             mask = mask | ((~valid)[:, None, :, None] & (offs == 0)[None, None, None, :])
         ob = _sdpa_call(qb, kb, vb, mask, causal and mask is None, scale)  # [B, L, Hq, Dv]
-        out_rows.append(ob[valid])
-        out_index.append(gather[valid])
+        out_rows.append(ob.flatten(0, 1).index_select(0, to_device(kept, q.device)))
+        out_index.append(host_gather.flatten()[kept])
     if not out_rows:
         return out
-    rows, index = torch.cat(out_rows), torch.cat(out_index)
+    rows, index = torch.cat(out_rows), to_device(torch.cat(out_index), q.device)
     if out is None:
         return rows.new_empty(total, hq, rows.shape[-1]).index_copy(0, index, rows)
     return out.index_copy_(0, index, rows)

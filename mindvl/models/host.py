@@ -52,12 +52,14 @@ class PackLayout:
 
     - `cu_seqlens` (n+1): sample offsets in the row, from 0 to T;
     - `grid_thw`: every image's and video's (t, h, w) in patches, in order of appearance (mindvl's one stream);
-    - `vision_pads`: how many image/video pad tokens the row holds (None: not counted, the model counts them).
+    - `vision_pads`: how many image/video pad tokens the row holds (None: not counted, the model counts them);
+    - `num_targets`: how many tokens have a next-token label (what the loss counts; None: not counted).
     """
 
     cu_seqlens: tuple[int, ...]
     grid_thw: tuple[Grid, ...] = ()
     vision_pads: int | None = None
+    num_targets: int | None = None
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens
@@ -75,11 +77,18 @@ class PackLayout:
 
     @classmethod
     def read(cls, cu_seqlens: torch.Tensor | Sequence[int], image_grid_thw=None, input_ids: torch.Tensor | None = None,
-             vision_token_ids: Sequence[int] = ()) -> PackLayout:
+             vision_token_ids: Sequence[int] = (), labels: torch.Tensor | None = None) -> PackLayout:
         """The layout of a row given as tensors (host or device: device tensors are read here, once). With
-        `input_ids` and `vision_token_ids`, the vision pads are counted too."""
-        pads = None
+        `input_ids` and `vision_token_ids` the vision pads are counted, with `labels` the loss targets."""
+        from .loss import IGNORE_INDEX, next_token_targets
+
+        offsets = host_offsets(cu_seqlens)
+        pads = targets = None
+        vision_token_ids = [i for i in vision_token_ids if i is not None]
         if input_ids is not None and vision_token_ids:
             ids = torch.as_tensor(input_ids)
-            pads = int(torch.isin(ids, torch.tensor(list(vision_token_ids), device=ids.device)).sum())
-        return cls(host_offsets(cu_seqlens), host_grids(image_grid_thw), pads)
+            pads = int(torch.isin(ids, torch.tensor(vision_token_ids, device=ids.device)).sum())
+        if labels is not None:
+            cu = torch.tensor(offsets, dtype=torch.long, device=labels.device)
+            targets = int((next_token_targets(labels, cu) != IGNORE_INDEX).sum())
+        return cls(offsets, host_grids(image_grid_thw), pads, targets)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .host import to_device
+
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -115,10 +117,12 @@ def rope_cos_sin(
                 raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
             per_axis = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, hd/2]
             if interleaved:
-                slot = torch.arange(head_dim // 2, device=position_ids.device)
+                # which axis each frequency slot follows: a host table (built from ints, copied without a sync)
+                slot = torch.arange(head_dim // 2)
                 axis = torch.zeros_like(slot)
                 axis[(slot % 3 == 1) & (slot < 3 * mrope_section[1])] = 1
                 axis[(slot % 3 == 2) & (slot < 3 * mrope_section[2])] = 2
+                axis = to_device(axis, position_ids.device)
                 freqs = per_axis.gather(0, axis[None, None, :].expand(1, per_axis.shape[1], -1))[0]
                 emb = torch.cat((freqs, freqs), dim=-1)
                 return emb.cos(), emb.sin()

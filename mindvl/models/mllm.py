@@ -124,6 +124,16 @@ def mrope_position_ids(
     return pos.to(input_ids.device)
 
 
+def pack_layout(config: MindVLConfig, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
+                image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                labels: torch.Tensor | None = None) -> PackLayout:
+    """The `PackLayout` of a packed row given as tensors: offsets, grids, this model's vision-pad count and (with
+    `labels`) its loss-target count. Reads the tensors (a device read when they live on an accelerator): the
+    trainer calls it on the host copy of each pack, before the copy to the device."""
+    pad_ids = (config.image_token_id, config.video_token_id) if config.vision is not None else ()
+    return PackLayout.read(cu_seqlens, image_grid_thw, input_ids if pad_ids else None, pad_ids, labels)
+
+
 def split_frames(grid_thw: torch.Tensor | Sequence[Sequence[int]] | None) -> tuple[tuple[int, int, int], ...] | None:
     """[N, 3] grids -> one (1, h, w) row per frame, as host ints: a video of t temporal patches becomes t items
     (Qwen3-VL)."""
@@ -308,11 +318,8 @@ class MindVL(nn.Module):
 
     def read_layout(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
                     image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None) -> PackLayout:
-        """The `PackLayout` of a packed row given as tensors: offsets, grids and this model's vision-pad count.
-        Reads the tensors (a device read when they live on an accelerator): the trainer calls it on the host copy
-        of each pack, before the copy to the device."""
-        pad_ids = (self.config.image_token_id, self.config.video_token_id) if self.visual is not None else ()
-        return PackLayout.read(cu_seqlens, image_grid_thw, input_ids if pad_ids else None, pad_ids)
+        """The `PackLayout` of a packed row given as tensors (see `pack_layout`); reads them."""
+        return pack_layout(self.config, input_ids, cu_seqlens, image_grid_thw)
 
     def forward(
         self,
