@@ -80,6 +80,10 @@ def resolve_backend(name: str, q: torch.Tensor, packed: bool = True) -> str:
     return "sdpa"
 
 
+# A compile boundary: under a compiled block (train.parallel's per-block compile) the host offsets never enter the
+# block's graph, so a new pack's offsets cost no recompile (dynamo would guard on every int); flex is compiled on
+# its own (`_compiled_flex`) and flash/npu are opaque kernels anyway.
+@torch.compiler.disable
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .loss import IGNORE_INDEX, next_token_targets
+
 Grid = tuple[int, int, int]
 
 
@@ -80,8 +82,6 @@ class PackLayout:
              vision_token_ids: Sequence[int] = (), labels: torch.Tensor | None = None) -> PackLayout:
         """The layout of a row given as tensors (host or device: device tensors are read here, once). With
         `input_ids` and `vision_token_ids` the vision pads are counted, with `labels` the loss targets."""
-        from .loss import IGNORE_INDEX, next_token_targets
-
         offsets = host_offsets(cu_seqlens)
         pads = targets = None
         vision_token_ids = [i for i in vision_token_ids if i is not None]
