@@ -121,7 +121,7 @@ def mrope_position_ids(
             pos[2, i : i + n] = torch.arange(lw).repeat(t * lh) + cur
             cur += max(lh, lw)
             i += n
-    return pos.to(input_ids.device)
+    return to_device(pos, input_ids.device)
 
 
 def pack_layout(config: MindVLConfig, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
