@@ -315,3 +315,28 @@ def _dense(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     for i in range(n):
         out[i, idx[0, 0, i, : int(num[0, 0, i])].long()] = True
     return out
+
+
+def test_new_offsets_cost_a_compiled_layer_no_recompile():
+    """Host offsets stop at `attend` (a compile boundary): a compiled decoder layer given a new pack's offsets (same
+    number of samples) builds no new graph; dynamo would otherwise guard on every int of the tuple."""
+    from torch._dynamo.utils import counters
+
+    from mindvl.models.config import TextConfig
+    from mindvl.models.text import DecoderLayer, GQAttention
+
+    torch._dynamo.reset()
+    cfg = TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8)
+    layer = DecoderLayer(cfg, 0)
+    layer.compile(backend="eager")
+    x = torch.randn(40, 32)
+    cos, sin = GQAttention.rotary(torch.arange(40), cfg)
+    for offsets in [(0, 10, 40), (0, 17, 40)]:  # warm-up: the second call makes the changing ints dynamic
+        layer(x, cos, sin, offsets, max(offsets[1], 40 - offsets[1]))
+    graphs = counters["stats"]["unique_graphs"]
+    for offsets in [(0, 5, 40), (0, 39, 40), (0, 22, 40)]:
+        longest = max(offsets[1], 40 - offsets[1])
+        torch.testing.assert_close(layer(x, cos, sin, offsets, longest), layer.forward(x, cos, sin, offsets, longest))
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
