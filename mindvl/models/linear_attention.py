@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import TextConfig
 from .delta_rule import causal_conv1d, causal_conv1d_step, conv_states, gated_delta_rule, gated_delta_step
+from .host import to_device
 from .kv_cache import LayerKV
 
 
@@ -72,7 +73,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV | None = None,
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H], or [B, H] for `rows` (computed for all tokens, then taken: the state needs them all).
-        cos/sin and max_seqlen are unused (no positions in linear attention); same signature as the attention."""
+        cos/sin and max_seqlen are unused (no positions in linear attention); same signature as the attention.
+        `cu_seqlens` may be host ints (the training forward's): the delta rule's kernels take them as a tensor."""
+        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = to_device(torch.tensor(cu_seqlens, dtype=torch.int32), x.device)
         weight = self.conv1d.weight[:, 0]  # [C, K]
         mixed = self.in_proj_qkv(x)
         cache = kv.cache if kv is not None else None

@@ -5,8 +5,14 @@ Two call forms share one forward:
 - transformers' form, for alignment and evaluation: `model(input_ids=[1, T], pixel_values=[P, 1176],
   image_grid_thw=[N, 3])` returns `MindVLOutput(logits=[1, T, V])`.
 - the packed training form: `model(input_ids=[T], labels=[T], cu_seqlens=[n+1], position_ids=[3, T] | [T],
-  pixel_values=[P, 1176], image_grid_thw=[N, 3])` returns `LossOutput(loss_sum, num_tokens)`; without labels it
-  returns `MindVLOutput(logits=[T, V])`.
+  pixel_values=[P, 1176], image_grid_thw=[N, 3], layout=PackLayout)` returns `LossOutput(loss_sum, num_tokens)`;
+  without labels it returns `MindVLOutput(logits=[T, V])`.
+
+Host values: whatever shapes the computation (sample offsets, longest sample, image grids, the vision-pad count)
+is taken from `layout` (mindvl.models.host.PackLayout, host ints that the trainer builds from the pack before it
+moves to the device), so forward and backward read nothing back from the device. Without `layout` (tests,
+evaluation, transformers-style calls) it is read from the tensors once, at the top of the forward; given
+`position_ids` (the pack's), no token id is read either.
 
 Generation (mindvl.infer) uses `new_kv_cache`, `prefill` (B packed prompts -> last-token logits and next positions)
 and `decode_step` (one token per sequence).
@@ -18,16 +24,20 @@ rank runs the same collectives every step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from mindvl.conventions import IGNORE_INDEX
+
 from .attention import check_backend_name
 from .config import MindVLConfig
+from .host import PackLayout, host_grids, host_offsets, to_device
 from .kv_cache import KVCache
-from .loss import chunked_cross_entropy, next_token_targets
+from .loss import chunked_cross_entropy
 from .projector import Projector
 from .random_init import seeded_init_tensors
 from .text import TextModel
@@ -47,12 +57,12 @@ class LossOutput(NamedTuple):
 
 def mrope_position_ids(
     input_ids: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None,
     image_token_id: int,
     spatial_merge_size: int,
     video_token_id: int | None = None,
-    video_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
     second_per_grid_ts: torch.Tensor | list[float] | None = None,
     tokens_per_second: int = 2,
 ) -> torch.Tensor:
@@ -68,12 +78,12 @@ def mrope_position_ids(
     form, where pixel rows and grids of images and videos share one stream). `second_per_grid_ts` [n_videos]
     (default 1.0 each, as in transformers) holds each video's seconds per temporal patch.
     """
-    ids = input_ids.tolist()
-    image_grids = image_grid_thw.tolist() if image_grid_thw is not None else []
-    video_grids = video_grid_thw.tolist() if video_grid_thw is not None else None
+    ids = input_ids.tolist()  # the token ids decide the positions: packers compute these on the host
+    image_grids = host_grids(image_grid_thw)
+    video_grids = host_grids(video_grid_thw) if video_grid_thw is not None else None
     seconds = torch.as_tensor(second_per_grid_ts if second_per_grid_ts is not None else [], dtype=torch.float32)
     pos = torch.empty(3, len(ids), dtype=torch.long)
-    bounds = cu_seqlens.tolist()
+    bounds = host_offsets(cu_seqlens)
     image = video = 0
     vision = {image_token_id} | ({video_token_id} if video_token_id is not None else set())
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -111,17 +121,37 @@ def mrope_position_ids(
             pos[2, i : i + n] = torch.arange(lw).repeat(t * lh) + cur
             cur += max(lh, lw)
             i += n
-    return pos.to(input_ids.device)
+    return to_device(pos, input_ids.device)
 
 
-def split_frames(grid_thw: torch.Tensor | None) -> torch.Tensor | None:
-    """[N, 3] grids -> one (1, h, w) row per frame: a video of t temporal patches becomes t items (Qwen3-VL)."""
+def pack_layout(config: MindVLConfig, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
+                image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                labels: torch.Tensor | None = None) -> PackLayout:
+    """The `PackLayout` of a packed row given as tensors: offsets, grids, this model's vision-pad count and (with
+    `labels`) its loss-target count. Reads the tensors (a device read when they live on an accelerator): the
+    trainer calls it on the host copy of each pack, before the copy to the device."""
+    pad_ids = (config.image_token_id, config.video_token_id) if config.vision is not None else ()
+    return PackLayout.read(cu_seqlens, image_grid_thw, input_ids if pad_ids else None, pad_ids, labels)
+
+
+def split_frames(grid_thw: torch.Tensor | Sequence[Sequence[int]] | None) -> tuple[tuple[int, int, int], ...] | None:
+    """[N, 3] grids -> one (1, h, w) row per frame, as host ints: a video of t temporal patches becomes t items
+    (Qwen3-VL)."""
     if grid_thw is None:
         return None
-    grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
-    frames = grid_thw.repeat_interleave(grid_thw[:, 0], dim=0)
-    frames[:, 0] = 1
-    return frames
+    return tuple((1, h, w) for t, h, w in host_grids(grid_thw) for _ in range(t))
+
+
+def next_token_targets_from_offsets(labels: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+    """loss.next_token_targets with the sample ends from host offsets: labels [T] -> targets [T], where token t
+    predicts labels[t + 1] of its own sample and every sample's last token gets IGNORE_INDEX. No device read (the
+    tensor form filters its ends with a boolean mask, a data-dependent shape)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = labels[1:]
+    ends = sorted({b - 1 for b in offsets[1:] if b > 0})
+    if not ends:
+        return targets
+    return targets.index_fill(0, to_device(torch.tensor(ends), labels.device), IGNORE_INDEX)
 
 
 def _deepstack_kw(deepstack) -> dict:
@@ -173,7 +203,7 @@ class MindVL(nn.Module):
         device = self.language_model.embed_tokens.weight.device
         if pixel_values is None:
             pixel_values = torch.zeros(0, cfg.patch_dim, device=device)
-            image_grid_thw = torch.zeros(0, 3, dtype=torch.long)
+            image_grid_thw = ()
         if image_grid_thw is None:
             raise ValueError("pixel_values given without image_grid_thw")
         return self.vision_features(pixel_values, image_grid_thw)[0]
@@ -202,10 +232,13 @@ class MindVL(nn.Module):
                                          video_grid_thw)[0]
 
     def embed_with_deepstack(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
-                             pixel_values_videos=None, video_grid_thw=None
+                             pixel_values_videos=None, video_grid_thw=None, vision_pads: int | None = None
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None]:
         """`embed`, plus Qwen3-VL's DeepStack input for the language model: (the visual positions [n] int64, one
-        [n, hidden] feature per DeepStack block, in those positions' order), or None for a model without it."""
+        [n, hidden] feature per DeepStack block, in those positions' order), or None for a model without it.
+
+        `vision_pads` (host int: the row's image- and video-pad tokens, mindvl's one-stream form) spares counting
+        them on the device; `image_grid_thw` may be host ints too."""
         embeds = self.language_model.embed_tokens(input_ids)
         has_videos = pixel_values_videos is not None and pixel_values_videos.numel() > 0
         if self.visual is None:
@@ -226,11 +259,16 @@ class MindVL(nn.Module):
                      (is_video, features[features.shape[0] - n_video :], "video")]
         else:
             features, stack = self._features(pixel_values, image_grid_thw)
-            slots = [(is_image | is_video, features, "image/video" if bool(is_video.any()) else "image")]
+            slots = [(is_image | is_video, features, "image/video")]
         features = features.to(embeds.dtype)
+        counted = vision_pads is not None and not has_videos
+        total_pads = 0
         for mask, feats, kind in slots:
-            n_pads = int(mask.sum())
+            n_pads = vision_pads if counted else int(mask.sum())
+            total_pads += n_pads
             if n_pads != feats.shape[0]:
+                if kind == "image/video" and not bool(is_video.any()):  # the error path may read the device
+                    kind = "image"
                 raise ValueError(
                     f"the text has {n_pads} {kind}-pad tokens (ids {self.config.image_token_id}/"
                     f"{self.config.video_token_id}) but the pixels give {feats.shape[0]} features; each image or "
@@ -241,10 +279,11 @@ class MindVL(nn.Module):
         deepstack = None
         if stack:
             # Features run in slot order (images, then videos in transformers' form); positions in text order.
-            index = torch.cat([mask.nonzero()[:, 0] for mask, _, _ in slots])
+            # nonzero_static: the count is known (checked above), so the device need not report it back.
+            index = torch.cat([torch.nonzero_static(mask, size=feats.shape[0])[:, 0] for mask, feats, _ in slots])
             order = index.argsort()
             deepstack = (index[order], [f.to(embeds.dtype)[order] for f in stack])
-        if not bool((is_image | is_video).any()):
+        if total_pads == 0:
             # Keeps the (empty) vision graph attached so every parameter receives a (zero) gradient on every rank.
             return embeds + (features.sum() + sum(f.sum() for f in stack)) * 0.0, None
         return embeds, deepstack
@@ -253,7 +292,7 @@ class MindVL(nn.Module):
         if pixel_values is None:
             device = self.language_model.embed_tokens.weight.device
             pixel_values = torch.zeros(0, self.config.vision.patch_dim, device=device)
-            grid_thw = torch.zeros(0, 3, dtype=torch.long)
+            grid_thw = ()
         if grid_thw is None:
             raise ValueError("pixel_values given without image_grid_thw")
         return self.vision_features(pixel_values, grid_thw)
@@ -271,11 +310,16 @@ class MindVL(nn.Module):
             return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge,
                                       self.config.video_token_id, video_grid_thw, second_per_grid_ts,
                                       self.config.tokens_per_second)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-        return torch.arange(input_ids.shape[0], device=input_ids.device) - starts
+        bounds = host_offsets(cu_seqlens)
+        pieces = [torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return to_device(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long), input_ids.device)
 
     # --------------------------------------------------------------------------------------------- forward
+
+    def read_layout(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
+                    image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None) -> PackLayout:
+        """The `PackLayout` of a packed row given as tensors (see `pack_layout`); reads them."""
+        return pack_layout(self.config, input_ids, cu_seqlens, image_grid_thw)
 
     def forward(
         self,
@@ -290,7 +334,10 @@ class MindVL(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
+        layout: PackLayout | None = None,
     ) -> MindVLOutput | LossOutput:
+        """See the module docstring; `layout` (host ints) describes `cu_seqlens` and `image_grid_thw` so that nothing
+        is read back from the device (`read_layout` builds one from tensors)."""
         batched = input_ids.dim() == 2
         if batched:
             if input_ids.shape[0] != 1:
@@ -302,25 +349,27 @@ class MindVL(nn.Module):
             if position_ids is not None:
                 position_ids = position_ids[..., 0, :]  # [3, 1, T] -> [3, T]; [1, T] -> [T]
         total = input_ids.shape[0]
-        if cu_seqlens is None:
-            cu_seqlens = torch.tensor([0, total], dtype=torch.int32, device=input_ids.device)
-        if int(cu_seqlens[-1]) != total:
-            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the row has {total} tokens")
+        if layout is None:  # tensors only: read their host values here, once
+            layout = self.read_layout(input_ids, cu_seqlens if cu_seqlens is not None else (0, total),
+                                      image_grid_thw if pixel_values_videos is None else None)
+        if layout.num_tokens != total:
+            raise ValueError(f"cu_seqlens ends at {layout.num_tokens} but the row has {total} tokens")
+        cu_seqlens = layout.cu_seqlens  # host ints from here on: every layer takes them as they are
+        grids = layout.grid_thw if pixel_values_videos is None else image_grid_thw
         # Checks the pad counts against the features first.
-        embeds, deepstack = self.embed_with_deepstack(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                                      video_grid_thw)
+        embeds, deepstack = self.embed_with_deepstack(input_ids, pixel_values, grids, pixel_values_videos,
+                                                      video_grid_thw, layout.vision_pads)
         if position_ids is None:
-            position_ids = self.default_position_ids(input_ids, cu_seqlens, image_grid_thw, video_grid_thw,
+            position_ids = self.default_position_ids(input_ids, cu_seqlens, grids, video_grid_thw,
                                                      second_per_grid_ts)
         elif not self.config.uses_mrope and position_ids.dim() == 2:
             # Data pipelines emit M-RoPE rows [3, T]; their row 0 gives every pad of an image one position and
             # compresses the text after it, while generation numbers every token. A 1-D RoPE model trains on the
             # positions it will be served with: each sample's tokens numbered 0, 1, 2, ...
             position_ids = self.default_position_ids(input_ids, cu_seqlens, None)
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        hidden = self.language_model(embeds, position_ids, cu_seqlens, max_seqlen, **_deepstack_kw(deepstack))
+        hidden = self.language_model(embeds, position_ids, cu_seqlens, layout.max_seqlen, **_deepstack_kw(deepstack))
         if labels is not None:
-            targets = next_token_targets(labels, cu_seqlens)
+            targets = next_token_targets_from_offsets(labels, cu_seqlens)
             loss_sum, count = self.cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
             return LossOutput(loss_sum, count)
         logits = self.language_model.logits(hidden)

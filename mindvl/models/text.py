@@ -32,6 +32,8 @@ differently), so the rows are taken at its end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -174,13 +176,16 @@ class TextModel(nn.Module):
         self,
         inputs_embeds: torch.Tensor,
         position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None,
         max_seqlen: int,
         cache: KVCache | None = None,
         last_only: bool = False,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
+
+        `cu_seqlens`: the samples' offsets, best as host ints (MindVL.forward passes its PackLayout's), which every
+        layer hands to the attention as they are: nothing is read back from the device.
 
         With `cache` (from `new_kv_cache`): an empty cache takes a prefill (T packed prompt tokens, cu_seqlens
         [B+1]); a filled one takes a decode step (T = B, one token per sequence, cu_seqlens unused). `last_only` (a

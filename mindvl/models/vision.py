@@ -5,11 +5,15 @@ is expressed only through cu_seqlens (per frame in full-attention blocks, per 11
 through padding or a dense mask.
 
 Inputs:  pixel_values [P, C*2*14*14] (rows as transformers' Qwen2-VL image processor lays them out: every 4
-         consecutive rows form one 2x2 merge block), grid_thw [N, 3] = (t, h, w) in patches per image.
+         consecutive rows form one 2x2 merge block), grid_thw [N, 3] = (t, h, w) in patches per image, as host
+         ints (the trainer's: the layout is built on the host, nothing is read back) or a tensor.
 Output:  hidden states [P, D] in the input (raster-of-merge-blocks) order. The projector fuses each 4 rows.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +21,7 @@ from torch import nn
 
 from .attention import attend
 from .config import VisionConfig
+from .host import host_grids, to_device
 from .layers import GatedMLP, RMSNorm, apply_rotary, inverse_frequencies
 
 
@@ -67,19 +72,22 @@ class VisionBlock(nn.Module):
 
 
 class VisionLayout:
-    """Everything about the patch sequence that depends only on grid_thw (computed once per forward, on host).
+    """Everything about the patch sequence that depends only on the grids, computed on the host from host ints
+    (once per forward) and copied to the device without a read back:
 
     - `window_order` [P/4]: merge blocks reordered so every window is contiguous (frames and images never mix);
-    - `window_cu` / `frame_cu`: cu_seqlens over patches for windowed and full-attention blocks;
+    - `window_cu` / `frame_cu`: host offsets (tuples of ints) over patches for windowed and full-attention blocks,
+      with `window_max` / `frame_max` their longest segment;
     - `hw` [P, 2]: each patch's (row, col) inside its frame, in input order, for the 2-D rotary embedding.
     """
 
-    def __init__(self, grid_thw: torch.Tensor, cfg: VisionConfig, device: torch.device) -> None:
+    def __init__(self, grid_thw: torch.Tensor | Sequence[Sequence[int]], cfg: VisionConfig,
+                 device: torch.device) -> None:
         merge, unit = cfg.spatial_merge_size, cfg.merge_unit
         win = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size  # window side in merged tokens
         order, window_lens, frame_lens, hw = [], [], [], []
         base = 0
-        for t, h, w in grid_thw.tolist():
+        for t, h, w in host_grids(grid_thw):
             lh, lw = h // merge, w // merge
             blocks = torch.arange(t * lh * lw).view(t, lh, lw)
             nh, nw = -(-lh // win), -(-lw // win)
@@ -87,8 +95,8 @@ class VisionLayout:
             tiles = padded.view(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, win * win)
             keep = tiles >= 0
             order.append(tiles[keep] + base)
-            window_lens.append(keep.sum(1) * unit)
-            frame_lens.append(torch.full((t,), h * w))
+            window_lens += [n * unit for n in keep.sum(1).tolist() if n]  # host tensors: no device involved
+            frame_lens += [h * w] * t
             rows = torch.arange(h).view(lh, merge, 1, 1).expand(lh, merge, lw, merge)
             cols = torch.arange(w).view(1, 1, lw, merge).expand(lh, merge, lw, merge)
             # merge-block order: (block row, block col, row in block, col in block)
@@ -97,18 +105,17 @@ class VisionLayout:
             base += t * lh * lw
         if order:
             window_order, hw_all = torch.cat(order), torch.cat(hw)
-            wl, fl = torch.cat(window_lens), torch.cat(frame_lens)
         else:  # a text-only micro-batch: zero patches, every block still runs
-            window_order, wl, fl = (torch.zeros(0, dtype=torch.long) for _ in range(3))
-            hw_all = torch.zeros(0, 2, dtype=torch.long)
-        wl = wl[wl > 0]
-        self.window_order = window_order.to(device)
-        self.restore_order = torch.argsort(window_order).to(device)
-        self.window_cu = F.pad(wl.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
-        self.frame_cu = F.pad(fl.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
-        self.window_max = int(wl.max()) if len(wl) else 0
-        self.frame_max = int(fl.max()) if len(fl) else 0
-        self.hw = hw_all.to(device)
+            window_order, hw_all = torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)
+        self.window_order = to_device(window_order, device)
+        self.restore_order = to_device(torch.argsort(window_order), device)
+        self.window_cu, self.frame_cu = _offsets(window_lens), _offsets(frame_lens)
+        self.window_max, self.frame_max = max(window_lens, default=0), max(frame_lens, default=0)
+        self.hw = to_device(hw_all, device)
+
+
+def _offsets(lengths: list[int]) -> tuple[int, ...]:
+    return (0, *itertools.accumulate(lengths))
 
 
 class VisionTransformer(nn.Module):
@@ -126,7 +133,8 @@ class VisionTransformer(nn.Module):
         emb = torch.cat([angles, angles], dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+        """grid_thw: [N, 3] as host ints (nothing is read from the device) or a tensor (read once)."""
         cfg, unit = self.cfg, self.cfg.merge_unit
         layout = VisionLayout(grid_thw, cfg, pixel_values.device)
         n = pixel_values.shape[0]

@@ -17,11 +17,14 @@ rows = one 2x2 block), grid_thw [N, 3]. Output: (hidden [P, D] before any merger
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import VisionConfig
+from .host import host_grids
 from .layers import activation
 from .vision import VisionAttention, VisionLayout, VisionTransformer
 
@@ -63,7 +66,8 @@ class Qwen3VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def interpolated_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+def interpolated_positions(table: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]],
+                           merge: int) -> torch.Tensor:
     """The learned [side*side, D] table resampled to every image's grid: [P, D] in the patch rows' order.
 
     Bilinear with aligned corners (the table's first and last rows/columns land on the grid's first and last
@@ -74,7 +78,7 @@ def interpolated_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge: i
     side = int(round(table.shape[0] ** 0.5))
     grid = table.view(side, side, -1)
     out = []
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in host_grids(grid_thw):
         rows = _lerp(grid, h, side, dim=0)  # [h, side, D]
         full = _lerp(rows, w, side, dim=1)  # [h, w, D]
         lh, lw = h // merge, w // merge
@@ -114,8 +118,10 @@ class Qwen3VisionTransformer(nn.Module):
 
     rotary = VisionTransformer.rotary  # the same 2-D RoPE as Qwen2.5-VL's: [row angles | column angles], doubled
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         cfg = self.cfg
+        grid_thw = host_grids(grid_thw)  # read once (a tensor), used twice
         # Only the per-frame segments and (row, col) pairs are used; the window fields stay unused here.
         layout = VisionLayout(grid_thw, _no_windows(cfg), pixel_values.device)
         n = pixel_values.shape[0]

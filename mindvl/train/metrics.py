@@ -213,8 +213,12 @@ def pack_training_flops(config: MindVLConfig, batch: dict, labelled_tokens: int,
                         trainable: Sequence[str] = MODULE_ORDER) -> float:
     """Training FLOPs of one packed micro-batch (the dict of `Pack.to_torch()`), on its real tokens and patches;
     `labelled_tokens` is the number of loss targets (the trainer counts them exactly, once)."""
-    cu = batch["cu_seqlens"].tolist()
+    layout = batch.get("layout")  # host values (PackLayout) when the trainer's stream described the pack
+    cu = list(layout.cu_seqlens) if layout is not None else batch["cu_seqlens"].tolist()
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     grid = batch.get("image_grid_thw")
-    grid_list = grid.tolist() if grid is not None and len(grid) else None
+    if layout is not None:
+        grid_list = [list(g) for g in layout.grid_thw] or None
+    else:
+        grid_list = grid.tolist() if grid is not None and len(grid) else None
     return training_flops(config, lengths, labelled_tokens, grid_list, trainable)

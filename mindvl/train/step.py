@@ -5,6 +5,12 @@
 
 The trainer and the planner (mindvl.plan) both run exactly this function; the planner on fake tensors.
 
+No device reads in forward and backward: the stream builds each pack's `PackLayout` (offsets, grids, vision-pad
+and loss-target counts, as host ints; `batch_layout`) from the host copy before it moves, and the batch carries it
+as `batch["layout"]`; the model takes every shape from it, and the labelled count and FLOPs come from it too. Only
+the loss sum and gradient norm come back, once per optimizer step. Batches without a layout (tests, the planner)
+are read as before.
+
 Streaming: a pack is fetched (and, on accelerators, copied from pinned host memory with a non-blocking copy that
 overlaps the previous micro-batch's compute) only `window - 1` micro-batches ahead, so a step of 128 micro-batches
 keeps 2 packs resident, not 128.
@@ -37,7 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from mindvl.models.config import MindVLConfig
+from mindvl.models.host import PackLayout
 from mindvl.models.loss import IGNORE_INDEX, next_token_targets
+from mindvl.models.mllm import pack_layout
 
 from .context_parallel import shard_labels
 from .metrics import MODULE_ORDER, pack_training_flops
@@ -48,8 +56,17 @@ ACCUMULATION_MODES = ("sharded", "unsharded")
 
 
 def labelled_targets(batch: dict) -> int:
-    """How many tokens of this packed row the loss counts (targets after the per-sample shift)."""
+    """How many tokens of this packed row the loss counts (targets after the per-sample shift): the layout's host
+    count when the batch carries one, else counted from its tensors."""
+    layout = batch.get("layout")
+    if layout is not None and layout.num_targets is not None:
+        return layout.num_targets
     return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+
+
+def batch_layout(config: MindVLConfig) -> Callable[[dict], PackLayout]:
+    """For `MicroBatchStream(layout=...)`: a host batch -> its `PackLayout` under this model's config."""
+    return lambda b: pack_layout(config, b["input_ids"], b["cu_seqlens"], b.get("image_grid_thw"), b.get("labels"))
 
 
 def to_device(batch: dict, device: torch.device, pin: bool = False) -> dict:
@@ -69,10 +86,12 @@ class MicroBatchStream:
     """`count` micro-batches (model input dicts on `device`) fetched lazily, at most `window` packs resident.
 
     `fetch()` returns a `mindvl.data.Pack` (or an input dict). Counters (`real_tokens`, `data_s`) accumulate as the
-    stream is consumed; iterate it once."""
+    stream is consumed; iterate it once. `layout` (`batch_layout(config)`) describes each host batch before its
+    copy; the batch then carries the description as `batch["layout"]` (see the module docstring)."""
 
     def __init__(self, fetch: Callable[[], object], count: int, device: torch.device, window: int = 2,
-                 agree: Callable[[str | None], str | None] | None = None):
+                 agree: Callable[[str | None], str | None] | None = None,
+                 layout: Callable[[dict], PackLayout] | None = None):
         if window < 1:
             raise ValueError(f"prefetch window must be >= 1, got {window}")
         self.fetch, self.count, self.device, self.window = fetch, count, device, window
@@ -80,6 +99,7 @@ class MicroBatchStream:
         # every rank at the same fetch, instead of one rank raising while the others wait in the next collective.
         # Every rank fetches at the same points (same count and window), so the calls line up.
         self.agree = agree
+        self.layout = layout
         self.real_tokens = 0
         self.data_s = 0.0
 
@@ -101,7 +121,10 @@ class MicroBatchStream:
         else:
             batch, real = pack.to_torch(), pack.num_real_tokens
         self.real_tokens += real
+        described = self.layout(batch) if self.layout is not None and "layout" not in batch else None
         batch = to_device(batch, self.device, pin=self.device.type != "cpu")
+        if described is not None:
+            batch = {**batch, "layout": described}
         self.data_s += time.perf_counter() - t0
         return batch
 
@@ -161,7 +184,8 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
         flops += pack_training_flops(config, batch, n, trainable) / cp
         if cp > 1:
             batch = shard_labels(batch, cp, env.layout.cp_rank)
-            n = labelled_targets(batch)  # this rank's share of the pack's targets
+            # this rank's share of the pack's targets, counted on its labels (the layout counts the whole pack's)
+            n = int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
         labelled += n
         counted_tokens += int(batch["input_ids"].numel())
         if env.distributed and hasattr(model, "set_requires_gradient_sync"):

@@ -73,6 +73,7 @@ from .step import (  # noqa: F401  (accumulate_gradients, labelled_targets, to_d
     MicroBatchStream,
     StepStats,
     accumulate_gradients,
+    batch_layout,
     labelled_targets,
     optimizer_step,
     to_device,
@@ -359,7 +360,8 @@ class Trainer:
         # The schedule's LR (optim.lr's curve): group 0 may be one that optim.lr_scale scales.
         lr = self.scheduler.get_last_lr()[0] / self.optimizer.param_groups[0].get("lr_scale", 1.0)
         hooks = self.control.hooks(self.step + 1)
-        micro = MicroBatchStream(self.batches.next, self.accum, env.device, agree=hooks.agree)  # a prefetch window
+        micro = MicroBatchStream(self.batches.next, self.accum, env.device, agree=hooks.agree,  # a prefetch window
+                                 layout=batch_layout(self.config))  # host values: no device reads in the step
         stats = optimizer_step(self.model, self.optimizer, micro, env, self.config, recipe.trainable_modules,
                                recipe.optim.grad_clip, recipe.parallel.grad_accumulation, hooks)
         if self.control.streak_began and env.is_main:  # the weights this streak began on are suspect

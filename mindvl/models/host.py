@@ -1,0 +1,94 @@
+"""Host-side values that shape a packed row, and the one way they reach the device.
+
+A packed row's sample offsets, its images' grids and its vision-pad count decide shapes, masks and index tables;
+the loader knows them when it builds the pack. `PackLayout` carries them as Python ints beside the batch, so a
+training step reads nothing back from the device (every `.tolist()`, `.item()` or data-dependent shape on an
+accelerator stalls the host until the device catches up). Callers that hold only tensors (tests, evaluation,
+transformers-style calls) get the same layout from `PackLayout.read`, which reads those tensors once.
+
+`to_device` is how a host-built tensor (an index table, positions, a block mask) reaches an accelerator: through
+pinned memory with a non-blocking copy; a plain `.to("cuda")` of pageable memory synchronises the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .loss import IGNORE_INDEX, next_token_targets
+
+Grid = tuple[int, int, int]
+
+
+def host_offsets(cu_seqlens: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
+    """Sample offsets [n+1] as host ints: a tuple/list passes through; a tensor is read (on an accelerator, a
+    device read: only callers without a `PackLayout` pay it)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        return tuple(cu_seqlens.tolist())
+    return tuple(int(x) for x in cu_seqlens)
+
+
+def host_grids(grid_thw: torch.Tensor | Sequence[Sequence[int]] | None) -> tuple[Grid, ...]:
+    """[N, 3] (t, h, w) grids as host ints (a tensor is read, as in `host_offsets`)."""
+    if grid_thw is None:
+        return ()
+    rows = grid_thw.reshape(-1, 3).tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    return tuple((int(t), int(h), int(w)) for t, h, w in rows)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on `device` without stalling the host (pinned memory + non-blocking copy on CUDA)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where the samples and vision items of one packed row sit, as host ints (see the module docstring).
+
+    - `cu_seqlens` (n+1): sample offsets in the row, from 0 to T;
+    - `grid_thw`: every image's and video's (t, h, w) in patches, in order of appearance (mindvl's one stream);
+    - `vision_pads`: how many image/video pad tokens the row holds (None: not counted, the model counts them);
+    - `num_targets`: how many tokens have a next-token label (what the loss counts; None: not counted).
+    """
+
+    cu_seqlens: tuple[int, ...]
+    grid_thw: tuple[Grid, ...] = ()
+    vision_pads: int | None = None
+    num_targets: int | None = None
+
+    def __post_init__(self) -> None:
+        cu = self.cu_seqlens
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+            raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {list(cu)[:8]}...")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def max_seqlen(self) -> int:
+        cu = self.cu_seqlens
+        return max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+
+    @classmethod
+    def read(cls, cu_seqlens: torch.Tensor | Sequence[int], image_grid_thw=None, input_ids: torch.Tensor | None = None,
+             vision_token_ids: Sequence[int] = (), labels: torch.Tensor | None = None) -> PackLayout:
+        """The layout of a row given as tensors (host or device: device tensors are read here, once). With
+        `input_ids` and `vision_token_ids` the vision pads are counted, with `labels` the loss targets."""
+        offsets = host_offsets(cu_seqlens)
+        pads = targets = None
+        vision_token_ids = [i for i in vision_token_ids if i is not None]
+        if input_ids is not None and vision_token_ids:
+            ids = torch.as_tensor(input_ids)
+            pads = int(torch.isin(ids, torch.tensor(vision_token_ids, device=ids.device)).sum())
+        if labels is not None:
+            cu = torch.tensor(offsets, dtype=torch.long, device=labels.device)
+            targets = int((next_token_targets(labels, cu) != IGNORE_INDEX).sum())
+        return cls(offsets, host_grids(image_grid_thw), pads, targets)
