@@ -28,6 +28,14 @@ routing weights in descending weight order (`router.records`); mindvl.moe_analys
 Experts run as grouped GEMMs (`F.grouped_mm`, or an exact `unbind(0)` fallback where it cannot run); their
 `dispatcher` (a no-op here) is where expert parallelism plugs in from outside (mindvl.train.expert_parallel). Not
 here: multi-token prediction.
+
+The grouped path never reads the device back to the host (the fallback must: `counts.tolist()` splits its rows):
+the permutation of (token, slot) rows, the group sizes and the offsets are device tensors of sizes known from the
+shapes alone. Each expert's group starts at a multiple of `GROUP_ALIGN` rows (zero rows pad it; the last group also
+takes the slack up to a size fixed by the shapes), as the grouped GEMM's fast kernels want: in the weight-gradient
+GEMM the groups split the contraction dimension, whose starts must be 16-byte aligned, and whole row tiles keep the
+forward's groups apart. Rows are gathered with `index_select` (its backward is one `index_add`, not the sort that
+advanced indexing's `index_put` backward runs on CUDA).
 """
 
 from __future__ import annotations
@@ -148,6 +156,29 @@ def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return True
 
 
+GROUP_ALIGN = 16  # rows: a group's first row is a multiple of this (16 bytes of bf16 = 8 rows; 16 also fits fp8)
+
+
+def aligned_groups(counts: torch.Tensor, n_rows: int, align: int = GROUP_ALIGN
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """counts [E] (rows per expert, summing to n_rows) -> (dest [n_rows]: where each row goes in the padded layout,
+    offsets [E] int32: the padded groups' end rows, size: the padded layout's rows).
+
+    Group e starts at a multiple of `align`; the last group ends at `size`, a bound fixed by n_rows and E (every
+    group may need align - 1 pad rows), so nothing here depends on the counts' values on the host."""
+    e = counts.shape[0]
+    size = -(-(n_rows + e * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align
+    pad_ends = padded.cumsum(0)
+    ends = counts.cumsum(0)
+    rows = torch.arange(n_rows, device=counts.device)
+    expert = torch.searchsorted(ends, rows, right=True)  # the expert of each (sorted) row
+    dest = rows + (pad_ends - padded - (ends - counts)).index_select(0, expert)
+    offsets = pad_ends.to(torch.int32)
+    offsets[-1] = size  # the last group takes the slack: no row beyond the last offset
+    return dest, offsets, size
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
                    use_grouped_mm: bool) -> torch.Tensor:
     """Rows of x [N, in] grouped by expert (expert e owns rows offsets[e-1]:offsets[e]) times weight [E, out, in]^T.
@@ -209,11 +240,16 @@ class RoutedExperts(nn.Module):
         d = self.dispatcher
         gate, up, down = d.local_weight(self.gate_proj), d.local_weight(self.up_proj), d.local_weight(self.down_proj)
         grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
-        offsets = counts.cumsum(0).to(torch.int32)
-        split = None if grouped else counts.tolist()
-        h = self.act(grouped_linear(rows, gate, offsets, split, grouped)) * grouped_linear(rows, up, offsets, split,
-                                                                                           grouped)
-        return grouped_linear(h, down, offsets, split, grouped)
+        if not grouped:  # the per-expert loop splits its rows on the host
+            split = counts.tolist()
+            h = self.act(grouped_linear(rows, gate, counts, split, False)) * grouped_linear(rows, up, counts, split,
+                                                                                            False)
+            return grouped_linear(h, down, counts, split, False)
+        dest, offsets, size = aligned_groups(counts, rows.shape[0])
+        padded = rows.new_zeros(size, rows.shape[1]).index_copy(0, dest, rows)  # zero rows pad every group
+        h = self.act(grouped_linear(padded, gate, offsets, None, True)) * grouped_linear(padded, up, offsets, None,
+                                                                                         True)
+        return grouped_linear(h, down, offsets, None, True).index_select(0, dest)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
@@ -222,8 +258,8 @@ class RoutedExperts(nn.Module):
         # [E] int64; a fixed-size scatter, not bincount (whose output size depends on the data), made from `flat` so
         # that it is a fake tensor exactly when the routing is (the planner's fake tensors)
         counts = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
-        tokens, slot_weights = order // k, weights.reshape(-1)[order]
-        rows, local_counts = self.dispatcher.dispatch(x[tokens], counts)
+        tokens, slot_weights = order // k, weights.reshape(-1).index_select(0, order)
+        rows, local_counts = self.dispatcher.dispatch(x.index_select(0, tokens), counts)
         y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
         return torch.zeros_like(x).index_add_(0, tokens, (y * slot_weights[:, None]).to(x.dtype))
 
