@@ -481,15 +481,18 @@ def sec_mindvl(args, work: Path) -> dict:
     dev = the_device()
     env = ParallelEnv(0, 1, 0, dev, "nccl" if dev.type == "cuda" else "gloo")
     out: dict = {}
-    try:
-        t0 = time.perf_counter()
+    def build(compile_mode: str):
+        """The trainer's defaults on one GPU: plain tensors, bf16 autocast, blocks compiled (`auto`)."""
         model = load_model(work / "mindvl", dtype=torch.float32, device=dev)
         model.train()
-        # the trainer's defaults on one GPU: plain tensors, bf16 autocast, blocks compiled (parallel.compile auto)
-        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing="full")
+        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing="full", compile=compile_mode)
         prepared = Prepared()
         model = parallelize(model, env, pcfg, prepared)
-        opt = build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1))
+        return model, build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1)), prepared
+
+    try:
+        t0 = time.perf_counter()
+        model, opt, prepared = build("auto")
         config = model.config
         out["load_s"] = time.perf_counter() - t0
         out["fused_adamw"] = all(bool(g.get("fused")) for g in opt.param_groups)
@@ -497,11 +500,23 @@ def sec_mindvl(args, work: Path) -> dict:
         peak, how = device_peak_flops(dev)
         times, flops, losses = [], [], []
         parts = {"forward_s": [], "backward_s": [], "optimizer_s": []}
-        for batch in batches:
+        for i, batch in enumerate(batches):
             sync(dev)
             ta = time.perf_counter()
-            stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
-                                   grad_clip=1.0)
+            try:
+                stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                                       grad_clip=1.0)
+            except Exception as exc:  # a compile failure costs the compiled figures, not the section
+                if i > 0 or not prepared.compiled:
+                    raise
+                out.update(compile_error=f"{type(exc).__name__}: {exc}"[:2000],
+                           compile_traceback=traceback.format_exc())
+                del model, opt
+                torch._dynamo.reset()
+                model, opt, prepared = build("off")
+                ta = time.perf_counter()
+                stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                                       grad_clip=1.0)
             losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
             sync(dev)
             times.append(time.perf_counter() - ta)
@@ -861,6 +876,22 @@ def report(res: dict) -> str:
                  if v and n != "mindvl"]
         lines += ["", f"Step-0 loss of the mid model, mindvl {losses['mindvl'][0]:.5f}; relative difference to "
                   f"{', '.join(agree) or '-'} (same weights and samples, bf16 compute on both sides)"]
+    moe = res["sections"].get("moe", {})
+    profiles = [("mindvl", mid.get("profile"))] + [
+        (f"moe {k}", moe.get(k, {}).get("profile")) for k in ("grouped_mm", "unbind_fallback")]
+    profiles = [(n, p) for n, p in profiles if p]
+    if profiles:
+        lines += ["", "One profiled step (ms on the " + profiles[0][1]["split_clock"] + " clock):", "",
+                  "| step | ms | launches | host syncs | reads | copy_ / _to_copy | GPU busy | ViT fwd | LLM fwd | "
+                  "loss fwd | backward (loss) | optimizer | top kernel |", "|---" * 13 + "|"]
+        for name, p in profiles:
+            sp, top = p["split_ms"], (p["top10"] or [{}])[0]
+            lines.append(
+                f"| {name} | {p['step_ms']:.0f} | {fmt(p['kernel_launches'], ',')} | {fmt(p['host_syncs'], ',')} | "
+                f"{p['device_reads']} | {p['copies']} / {p['casts']} | {fmt(p['gpu_busy'], '.0%')} | "
+                f"{fmt(sp.get('vit_forward'), '.0f')} | {fmt(sp.get('llm_forward'), '.0f')} | "
+                f"{fmt(sp.get('loss_forward'), '.0f')} | {sp['backward']:.0f} ({sp['loss_backward']:.0f}) | "
+                f"{fmt(sp.get('optimizer'), '.0f')} | {str(top.get('kernel') or top.get('op'))[:60]} |")
     plan, mem = res["sections"].get("plan", {}), mid.get("memory_planner_packs", {})
     if plan.get("ok") and mem:
         p, a, r = plan["peak_bytes_per_rank"], mem["max_allocated_bytes"], mem["max_reserved_bytes"]
