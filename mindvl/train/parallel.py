@@ -499,7 +499,9 @@ class _AutocastHooks:
         self.open: list[torch.autocast] = []
 
     def enter(self, module: nn.Module, args: tuple) -> None:
-        cm = torch.autocast(self.device_type, dtype=self.dtype)
+        # No cast cache: it would hold a bf16 copy of every weight for the whole forward (2 bytes a parameter beyond
+        # FSDP's one block at a time); each weight is used once per forward, so the casts are as many without it.
+        cm = torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
         cm.__enter__()
         self.open.append(cm)
 

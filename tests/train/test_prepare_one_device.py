@@ -54,8 +54,7 @@ def is_plain(t: torch.Tensor) -> bool:
 def test_one_process_bf16_runs_plain_tensors_under_autocast():
     model = tiny_model()
     done = Prepared()
-    model = parallel._run_transforms(model, parallel.PrepareContext(None, ParallelSection(mixed_precision="bf16"),
-                                                                    ENV, ENV.layout, done))
+    model = parallelize(model, ENV, ParallelSection(mixed_precision="bf16"), done)  # prepare_model's transforms
     assert not done.fsdp and done.autocast == torch.bfloat16
     assert all(is_plain(p) and p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
     seen = []
@@ -76,8 +75,7 @@ def test_fsdp_only_when_asked_on_one_process():
     model = tiny_model()
     done = Prepared()
     try:
-        model = parallel._run_transforms(model, parallel.PrepareContext(
-            None, ParallelSection(mixed_precision="bf16", fsdp="on"), ENV, ENV.layout, done))
+        model = parallelize(model, ENV, ParallelSection(mixed_precision="bf16", fsdp="on"), done)
         assert done.fsdp and done.autocast is None
         assert not any(is_plain(p) for p in model.parameters())  # DTensors
     finally:
@@ -104,8 +102,7 @@ def test_regionally_compiled_blocks_equal_eager(monkeypatch):
     eager = tiny_model(seed=3, std=0.1)
     compiled = copy.deepcopy(eager)
     done = Prepared()
-    compiled = parallel._run_transforms(compiled, parallel.PrepareContext(
-        None, ParallelSection(compile="on", mixed_precision="fp32"), ENV, ENV.layout, done))
+    compiled = parallelize(compiled, ENV, ParallelSection(compile="on", mixed_precision="fp32"), done)
     assert done.compiled and all(b._compiled_call_impl is not None for b in blocks(compiled))
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     for seed in (1, 2):  # a second pack of the same shape: no recompile needed, still equal
