@@ -236,8 +236,13 @@ class RoutedExperts(nn.Module):
         self.dispatcher: LocalTokenDispatch = LocalTokenDispatch()
         self.use_grouped_mm = True  # False forces the unbind fallback (benchmarks, tests)
 
-    def experts_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows [N, H] grouped by (local) expert with counts [E_local] -> SwiGLU outputs [N, H]."""
+    def experts_forward(self, rows: torch.Tensor, counts: torch.Tensor,
+                        tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [N, H] grouped by (local) expert with counts [E_local] -> SwiGLU outputs [N, H].
+
+        With `tokens` [N] (one process: no dispatcher in between), `rows` is the layer's input x [T, H] and grouped
+        row i is x[tokens[i]]: the grouped path then gathers x straight into its padded layout, with no [N, H] copy
+        in between (the planner's per-row bytes, mindvl.plan.skew, are measured on this path)."""
         d = self.dispatcher
         gate, up, down = d.local_weight(self.gate_proj), d.local_weight(self.up_proj), d.local_weight(self.down_proj)
         kind = rows.device.type
@@ -246,12 +251,17 @@ class RoutedExperts(nn.Module):
             rows, gate, up, down = (t.to(dtype) for t in (rows, gate, up, down))
         grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
         if not grouped:  # the per-expert loop splits its rows on the host
+            rows = rows if tokens is None else rows.index_select(0, tokens)
             split = counts.tolist()
             h = self.act(grouped_linear(rows, gate, counts, split, False)) * grouped_linear(rows, up, counts, split,
                                                                                             False)
             return grouped_linear(h, down, counts, split, False)
-        dest, offsets, size = aligned_groups(counts, rows.shape[0])
-        padded = rows.new_zeros(size, rows.shape[1]).index_copy(0, dest, rows)  # zero rows pad every group
+        n = rows.shape[0] if tokens is None else tokens.shape[0]
+        dest, offsets, size = aligned_groups(counts, n)
+        source = tokens if tokens is not None else torch.arange(n, device=rows.device)
+        # padded row -> the input row it reads; pad rows read an appended zero row
+        src = torch.full((size,), rows.shape[0], dtype=torch.long, device=rows.device).index_copy(0, dest, source)
+        padded = F.pad(rows, (0, 0, 0, 1)).index_select(0, src)
         h = self.act(grouped_linear(padded, gate, offsets, None, True)) * grouped_linear(padded, up, offsets, None,
                                                                                          True)
         return grouped_linear(h, down, offsets, None, True).index_select(0, dest)
@@ -264,8 +274,11 @@ class RoutedExperts(nn.Module):
         # that it is a fake tensor exactly when the routing is (the planner's fake tensors)
         counts = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
         tokens, slot_weights = order // k, weights.reshape(-1).index_select(0, order)
-        rows, local_counts = self.dispatcher.dispatch(x.index_select(0, tokens), counts)
-        y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
+        if type(self.dispatcher) is LocalTokenDispatch:  # every expert here: gather inside, once
+            y = self.experts_forward(x, counts, tokens)
+        else:
+            rows, local_counts = self.dispatcher.dispatch(x.index_select(0, tokens), counts)
+            y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
         return torch.zeros_like(x).index_add_(0, tokens, (y * slot_weights[:, None]).to(x.dtype))
 
 
