@@ -103,5 +103,5 @@ def test_profiled_step_splits_the_step_on_cpu():
 
 def test_busy_fraction_is_the_union_of_kernel_intervals():
     proof = load_proof_module()
-    assert proof.busy_fraction([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 0.5  # [0,3] [5,6] [9,10]: overlap once, clipped
+    assert proof.busy_fraction([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 0.5  # [0,3] [5,6] [9,10]
     assert proof.busy_fraction([], 0, 10) == 0.0 and proof.busy_fraction([(0, 1)], 5, 5) is None
