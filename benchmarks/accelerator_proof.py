@@ -22,9 +22,10 @@ tail) and the next section runs:
   has no Qwen2.5-VL ViT + Qwen3 class) and imported with `mindvl.checkpoint.convert_from_hf`, so both sides hold the
   same weights.
 - plan: `mindvl.plan.plan` for that recipe on one h100-80g (CPU, fake tensors; runs beside the GPU sections).
-- mindvl: the mid model through the trainer's pieces (load_model, parallelize with bf16 FSDP and full activation
-  checkpointing, build_optimizer, step.optimizer_step on one 8K pack per step); tokens/s and MFU as the trainer
-  logs them (real tokens / step time, pack_training_flops / (step time x device_peak_flops)); then the planner's
+- mindvl: the mid model through the trainer's pieces (load_model, parallelize as on one GPU: plain tensors, bf16
+  autocast, full activation checkpointing, blocks compiled where `parallel.compile: auto` compiles them,
+  build_optimizer, step.optimizer_step on one 8K pack per step); tokens/s and MFU as the trainer logs them (real
+  tokens / step time, pack_training_flops / (step time x device_peak_flops)); then the planner's
   exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved.
 - hf_packed / hf_padded: the same weights and samples through transformers (fp32 master weights, bf16 autocast,
   gradient checkpointing, torch's fused AdamW + clip_grad_norm_): one padding-free packed row per step, or the
@@ -32,6 +33,12 @@ tail) and the next section runs:
 - moe: a small DeepSeek-V3-shaped MoE LLM (MLA, 64 routed experts top-8 in 8 groups, a shared expert) training in
   bf16 with grouped_mm experts against the unbind fallback, step-0 loss against the CPU fp32 forward.
 - tiny: the packaged tiny SFT recipe through `mindvl.train.trainer.train`; tokens/s and MFU from its metrics.jsonl.
+- profile (not a process of its own: a switch of the mindvl and moe sections, on in a full run; name it in
+  `--sections` to keep it in a subset): after their timed steps, one more step under torch.profiler, summarised as
+  `profile` in their JSON (`profiled_step`): kernel launches, host syncs (cudaStreamSynchronize /
+  cudaDeviceSynchronize / cudaEventSynchronize calls, and `.item()`-style reads), GPU-busy fraction of the step,
+  the top-10 kernels by device time, and the step split into ViT / LLM / loss forward, backward (the loss's own
+  part of it), optimizer. On a CPU (the dry run) the same summary has host times and aten ops instead of kernels.
 
 Outputs under --out: proof.json (everything, with tracebacks), proof.md (the summary table), proof.log, and on a GPU
 margin_reserve.json (the planner's reserve as measured: `python -m mindvl.plan.margin --from-proof OUT/proof.json`).
@@ -39,7 +46,8 @@ margin_reserve.json (the planner's reserve as measured: `python -m mindvl.plan.m
 On the lent machine (15 minutes of device time in all, a start included): one call of the device tool with
 `python3 benchmarks/accelerator_proof.py --out $OUT` and timeout_s 540 (the sections stop at --budget-s 450, the
 background planner 10 s later); then, if something broke and was fixed, rerun only that part, e.g.
-`--sections prepare,mindvl --budget-s 200` (prepare is needed by mindvl, hf_packed and hf_padded).
+`--sections prepare,mindvl,profile --budget-s 240` (prepare is needed by mindvl, hf_packed and hf_padded; on the
+H200 of 2026-11-28 prepare took 20 s and mindvl 44 s before compile and the profiled step: well under 4 minutes).
 """
 
 from __future__ import annotations
@@ -66,10 +74,11 @@ MINDVL_IMPORTS = ("numpy", "PIL", "yaml", "rich", "tokenizers", "safetensors", "
 
 # (name, seconds on the GPU, seconds in --dry-run); run in this order, each capped by what is left of --budget-s.
 # (The dry run's limits are generous: CI machines and shared ones are slow; a quiet 2-core run takes ~20-50 s each.)
-SECTIONS = [("environment", 60, 120), ("tests", 150, 180), ("prepare", 120, 180), ("mindvl", 120, 240),
+SECTIONS = [("environment", 60, 120), ("tests", 150, 180), ("prepare", 120, 180), ("mindvl", 180, 240),
             ("hf_packed", 90, 180), ("moe", 75, 180), ("tiny", 60, 180), ("hf_padded", 90, 180)]
 SECTIONS.insert(3, ("generate", 150, 240))  # issue 39, right after prepare: benchmarks/proof_generate.py
 PLAN_TIMEOUT = (240, 300)  # the planner runs in the background from after `prepare`
+PROFILE = "profile"  # the switch that adds a profiled step to the mindvl and moe sections (see the docstring)
 FAIL_ENV = "MINDVL_PROOF_FAIL"  # a section name: that section raises at once (tests of the failure isolation)
 
 
@@ -212,6 +221,134 @@ def summary(times: list[float], tokens: list[int], flops: list[float], peak: flo
             "timed_tokens": sum(n)}
 
 
+# ------------------------------------------------------------------------------------------------------ profile
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+            "cudaLaunchCooperativeKernel")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+RANGES = ("vit_forward", "llm_forward", "loss_forward", "optimizer")
+
+
+class StepRanges:
+    """record_function ranges around a MindVL's parts, opened and closed by hooks from outside the model: the
+    vision tower's and the language model's forwards (module hooks), the loss (the model's `cross_entropy`
+    attribute, where the vocabulary-parallel loss also plugs in) and the optimizer's step (optimizer hooks)."""
+
+    def __init__(self, model, optimizer) -> None:
+        from torch.autograd.profiler import record_function
+
+        self.handles, self.open, self.model = [], {}, model
+        self.saved_ce = getattr(model, "cross_entropy", None)
+
+        def opener(name):
+            def enter(*_):
+                self.open[name] = record_function(name)
+                self.open[name].__enter__()
+            return enter
+
+        def closer(name):
+            def leave(*_):
+                if name in self.open:
+                    self.open.pop(name).__exit__(None, None, None)
+            return leave
+
+        for name, module in (("vit_forward", getattr(model, "visual", None)),
+                             ("llm_forward", getattr(model, "language_model", None))):
+            if module is not None:
+                self.handles += [module.register_forward_pre_hook(opener(name)),
+                                 module.register_forward_hook(closer(name), always_call=True)]
+        self.handles += [optimizer.register_step_pre_hook(opener("optimizer")),
+                         optimizer.register_step_post_hook(closer("optimizer"))]
+        if self.saved_ce is not None:
+            inner = self.saved_ce
+
+            def loss(*args, **kwargs):
+                with record_function("loss_forward"):
+                    return inner(*args, **kwargs)
+            model.cross_entropy = loss
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        if self.saved_ce is not None:
+            self.model.cross_entropy = self.saved_ce
+
+
+def busy_fraction(intervals: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """The share of [start, end] covered by the union of the (start, end) intervals (kernels on the device)."""
+    if end <= start:
+        return None
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / (end - start)
+
+
+def profile_summary(prof, device) -> dict:
+    """What one profiled step shows: launches, host syncs, busy fraction, top kernels, the split into ranges."""
+    events = prof.events()
+    on_gpu = device.type == "cuda"
+    by_name = {e.key: e for e in prof.key_averages()}
+    count = lambda names: sum(by_name[n].count for n in names if n in by_name)  # noqa: E731
+    step = [e for e in events if e.name == "proof_step"]
+    t0, t1 = (step[0].time_range.start, step[0].time_range.end) if step else (0.0, 0.0)
+    kernels = [e for e in events if e.device_type == torch_device_type("CUDA")] if on_gpu else []
+    end = max([t1, *(k.time_range.end for k in kernels)])
+    time_of = (lambda e: e.device_time_total) if on_gpu else (lambda e: e.cpu_time_total)  # noqa: E731
+    split = {name: time_of(by_name[name]) / 1e3 for name in RANGES if name in by_name}
+    autograd = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    split["backward"] = sum(time_of(e) for e in autograd) / 1e3
+    split["loss_backward"] = sum(time_of(e) for e in autograd if "ChunkedLinearCrossEntropy" in e.name
+                                 or "VocabParallelCE" in e.name) / 1e3
+    if on_gpu:
+        top = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0 and e.device_type ==
+                      torch_device_type("CUDA")), key=lambda e: -e.self_device_time_total)[:10]
+        top10 = [{"kernel": e.key[:160], "ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count} for e in top]
+    else:  # no kernels on a CPU: the aten ops by self host time
+        top = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
+                     key=lambda e: -e.self_cpu_time_total)[:10]
+        top10 = [{"op": e.key, "ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count} for e in top]
+    return {"device": str(device), "step_ms": round((end - t0) / 1e3, 3),
+            "kernel_launches": count(LAUNCHES) if on_gpu else None, "kernels": len(kernels) if on_gpu else None,
+            "aten_ops": sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")),
+            "host_syncs": count(SYNCS) if on_gpu else None,  # includes the profiled window's closing synchronize
+            "device_reads": count(("aten::_local_scalar_dense",)),  # .item()/.tolist()/bool(t): each a sync on a GPU
+            "memcpy": count(("cudaMemcpyAsync", "cudaMemcpy")) if on_gpu else None,
+            "copies": count(("aten::copy_",)), "casts": count(("aten::_to_copy",)),
+            "gpu_busy": busy_fraction([(k.time_range.start, k.time_range.end) for k in kernels], t0, end)
+            if on_gpu else None,
+            "split_ms": {k: round(v, 3) for k, v in split.items()},
+            "split_clock": "device" if on_gpu else "host", "top10": top10}
+
+
+def torch_device_type(name: str):
+    from torch.autograd import DeviceType
+
+    return getattr(DeviceType, name)
+
+
+def profiled_step(run_step, model, optimizer, device) -> dict:
+    """`run_step()` once more under torch.profiler (CPU activity, and CUDA's on a GPU), inside a `proof_step` range
+    with the model's parts marked (StepRanges); the summary of `profile_summary`."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ranges = StepRanges(model, optimizer)
+    try:
+        sync(device)
+        with profile(activities=activities) as prof:
+            with record_function("proof_step"):
+                run_step()
+                sync(device)
+    finally:
+        ranges.remove()
+    return profile_summary(prof, device)
+
+
 # ------------------------------------------------------------------------------------------------------ sections
 
 
@@ -340,20 +477,25 @@ def sec_mindvl(args, work: Path) -> dict:
     from mindvl.plan.packs import fake_pack, worst_case_packs
     from mindvl.train.metrics import device_peak_flops
     from mindvl.train.optim import build_optimizer
-    from mindvl.train.parallel import ParallelEnv, destroy, parallelize
+    from mindvl.train.parallel import ParallelEnv, Prepared, destroy, parallelize
     from mindvl.train.step import MicroBatchStream, optimizer_step
 
     s = shapes(args.dry_run)
     dev = the_device()
     env = ParallelEnv(0, 1, 0, dev, "nccl" if dev.type == "cuda" else "gloo")
     out: dict = {}
-    try:
-        t0 = time.perf_counter()
+    def build(compile_mode: str):
+        """The trainer's defaults on one GPU: plain tensors, bf16 autocast, blocks compiled (`auto`)."""
         model = load_model(work / "mindvl", dtype=torch.float32, device=dev)
         model.train()
-        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing="full")
-        model = parallelize(model, env, pcfg)
-        opt = build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1))
+        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing="full", compile=compile_mode)
+        prepared = Prepared()
+        model = parallelize(model, env, pcfg, prepared)
+        return model, build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1)), prepared
+
+    try:
+        t0 = time.perf_counter()
+        model, opt, prepared = build("auto")
         config = model.config
         out["load_s"] = time.perf_counter() - t0
         out["fused_adamw"] = all(bool(g.get("fused")) for g in opt.param_groups)
@@ -361,11 +503,23 @@ def sec_mindvl(args, work: Path) -> dict:
         peak, how = device_peak_flops(dev)
         times, flops, losses = [], [], []
         parts = {"forward_s": [], "backward_s": [], "optimizer_s": []}
-        for batch in batches:
+        for i, batch in enumerate(batches):
             sync(dev)
             ta = time.perf_counter()
-            stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
-                                   grad_clip=1.0)
+            try:
+                stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                                       grad_clip=1.0)
+            except Exception as exc:  # a compile failure costs the compiled figures, not the section
+                if i > 0 or not prepared.compiled:
+                    raise
+                out.update(compile_error=f"{type(exc).__name__}: {exc}"[:2000],
+                           compile_traceback=traceback.format_exc())
+                del model, opt
+                torch._dynamo.reset()
+                model, opt, prepared = build("off")
+                ta = time.perf_counter()
+                stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                                       grad_clip=1.0)
             losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
             sync(dev)
             times.append(time.perf_counter() - ta)
@@ -377,6 +531,12 @@ def sec_mindvl(args, work: Path) -> dict:
                    **{k: statistics.median(v[s["warmup"]:]) for k, v in parts.items()},
                    note="forward_s/backward_s are host times (kernels are asynchronous): only the step time is exact")
         out["memory_after_throughput"] = memory(dev)
+        out["prepared"] = {"fsdp": prepared.fsdp, "compiled": prepared.compiled, "autocast": str(prepared.autocast)}
+        if args.profile:  # the last timed step's pack once more, profiled
+            batch = batches[-1]
+            out["profile"] = profiled_step(lambda: optimizer_step(
+                model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config, grad_clip=1.0),
+                model, opt, dev)
         # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2. An
         # out-of-memory here is a finding, recorded beside the throughput figures above (not instead of them).
         try:
@@ -495,7 +655,7 @@ def sec_hf_padded(args, work: Path) -> dict:
 
 
 def sec_moe(args, work: Path) -> dict:
-    """A DeepSeek-V3-shaped MoE LLM (MLA, grouped routing over 64 experts, a shared expert), bf16 FSDP on one
+    """A DeepSeek-V3-shaped MoE LLM (MLA, grouped routing over 64 experts, a shared expert), bf16 autocast on one
     device: tokens/s and MFU with grouped_mm experts and with the unbind fallback; step-0 loss vs CPU fp32."""
     import torch
 
@@ -567,6 +727,11 @@ def sec_moe(args, work: Path) -> dict:
             out["grouped_mm" if grouped else "unbind_fallback"] = {**summary(times, [seq] * steps, flops, peak,
                                                                                warmup), "losses": losses,
                                                                    "routing": factors}
+            if args.profile:  # one more step of the last pack, profiled, per expert path
+                pk = packs[-1]
+                out["grouped_mm" if grouped else "unbind_fallback"]["profile"] = profiled_step(
+                    lambda pk=pk: optimizer_step(model, opt, MicroBatchStream(iter([pk]).__next__, 1, dev), env,
+                                                 config, grad_clip=1.0), model, opt, dev)
         out["bf16_loss0_rel_diff_vs_cpu_fp32"] = abs(out["grouped_mm"]["losses"][0] - out["cpu_fp32_loss0"]) / abs(
             out["cpu_fp32_loss0"])
         out.update(peak_how=how, memory=memory(dev))
@@ -642,7 +807,8 @@ def child_env(dry: bool) -> dict:
 def start(name: str, args, work: Path, log, limit: float) -> tuple[subprocess.Popen, Path, float]:
     result = work / f"{name}.result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--result",
-           str(result), "--limit", str(int(limit))] + (["--dry-run"] if args.dry_run else [])
+           str(result), "--limit", str(int(limit))] + (["--dry-run"] if args.dry_run else []) + (
+           ["--profile"] if args.profile else [])
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args.dry_run), cwd=ROOT,
                             start_new_session=True)
     return proc, result, time.perf_counter()
@@ -716,6 +882,22 @@ def report(res: dict) -> str:
                  if v and n != "mindvl"]
         lines += ["", f"Step-0 loss of the mid model, mindvl {losses['mindvl'][0]:.5f}; relative difference to "
                   f"{', '.join(agree) or '-'} (same weights and samples, bf16 compute on both sides)"]
+    moe = res["sections"].get("moe", {})
+    profiles = [("mindvl", mid.get("profile"))] + [
+        (f"moe {k}", moe.get(k, {}).get("profile")) for k in ("grouped_mm", "unbind_fallback")]
+    profiles = [(n, p) for n, p in profiles if p]
+    if profiles:
+        lines += ["", "One profiled step (ms on the " + profiles[0][1]["split_clock"] + " clock):", "",
+                  "| step | ms | launches | host syncs | reads | copy_ / _to_copy | GPU busy | ViT fwd | LLM fwd | "
+                  "loss fwd | backward (loss) | optimizer | top kernel |", "|---" * 13 + "|"]
+        for name, p in profiles:
+            sp, top = p["split_ms"], (p["top10"] or [{}])[0]
+            lines.append(
+                f"| {name} | {p['step_ms']:.0f} | {fmt(p['kernel_launches'], ',')} | {fmt(p['host_syncs'], ',')} | "
+                f"{p['device_reads']} | {p['copies']} / {p['casts']} | {fmt(p['gpu_busy'], '.0%')} | "
+                f"{fmt(sp.get('vit_forward'), '.0f')} | {fmt(sp.get('llm_forward'), '.0f')} | "
+                f"{fmt(sp.get('loss_forward'), '.0f')} | {sp['backward']:.0f} ({sp['loss_backward']:.0f}) | "
+                f"{fmt(sp.get('optimizer'), '.0f')} | {str(top.get('kernel') or top.get('op'))[:60]} |")
     plan, mem = res["sections"].get("plan", {}), mid.get("memory_planner_packs", {})
     if plan.get("ok") and mem:
         p, a, r = plan["peak_bytes_per_rank"], mem["max_allocated_bytes"], mem["max_reserved_bytes"]
@@ -745,6 +927,7 @@ def main() -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--limit", type=float, default=600.0, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # set from --sections (see docstring)
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
@@ -755,6 +938,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.sections.split(",")) if args.sections else None
+    args.profile = wanted is None or PROFILE in wanted
     shm = Path("/dev/shm")
     big_shm = shm.is_dir() and shutil.disk_usage(shm).free > 40 * GIB  # the mid model's folders (~11 GB)
     work = Path(tempfile.mkdtemp(prefix="mindvl-proof-", dir=shm if big_shm and not args.dry_run else None))

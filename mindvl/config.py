@@ -155,7 +155,9 @@ class ParallelSection:
     # how FSDP accumulates gradients over micro-batches: sharded (reduce-scatter every micro-batch into sharded
     # fp32 gradients) | unsharded (sync only after the last one; full-size fp32 gradients on every rank)
     grad_accumulation: str = "sharded"
-    compile: bool = False
+    # torch.compile of every block of both towers (regional, as torchtitan): auto (on CUDA where triton is installed,
+    # off elsewhere) | on | off (YAML true/false read as on/off)
+    compile: str | bool = "auto"
     device: str = "auto"  # auto | cpu | cuda | npu
     # ranks sharing one copy of each MoE layer's experts (E / N experts per rank, tokens sent by all-to-all); must
     # divide the routed experts and the world size; 1 = none (FSDP shards experts like every other weight)
@@ -275,6 +277,9 @@ class Recipe:
         if isinstance(self.parallel.fsdp, bool):
             self.parallel.fsdp = "on" if self.parallel.fsdp else "off"
         _check(self.parallel.fsdp in ("auto", "on", "off"), "parallel.fsdp", "must be auto, on or off")
+        if isinstance(self.parallel.compile, bool):
+            self.parallel.compile = "on" if self.parallel.compile else "off"
+        _check(self.parallel.compile in ("auto", "on", "off"), "parallel.compile", "must be auto, on or off")
         _check(self.parallel.mixed_precision in ("auto", "bf16", "fp32"), "parallel.mixed_precision",
                "must be auto, bf16 or fp32")
         ac = self.parallel.activation_checkpointing

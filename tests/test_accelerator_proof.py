@@ -42,6 +42,8 @@ def test_dry_run_every_section_succeeds(tmp_path):
         assert sections[arm]["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-3), arm
     assert sections["plan"]["peak_bytes_per_rank"] > 0
     assert sections["moe"]["bf16_loss0_rel_diff_vs_cpu_fp32"] < 1e-2
+    for part in (mid, sections["moe"]["grouped_mm"], sections["moe"]["unbind_fallback"]):  # the profiled steps
+        assert part["profile"]["split_ms"]["backward"] > 0 and part["profile"]["aten_ops"] > 0
     assert sections["tiny"]["tokens_per_s_median"] > 0
     md = (tmp_path / "proof.md").read_text()
     assert "| mindvl | yes |" in md and "Step-0 loss" in md
@@ -57,3 +59,50 @@ def test_a_crashing_section_is_recorded_and_the_next_runs(tmp_path):
     assert not env["ok"] and "injected failure" in env["error"] and "Traceback" in env["traceback"]
     assert tests["ok"] and tests["skipped"] >= 10
     assert "environment: RuntimeError" in (tmp_path / "proof.md").read_text()
+
+
+def load_proof_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accelerator_proof", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profiled_step_splits_the_step_on_cpu():
+    """The proof's profiled step (its mindvl and moe sections call it) on a tiny MindVL on the CPU: every part of the
+    split is present and took time, the step's host reads are counted, the top-10 list is filled; the model and its
+    optimizer are left as they were (no hook, no wrapped loss)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_mindvl import tiny_model, tiny_pack
+
+    from mindvl.config import OptimSection
+    from mindvl.train.optim import build_optimizer
+    from mindvl.train.parallel import ParallelEnv
+    from mindvl.train.step import optimizer_step
+
+    proof = load_proof_module()
+    env = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    model = tiny_model()
+    opt = build_optimizer(model, OptimSection(lr=1e-3))
+    batch = tiny_pack(model.config, 0)
+    ce = model.cross_entropy
+    out = proof.profiled_step(lambda: optimizer_step(model, opt, [batch], env, model.config, grad_clip=1.0), model,
+                              opt, torch.device("cpu"))
+    split = out["split_ms"]
+    assert set(split) == {"vit_forward", "llm_forward", "loss_forward", "optimizer", "backward", "loss_backward"}
+    assert all(v > 0 for v in split.values()), split
+    assert split["loss_backward"] < split["backward"] and out["step_ms"] >= split["backward"]
+    assert out["aten_ops"] > 100 and out["device_reads"] >= 1 and len(out["top10"]) == 10
+    assert out["kernel_launches"] is None and out["gpu_busy"] is None and out["split_clock"] == "host"
+    assert model.cross_entropy is ce and not model.visual._forward_hooks and not opt._optimizer_step_pre_hooks
+    json.dumps(out)  # goes into proof.json as it is
+
+
+def test_busy_fraction_is_the_union_of_kernel_intervals():
+    proof = load_proof_module()
+    assert proof.busy_fraction([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 0.5  # [0,3] [5,6] [9,10]
+    assert proof.busy_fraction([], 0, 10) == 0.0 and proof.busy_fraction([(0, 1)], 5, 5) is None

@@ -1,7 +1,7 @@
 """CPU stand-ins for the accelerator path, in CI: what the CPU can prove before a GPU runs it.
 
-- bf16 end to end: the trainer runs a tiny recipe with `parallel.mixed_precision=bf16` (FSDP's policy over a
-  one-rank group: bf16 compute, fp32 master weights, gradients and AdamW state) and full activation checkpointing;
+- bf16 end to end: the trainer runs a tiny recipe with `parallel.mixed_precision=bf16` (one process: plain tensors
+  under bf16 autocast, fp32 master weights, gradients and AdamW state) and full activation checkpointing;
   its losses follow the fp32 run of the same recipe and its saved weights are fp32 and load.
 - torch.compile: the model with every block compiled (the trainer's `parallel.compile`, inductor on CPU through the
   system C++ compiler) equals eager forward and backward. Compiling the tiny model's two block kinds costs ~85

@@ -1,13 +1,15 @@
 """Routed experts as grouped GEMMs: forward and backward equal a per-expert reference loop (the pre-grouped code),
-through F.grouped_mm and through the unbind fallback, with idle experts and unaligned widths."""
+through F.grouped_mm and through the unbind fallback, with idle experts and unaligned widths; the grouped path's
+aligned layout and its freedom from host reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from mindvl.models.moe import RoutedExperts, _grouped_mm_runs
+from mindvl.models.moe import RoutedExperts, _grouped_mm_runs, aligned_groups
 
 
 def per_expert_reference(m: RoutedExperts, x, ids, weights):
@@ -62,3 +64,88 @@ def test_grouped_experts_bf16_and_no_tokens():
     torch.testing.assert_close(m(xb, ids, w), per_expert_reference(m, xb, ids, w), rtol=2e-2, atol=2e-2)
     empty = m(xb[:0], ids[:0], w[:0])
     assert empty.shape == (0, 32)
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts `aten._local_scalar_dense`: every read of a device value back to the host (.item(), .tolist(), int(t),
+    boolean indexing's size) goes through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def skewed(num_experts, tokens, k, seed):
+    """Routing where most rows go to two experts and the first, a middle and the LAST expert get none."""
+    m, x, ids, w = make(num_experts, 32, 16, tokens=tokens, k=k, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    busy = torch.tensor([1, 2] * 3 + list(range(3, num_experts - 1)))
+    busy = busy[(busy != num_experts // 2)]
+    ids = torch.stack([busy[torch.randperm(len(busy), generator=g)[:k]] for _ in range(tokens)])
+    ids[: tokens // 2, 0], ids[: tokens // 2, 1] = 1, 2
+    return m, x, ids, w
+
+
+def test_aligned_groups_layout():
+    counts = torch.tensor([0, 37, 1, 16, 0, 5])
+    dest, offsets, size = aligned_groups(counts, int(counts.sum()), align=16)
+    assert size % 16 == 0 and size >= int(counts.sum()) + 6 * 15
+    assert offsets.dtype == torch.int32 and int(offsets[-1]) == size
+    starts = [0, *offsets.tolist()[:-1]]
+    assert all(s % 16 == 0 for s in starts) and starts == sorted(starts)
+    ends = counts.cumsum(0).tolist()
+    for e, c in enumerate(counts.tolist()):  # expert e's rows land, in order, at the start of its padded group
+        first = ends[e] - c
+        assert dest[first:ends[e]].tolist() == list(range(starts[e], starts[e] + c))
+        assert c <= (offsets[e] - starts[e])
+    assert dest.unique().numel() == dest.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_equals_loop_with_skewed_and_empty_experts(dtype):
+    m, x, ids, w = skewed(12, tokens=45, k=3, seed=7)
+    m = m.to(dtype)
+    x = x.detach().to(dtype).requires_grad_()
+    results = {}
+    for grouped in (True, False):
+        m.use_grouped_mm = grouped
+        assert not grouped or _grouped_mm_runs(x, m.gate_proj, m.up_proj, m.down_proj)
+        out = m(x, ids, w)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()  # a non-uniform gradient
+        results[grouped] = [out.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    assert results[True][2][[0, 6, 11]].abs().sum() == 0  # the empty experts' gradients: zero
+
+
+def test_grouped_path_never_reads_the_device():
+    """Zero host reads in the grouped forward + backward, counted on real tensors (`_local_scalar_dense`) and proven
+    on fake ones: under FakeTensorMode any read of a value (.item(), .tolist(), a data-dependent size) raises, and
+    the per-expert loop, which reads its split sizes, does raise (CPU `.tolist()` bypasses the dispatcher, so the
+    counter alone could not see it)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    m, x, ids, w = skewed(12, tokens=45, k=3, seed=8)
+    m.use_grouped_mm = True
+    with ScalarReads() as mode:
+        m(x, ids, w).sum().backward()
+    assert mode.reads == 0
+    m = m.to(torch.bfloat16)  # fake tensors take grouped_mm in bf16 (its meta function's rule)
+    for grouped in (True, False):
+        m.use_grouped_mm = grouped
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            fx = fake.from_tensor(x.detach().bfloat16()).requires_grad_()
+            fids, fw = fake.from_tensor(ids), fake.from_tensor(w)
+            if grouped:
+                m(fx, fids, fw).sum().backward()
+            else:
+                with pytest.raises(DataDependentOutputException, match="_local_scalar_dense"):
+                    m(fx, fids, fw).sum().backward()

@@ -40,3 +40,19 @@ def tiny_model(tok=None, hidden_size: int = 32, head_dim: int = 8, mrope_section
 def tiny_model_folder(path: Path, seed: int = 3, std: float = 0.1, moe: bool = False) -> Path:
     model = tiny_model(hidden_size=64, head_dim=16, mrope_section=(2, 3, 3), seed=seed, std=std, moe=moe)
     return save_pretrained(model, path, side_files_from=DEFAULT_TOKENIZER_PATH.parent)
+
+
+def tiny_pack(config: MindVLConfig, seed: int = 0) -> dict:
+    """A packed row for `tiny_model()`'s config: 3 samples (30, 21, 13 tokens), the first with a 4x6-patch image
+    (6 merged tokens), random text ids and labels on the text after each sample's first token."""
+    import torch
+
+    from mindvl.conventions import IGNORE_INDEX
+    from mindvl.plan.packs import PackShape, fake_pack
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = fake_pack(PackShape([30, 21, 13], images=[(1, 4, 6)]), config, lambda s: torch.randn(s, generator=gen))
+    text = batch["input_ids"] == 100
+    batch["input_ids"][text] = torch.randint(5, 400, (int(text.sum()),), generator=gen)
+    batch["labels"] = torch.where(batch["labels"] == IGNORE_INDEX, IGNORE_INDEX, batch["input_ids"])
+    return batch

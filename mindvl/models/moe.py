@@ -28,6 +28,14 @@ routing weights in descending weight order (`router.records`); mindvl.moe_analys
 Experts run as grouped GEMMs (`F.grouped_mm`, or an exact `unbind(0)` fallback where it cannot run); their
 `dispatcher` (a no-op here) is where expert parallelism plugs in from outside (mindvl.train.expert_parallel). Not
 here: multi-token prediction.
+
+The grouped path never reads the device back to the host (the fallback must: `counts.tolist()` splits its rows):
+the permutation of (token, slot) rows, the group sizes and the offsets are device tensors of sizes known from the
+shapes alone. Each expert's group starts at a multiple of `GROUP_ALIGN` rows (zero rows pad it; the last group also
+takes the slack up to a size fixed by the shapes), as the grouped GEMM's fast kernels want: in the weight-gradient
+GEMM the groups split the contraction dimension, whose starts must be 16-byte aligned, and whole row tiles keep the
+forward's groups apart. Rows are gathered with `index_select` (its backward is one `index_add`, not the sort that
+advanced indexing's `index_put` backward runs on CUDA).
 """
 
 from __future__ import annotations
@@ -75,7 +83,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, e = x.shape[0], self.num_experts
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E], router in fp32
+        with torch.autocast(x.device.type, enabled=False):  # router in fp32, also under mixed precision
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()[None]
         if self.n_group > 1:
             grouped = choice.view(t, self.n_group, e // self.n_group)
@@ -148,6 +157,29 @@ def _grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return True
 
 
+GROUP_ALIGN = 16  # rows: a group's first row is a multiple of this (16 bytes of bf16 = 8 rows; 16 also fits fp8)
+
+
+def aligned_groups(counts: torch.Tensor, n_rows: int, align: int = GROUP_ALIGN
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """counts [E] (rows per expert, summing to n_rows) -> (dest [n_rows]: where each row goes in the padded layout,
+    offsets [E] int32: the padded groups' end rows, size: the padded layout's rows).
+
+    Group e starts at a multiple of `align`; the last group ends at `size`, a bound fixed by n_rows and E (every
+    group may need align - 1 pad rows), so nothing here depends on the counts' values on the host."""
+    e = counts.shape[0]
+    size = -(-(n_rows + e * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align
+    pad_ends = padded.cumsum(0)
+    ends = counts.cumsum(0)
+    rows = torch.arange(n_rows, device=counts.device)
+    expert = torch.searchsorted(ends, rows, right=True)  # the expert of each (sorted) row
+    dest = rows + (pad_ends - padded - (ends - counts)).index_select(0, expert)
+    offsets = pad_ends.to(torch.int32)
+    offsets[-1] = size  # the last group takes the slack: no row beyond the last offset
+    return dest, offsets, size
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
                    use_grouped_mm: bool) -> torch.Tensor:
     """Rows of x [N, in] grouped by expert (expert e owns rows offsets[e-1]:offsets[e]) times weight [E, out, in]^T.
@@ -204,16 +236,35 @@ class RoutedExperts(nn.Module):
         self.dispatcher: LocalTokenDispatch = LocalTokenDispatch()
         self.use_grouped_mm = True  # False forces the unbind fallback (benchmarks, tests)
 
-    def experts_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows [N, H] grouped by (local) expert with counts [E_local] -> SwiGLU outputs [N, H]."""
+    def experts_forward(self, rows: torch.Tensor, counts: torch.Tensor,
+                        tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [N, H] grouped by (local) expert with counts [E_local] -> SwiGLU outputs [N, H].
+
+        With `tokens` [N] (one process: no dispatcher in between), `rows` is the layer's input x [T, H] and grouped
+        row i is x[tokens[i]]: the grouped path then gathers x straight into its padded layout, with no [N, H] copy
+        in between (the planner's per-row bytes, mindvl.plan.skew, are measured on this path)."""
         d = self.dispatcher
         gate, up, down = d.local_weight(self.gate_proj), d.local_weight(self.up_proj), d.local_weight(self.down_proj)
+        kind = rows.device.type
+        if torch.is_autocast_enabled(kind):  # autocast does not cast grouped_mm's operands: the GEMMs' dtype, once
+            dtype = torch.get_autocast_dtype(kind)
+            rows, gate, up, down = (t.to(dtype) for t in (rows, gate, up, down))
         grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
-        offsets = counts.cumsum(0).to(torch.int32)
-        split = None if grouped else counts.tolist()
-        h = self.act(grouped_linear(rows, gate, offsets, split, grouped)) * grouped_linear(rows, up, offsets, split,
-                                                                                           grouped)
-        return grouped_linear(h, down, offsets, split, grouped)
+        if not grouped:  # the per-expert loop splits its rows on the host
+            rows = rows if tokens is None else rows.index_select(0, tokens)
+            split = counts.tolist()
+            h = self.act(grouped_linear(rows, gate, counts, split, False)) * grouped_linear(rows, up, counts, split,
+                                                                                            False)
+            return grouped_linear(h, down, counts, split, False)
+        n = rows.shape[0] if tokens is None else tokens.shape[0]
+        dest, offsets, size = aligned_groups(counts, n)
+        source = tokens if tokens is not None else torch.arange(n, device=rows.device)
+        # padded row -> the input row it reads; pad rows read an appended zero row
+        src = torch.full((size,), rows.shape[0], dtype=torch.long, device=rows.device).index_copy(0, dest, source)
+        padded = F.pad(rows, (0, 0, 0, 1)).index_select(0, src)
+        h = self.act(grouped_linear(padded, gate, offsets, None, True)) * grouped_linear(padded, up, offsets, None,
+                                                                                         True)
+        return grouped_linear(h, down, offsets, None, True).index_select(0, dest)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
@@ -222,9 +273,12 @@ class RoutedExperts(nn.Module):
         # [E] int64; a fixed-size scatter, not bincount (whose output size depends on the data), made from `flat` so
         # that it is a fake tensor exactly when the routing is (the planner's fake tensors)
         counts = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
-        tokens, slot_weights = order // k, weights.reshape(-1)[order]
-        rows, local_counts = self.dispatcher.dispatch(x[tokens], counts)
-        y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
+        tokens, slot_weights = order // k, weights.reshape(-1).index_select(0, order)
+        if type(self.dispatcher) is LocalTokenDispatch:  # every expert here: gather inside, once
+            y = self.experts_forward(x, counts, tokens)
+        else:
+            rows, local_counts = self.dispatcher.dispatch(x.index_select(0, tokens), counts)
+            y = self.dispatcher.combine(self.experts_forward(rows, local_counts))
         return torch.zeros_like(x).index_add_(0, tokens, (y * slot_weights[:, None]).to(x.dtype))
 
 

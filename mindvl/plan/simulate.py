@@ -174,10 +174,15 @@ class TrackedStream(MicroBatchStream):
 
 def plan_parallel(recipe: Recipe):
     """The recipe's parallel section as it runs on an accelerator: bf16 compute when `auto`, no compile (the
-    planner traces eager memory; compile changes speed, not what is resident between ops)."""
+    planner traces eager memory; compile changes speed, not what is resident between ops), FSDP on (its memory
+    tracker follows FSDP modules: a single process, which the trainer runs as plain tensors under bf16 autocast,
+    is traced as FSDP over one rank, the layout it ran before; the two hold the same fp32 weights, gradients and
+    optimizer state)."""
     cfg = copy.deepcopy(recipe.parallel)
     if cfg.mixed_precision == "auto":
         cfg.mixed_precision = "bf16"
+    if cfg.fsdp == "auto" or cfg.mixed_precision == "bf16":
+        cfg.fsdp = "on"
     cfg.compile = False
     cfg.device = "cpu"
     return cfg

@@ -6,18 +6,28 @@
   size.
 - `prepare_model(model, recipe, env)`: the ONE place that turns a built (meta-device) model into a trainable one:
   freeze (the phase) -> LoRA adapters (train.lora) -> tensor parallelism -> activation checkpointing -> compile ->
-  expert parallelism -> FSDP2 (`TRANSFORMS`, in that order). The trainer, the planner's simulation, its real-step
-  validation and the planner's counts all run it, so a transform added to `TRANSFORMS` is seen by the planner with no
-  other edit.
+  expert parallelism -> context parallelism -> FSDP2 -> autocast (`TRANSFORMS`, in that order). The trainer, the
+  planner's simulation, its real-step validation and the planner's counts all run it, so a transform added to
+  `TRANSFORMS` is seen by the planner with no other edit.
 - device/backend: cuda+nccl, npu+hccl (torch_npu imported only when present), cpu+gloo.
 - expert parallelism (`parallel.expert_parallel`, mindvl.train.expert_parallel) before FSDP.
 - FSDP2: `fully_shard` on every transformer block of both towers, then on the root (embeddings, projector, norm,
-  head), with a bf16 MixedPrecisionPolicy on accelerators (fp32 reductions) and full fp32 on CPU.
-- mixed precision on ONE device uses the same policy: a bf16 run of a single process is FSDP over a one-rank group
-  (nothing is sharded or communicated), so its numerics are exactly FSDP's (fp32 master weights and optimizer
-  state, bf16 compute, gradients cast to fp32 before they accumulate), never a silent fp32 run.
+  head), with a bf16 MixedPrecisionPolicy on accelerators (fp32 reductions) and full fp32 on CPU; when there is
+  more than one process (or `parallel.fsdp: on`).
+- ONE process runs plain tensors (no FSDP, no DTensor: on one GPU FSDP's per-parameter DTensor dispatch and its
+  one-rank all-gather copies were a measured host cost of every step). bf16 mixed precision there is autocast
+  around the model's forward (as torchtitan does without FSDP): fp32 master weights and optimizer state, matmuls in
+  bf16, each weight cast once per use and its gradient cast back to fp32 before it accumulates -- FSDP's numerics
+  for weights and gradients, never a silent fp32 run. (Unlike FSDP's policy, element-wise ops that get fp32 inputs,
+  the residual stream, stay fp32.) bf16 parameters with fp32 master copies in the optimizer were not chosen: the
+  model's state_dict, the training checkpoints, the planner's memory model and the optimizer would all change
+  for one layout, and gradient accumulation over micro-batches would need fp32 gradient buffers beside bf16
+  parameters.
 - activation checkpointing (`full`: whole blocks of both towers recomputed; `selective`: matmul/attention outputs
-  kept and the element-wise ops recomputed) and torch.compile per block, as options.
+  kept and the element-wise ops recomputed).
+- torch.compile per block (regional, as torchtitan): every block of both towers compiled on its own, the model
+  around them eager; `parallel.compile: auto` turns it on on CUDA where triton (inductor's GPU code generator) is
+  installed.
 """
 
 from __future__ import annotations
@@ -294,10 +304,11 @@ def _single_process_group(env: ParallelEnv) -> None:
 
 
 def uses_fsdp(cfg: ParallelSection, env: ParallelEnv) -> bool:
-    """FSDP when asked, when distributed, or when bf16 mixed precision must run on a single device."""
-    if cfg.fsdp == "on" or (cfg.fsdp == "auto" and env.distributed):
+    """FSDP when asked (`parallel.fsdp: on`), else when there is more than one process (with `fsdp: off`, still for
+    bf16 mixed precision, whose policy it carries). One process runs plain tensors (autocast for bf16)."""
+    if cfg.fsdp == "on":
         return True
-    return param_dtype(cfg, env.device) != torch.float32
+    return env.distributed and (cfg.fsdp == "auto" or param_dtype(cfg, env.device) != torch.float32)
 
 
 @dataclass
@@ -307,6 +318,8 @@ class Prepared:
     trainable: dict[str, int] = field(default_factory=dict)  # trainable parameters per top-level module (the phase)
     checkpointing: str = "off"  # off | full | selective
     fsdp: bool = False
+    compiled: bool = False  # every block torch.compiled (regional)
+    autocast: torch.dtype | None = None  # one process, mixed precision: the forward's autocast dtype
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
     lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
     lora_base_params: int = 0  # their frozen base weights' elements (what QLoRA stores in 4 bits)
@@ -367,10 +380,34 @@ def _checkpointing(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for the blocks (tests on a slow CPU use "aot_eager")
+
+
+def _triton_installed() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+def compile_enabled(cfg: ParallelSection, device: torch.device) -> bool:
+    """`parallel.compile`: on | off | auto (on CUDA with triton installed); a bool from code counts as on/off."""
+    mode = cfg.compile
+    if isinstance(mode, bool):
+        return mode
+    if mode == "auto":
+        return device.type == "cuda" and _triton_installed()
+    return mode == "on"
+
+
 def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
-    if ctx.parallel.compile:
+    """Regional compilation: each block (inside its checkpoint wrapper) compiled in place, so parameter names and
+    the FSDP/checkpointing units stay as they are and a recompilation costs one block's graph."""
+    if compile_enabled(ctx.parallel, ctx.env.device):
         for b in blocks(model):
-            b.compile()
+            b.compile(backend=COMPILE_BACKEND)
+        ctx.done.compiled = True
     return model
 
 
@@ -452,9 +489,43 @@ def _fsdp(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
+class _AutocastHooks:
+    """Forward pre-hook / hook pair holding `torch.autocast(device_type, dtype)` open for the module's forward
+    (the hook runs also when the forward raises, so no autocast state leaks). The hooks hold no reference to the
+    module (a deep copy of the model shares them harmlessly)."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type, self.dtype = device_type, dtype
+        self.open: list[torch.autocast] = []
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        # No cast cache: it would hold a bf16 copy of every weight for the whole forward (2 bytes a parameter beyond
+        # FSDP's one block at a time); each weight is used once per forward, so the casts are as many without it.
+        cm = torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
+        cm.__enter__()
+        self.open.append(cm)
+
+    def exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.open.pop().__exit__(None, None, None)
+
+
+def _autocast(model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    """Mixed precision without FSDP (one process): the model's forward runs under autocast in the compute dtype;
+    parameters, gradients and optimizer state stay fp32. (Activation checkpointing's recompute restores the
+    autocast state of the forward.)"""
+    dtype = ctx.compute_dtype
+    if ctx.done.fsdp or dtype == torch.float32:
+        return model
+    hooks = _AutocastHooks(ctx.env.device.type, dtype)
+    model.register_forward_pre_hook(hooks.enter)
+    model.register_forward_hook(hooks.exit, always_call=True)
+    ctx.done.autocast = dtype
+    return model
+
+
 # The preparation, in order (tensor parallelism on the plain blocks; activation checkpointing inside compile inside
-# FSDP; experts sharded before FSDP wraps the blocks that hold them). Add a transform here and the trainer, the
-# planner and its validation all run it.
+# FSDP; experts sharded before FSDP wraps the blocks that hold them; autocast only where FSDP did not take the
+# mixed precision). Add a transform here and the trainer, the planner and its validation all run it.
 TRANSFORMS: list[tuple[str, Transform]] = [
     ("freeze", _freeze),
     ("lora", _lora),
@@ -464,6 +535,7 @@ TRANSFORMS: list[tuple[str, Transform]] = [
     ("expert_parallel", _expert_parallel),
     ("context_parallel", _context_parallel),
     ("fsdp", _fsdp),
+    ("autocast", _autocast),
 ]
 
 
@@ -491,10 +563,13 @@ def prepare_model(model: nn.Module, recipe: Recipe, env: ParallelEnv, report: Pr
     return _run_transforms(model, ctx)
 
 
-def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection) -> nn.Module:
+def parallelize(model: nn.Module, env: ParallelEnv, cfg: ParallelSection, report: Prepared | None = None
+                ) -> nn.Module:
     """`prepare_model` without a phase (every parameter keeps its requires_grad): activation checkpointing,
-    compile, expert parallelism and FSDP2, in that order, for tools and tests that hold a section, not a recipe."""
-    return _run_transforms(model, PrepareContext(None, cfg, env, layout_for(env, cfg), Prepared()))
+    compile, expert parallelism, FSDP2 and autocast, in that order, for tools and tests that hold a section, not a
+    recipe; `report` (optional) receives what was done."""
+    return _run_transforms(model, PrepareContext(None, cfg, env, layout_for(env, cfg),
+                                                 report if report is not None else Prepared()))
 
 
 def own_embedding_group(model: nn.Module) -> nn.Module | None:

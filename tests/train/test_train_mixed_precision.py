@@ -1,5 +1,8 @@
 """bf16 mixed precision with activation checkpointing and accumulation: two gloo processes train like one process
-on the same global batch (`batch.data_shards=2`), which runs FSDP's policy on a single device."""
+on the same global batch (`batch.data_shards=2`) running FSDP's policy over one rank (`parallel.fsdp=on`: a single
+process otherwise runs plain tensors under autocast, whose fp32 residual stream is another rounding than FSDP's
+bf16 one; that layout is checked against fp32 in tests/test_accelerator_standins.py and
+tests/train/test_prepare_one_device.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def test_two_processes_bf16_checkpointed_accumulation_match_one_process(tmp_path
                                                          batch={"global_batch_size": 4, "data_shards": 2}))
     two = write_recipe(tmp_path / "two.yaml", raw_recipe(tmp_path / "two", cache, **common,
                                                          batch={"global_batch_size": 4}))
-    train_one_and_two(script, one, two)
+    train_one_and_two(script, one, two, "parallel.fsdp=on")  # the same mixed-precision policy on both sides
 
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(l1) == len(l2) == 2
@@ -33,7 +36,8 @@ def test_two_processes_bf16_checkpointed_accumulation_match_one_process(tmp_path
 
 
 def test_single_device_bf16_uses_fsdp_numerics(tmp_path):
-    """One process, mixed_precision=bf16: compute in bf16, fp32 master weights and fp32 gradients."""
+    """One process, mixed_precision=bf16 (plain tensors under autocast): compute in bf16, fp32 master weights and
+    fp32 gradients, as FSDP's policy."""
     from mindvl.config import ParallelSection, load_recipe
     from mindvl.data import DataConfig, build_loader, load_tokenizer
     from mindvl.train.materialize import build_model
