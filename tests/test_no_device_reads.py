@@ -15,11 +15,9 @@ dispatcher for a CPU tensor (test_cpu_tolist_is_invisible_to_dispatch), and cann
 from device reads; FakeTensorMode fakes host tensors too, so the legitimate host arithmetic fails with the rest. The
 meta device separates host from device exactly as an accelerator does.
 
-What is excluded, and why: the loss function (`model.cross_entropy`, mindvl/models/loss.py) selects the labelled
-rows with a boolean mask (`hidden[keep]`, a data-dependent shape). loss.py belongs to issue 38's item 4 (another
-change); until it lands, the step swaps in a dense cross-entropy with no data-dependent shape, and
-`test_whole_step_with_the_real_loss_reads_nothing` is a strict xfail that turns into a failure (to be unmarked) the
-day loss.py reads nothing either. MoE routing (moe.py, item 5) is not exercised: the models here are dense.
+The loss is part of the step: with the layout's host count of targets (`PackLayout.num_targets`, passed as
+`n_labelled`) it gathers the labelled rows with `nonzero_static`, a shape known on the host. MoE routing is covered
+by tests/test_moe_grouped.py (the models here are dense).
 """
 
 from __future__ import annotations
@@ -90,12 +88,6 @@ def _where() -> str:
     return f"{frames[-1].filename.split('/mindvl/')[-1]}:{frames[-1].lineno}" if frames else "?"
 
 
-def dense_cross_entropy(hidden, weight, targets, chunk_size):
-    """The loss with no data-dependent shape (a stand-in for loss.py's, see the module docstring)."""
-    loss = F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (targets != IGNORE_INDEX).sum()
-
-
 def packed_batch(model, seed: int = 0) -> dict:
     """Three samples in one row: two images (one whose windows are cut at the edge), a text-only sample, lengths
     that fall in sdpa's padded buckets and an exact one; host tensors, as a loader yields them."""
@@ -139,7 +131,6 @@ def step_reads(model, batch: dict) -> DeviceReads:
 
 def test_qwen25_vl_step_reads_nothing_from_the_device():
     model = tiny_model()
-    model.cross_entropy = dense_cross_entropy
     reads = step_reads(model, on_device(packed_batch(model), model.config))
     assert reads.reads == [] and reads.blocking_copies == []
     assert all(p.grad is not None and p.grad.device == META for p in model.parameters())
@@ -152,7 +143,6 @@ def test_qwen3_vl_step_reads_nothing_from_the_device(tmp_path):
 
     _, model, _ = A.convert_pair(Q.qwen3vl, tmp_path, moe=False)
     model.set_attention_backend("auto")
-    model.cross_entropy = dense_cross_entropy
     c = model.config
     grids = torch.tensor([[1, 6, 10], [1, 4, 4]])
     ids, _ = Q.prompt([("image", [1, 6, 10]), ("image", [1, 4, 4])])
@@ -162,17 +152,6 @@ def test_qwen3_vl_step_reads_nothing_from_the_device(tmp_path):
             "position_ids": model.default_position_ids(ids, cu, grids), "pixel_values": Q.patch_rows(grids),
             "image_grid_thw": grids}
     reads = step_reads(model, on_device(host, c))
-    assert reads.reads == [] and reads.blocking_copies == []
-
-
-@pytest.mark.xfail(strict=True, reason="loss.py selects labelled rows with a boolean mask (issue 38, item 4)")
-def test_whole_step_with_the_real_loss_reads_nothing():
-    model = tiny_model()
-    batch = on_device(packed_batch(model), model.config)
-    try:
-        reads = step_reads(model, batch)
-    except (NotImplementedError, RuntimeError) as exc:
-        raise AssertionError(f"a device read failed on meta: {exc}") from exc
     assert reads.reads == [] and reads.blocking_copies == []
 
 

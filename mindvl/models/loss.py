@@ -25,6 +25,8 @@ At GEMM speed (measured on an H200: the loss spent 191 ms on pre-Hopper `sm75` c
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -123,7 +125,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the loss's GEMMs run in: autocast's where it is on for the hidden states' device, else theirs."""
     kind = hidden.device.type
-    if hidden.is_floating_point() and torch.is_autocast_enabled(kind):
+    # devices without autocast (meta, where the planner and the device-read tests trace) have no autocast dtype
+    if hidden.is_floating_point() and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return hidden.dtype
 
@@ -148,6 +151,7 @@ def chunked_cross_entropy(
     # One cast and one gather per call (their backward casts the gradients back once), not one per vocabulary slice.
     h = hidden.index_select(0, rows).to(dtype)
     w = weight.to(dtype).contiguous()
-    with torch.autocast(hidden.device.type, enabled=False):
+    kind = hidden.device.type
+    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
         loss_sum = ChunkedLinearCrossEntropy.apply(h, w, targets.index_select(0, rows), chunk_size)
     return loss_sum, count

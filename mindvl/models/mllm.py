@@ -370,7 +370,9 @@ class MindVL(nn.Module):
         hidden = self.language_model(embeds, position_ids, cu_seqlens, layout.max_seqlen, **_deepstack_kw(deepstack))
         if labels is not None:
             targets = next_token_targets_from_offsets(labels, cu_seqlens)
-            loss_sum, count = self.cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size)
+            # the layout's host count of targets lets the loss gather its rows without reading the mask back
+            loss_sum, count = self.cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size,
+                                                 n_labelled=layout.num_targets)
             return LossOutput(loss_sum, count)
         logits = self.language_model.logits(hidden)
         return MindVLOutput(logits=logits[None] if batched else logits)

@@ -35,6 +35,7 @@ Gradient accumulation under FSDP (`parallel.grad_accumulation`):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -184,6 +185,8 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
         flops += pack_training_flops(config, batch, n, trainable) / cp
         if cp > 1:
             batch = shard_labels(batch, cp, env.layout.cp_rank)
+            if batch.get("layout") is not None:  # it counts the whole pack's targets; this rank keeps its share
+                batch = {**batch, "layout": dataclasses.replace(batch["layout"], num_targets=None)}
             # this rank's share of the pack's targets, counted on its labels (the layout counts the whole pack's)
             n = int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
         labelled += n

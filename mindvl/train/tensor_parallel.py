@@ -156,7 +156,8 @@ class VocabParallelCrossEntropy:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
 
-    def __call__(self, hidden: torch.Tensor, weight, targets: torch.Tensor, chunk_size: int = 2048):
+    def __call__(self, hidden: torch.Tensor, weight, targets: torch.Tensor, chunk_size: int = 2048,
+                 n_labelled: int | None = None):
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         vocab = weight.shape[0]
         rows = -(-vocab // self.size)  # DTensor's Shard(0) splits as torch.chunk does
@@ -165,7 +166,10 @@ class VocabParallelCrossEntropy:
             raise ValueError(f"{TP_KEY}: rank {self.rank} holds {local.shape[0]} vocabulary rows of {vocab}, expected "
                              f"{min(rows, vocab - start)}")
         keep = targets != IGNORE_INDEX
-        loss = _VocabParallelCE.apply(hidden[keep], local, targets[keep] - start, chunk_size, self.group)
+        # with a host count (`n_labelled`, as in chunked_cross_entropy) the rows are gathered without a host read
+        rows = keep.nonzero().squeeze(1) if n_labelled is None else torch.nonzero_static(keep, size=n_labelled)[:, 0]
+        loss = _VocabParallelCE.apply(hidden.index_select(0, rows), local, targets.index_select(0, rows) - start,
+                                      chunk_size, self.group)
         return loss, keep.sum()
 
 
