@@ -41,7 +41,7 @@ from . import hf_qwen3_5, hf_qwen3_vl
 from .conv import conv3d_to_matmul
 from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
-from .side_files import Pixels, added_token_ids, read_json, write_side_files
+from .side_files import KEEP_SYSTEM, Pixels, added_token_ids, read_json, write_side_files
 
 CONFIG_NAME = "config.json"
 SPECIAL_TOKENS = {
@@ -394,11 +394,13 @@ def _keep_fp32(name: str) -> bool:
 def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = False,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     side_files_from: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                    pixels: Pixels | None = None, tokenizer_from: str | os.PathLike | None = None) -> Path:
+                    pixels: Pixels | None = None, tokenizer_from: str | os.PathLike | None = None,
+                    system: str | None = KEEP_SYSTEM) -> Path:
     """Write config.json + sharded safetensors + side files (tokenizer, generation and processor configs, taken from
     the `side_files_from` folder(s) when they have them; see side_files.py), atomically. `pixels`: the (min, max)
     pixels the model was trained with, for its processor config; `tokenizer_from`: the tokenizer it was trained with
-    (default: the first `side_files_from` folder that has one)."""
+    (default: the first `side_files_from` folder that has one); `system`: the system turn it was trained with, which
+    its chat template then adds by default (default: the template's own)."""
     if side_files_from is None or isinstance(side_files_from, str | os.PathLike):
         side_files_from = [side_files_from]
     with atomic_output_folder(out, overwrite) as tmp:
@@ -407,7 +409,7 @@ def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = Fal
             writer.add(name, tensor)
         writer.close()
         _write_config(tmp, model.config)
-        write_side_files(tmp, model.config, list(side_files_from), pixels, tokenizer_from)
+        write_side_files(tmp, model.config, list(side_files_from), pixels, tokenizer_from, system)
     return Path(out)
 
 

@@ -483,7 +483,8 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
         plain.load_state_dict(state, assign=True)
         side = side_files or {}
         save_pretrained(plain, out, overwrite=True, side_files_from=side.get("from") or [],
-                        pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
+                        pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir,
+                        **({"system": side["system"]} if "system" in side else {}))  # its template's default
         if adapters is not None:
             adapters.write(adapted, config, out)
     barrier(env)
