@@ -431,11 +431,22 @@ def _import_names(tensors: TensorFolder, family: str, tied: bool) -> dict[str, I
 
 
 def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Import a local Qwen2.5-VL / Qwen3 / Qwen2 checkpoint, streaming tensor by tensor (memory ~ one shard)."""
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Import a local HF checkpoint (the families above), streaming tensor by tensor (memory ~ one shard).
+    `tokenizer_from`: a tokenizer folder to copy in (default: the source's own), checked against the model first."""
     src = Path(src)
     raw = read_config(src)
     cfg = mindvl_config_from_hf(raw, src)
+    if tokenizer_from is not None:
+        from mindvl.data.tokenizer import load_tokenizer
+
+        from .side_files import tokenizer_mismatches
+
+        wrong = tokenizer_mismatches(cfg, load_tokenizer(tokenizer_from))
+        if wrong:
+            raise ValueError(f"--tokenizer {tokenizer_from} does not fit {src} ({'; '.join(wrong)}); give the "
+                             "tokenizer that model was released with")
     tensors = TensorFolder(src)
     family = detect_family(raw, str(src / CONFIG_NAME))
     plan = TensorPlan(tensors, _import_names(tensors, family, cfg.text.tie_word_embeddings), cfg.text)
@@ -446,7 +457,7 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: b
             writer.add(name, tensor)
         writer.close()
         _write_config(tmp, cfg)
-        write_side_files(tmp, cfg, [src])
+        write_side_files(tmp, cfg, [src], tokenizer_from=tokenizer_from)
     return Path(out)
 
 
