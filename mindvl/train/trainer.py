@@ -337,15 +337,18 @@ class Trainer:
         """Raises stops.Preempted after a stop signal (a checkpoint was written) and stops.TooManyBadSteps after
         optim.max_bad_steps bad steps in a row, on every rank alike."""
         self.sinks.start(self.step, self.total_steps)
-        while not self.done():
-            record = self.train_step()
-            self.maybe_evaluate(record)
-            self.log(record)
-            self.control.check_bad_steps(self.batches.position())
-            self.maybe_checkpoint()
-            if self.should_stop():
-                raise self.preempt()
-        return self.finish()
+        try:
+            while not self.done():
+                record = self.train_step()
+                self.maybe_evaluate(record)
+                self.log(record)
+                self.control.check_bad_steps(self.batches.position())
+                self.maybe_checkpoint()
+                if self.should_stop():
+                    raise self.preempt()
+            return self.finish()
+        finally:
+            self.sinks.stop()  # also after an error: no progress line outlives the run
 
     def done(self) -> bool:
         max_tokens = self.recipe.budget.max_tokens
