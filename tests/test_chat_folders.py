@@ -101,3 +101,23 @@ def test_export_of_a_model_folder_says_it_is_one_already(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{final} is already a model folder" in err and "chat, eval and merge read it as it is" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--video", "clip.mp4"], "video file not found: clip.mp4"),  # a wrong path before "install PyAV"
+    (["--image", "photo.png"], "image file not found: photo.png"),
+])
+def test_arguments_are_checked_before_the_model_loads(tmp_path, capsys, extra, message):
+    """Issue 43 item 9: the folder does not even exist, so a message about the arguments proves they come first."""
+    assert main(["chat", str(tmp_path / "no-model"), "--prompt", "hi", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_checks_its_numbers_before_the_model_loads(tmp_path, capsys):
+    argv = ["eval", str(tmp_path / "no-model"), "--bench", f"ocrbench={tmp_path}", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--max-new-tokens", "-1"]) == 2
+    assert "--max-new-tokens must be >= 1, got -1" in capsys.readouterr().err
+    assert main([*argv, "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
