@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TextIO
 
@@ -40,7 +41,8 @@ def quiet() -> bool:
 
 class Heartbeat:
     """A daemon thread that calls `say()` whenever `every_s` seconds passed since the last line (`beat()`, which the
-    owner calls when it prints one itself). `clock`: seconds (injected by tests); `stop()` ends it for good."""
+    owner calls when it prints one itself). `clock`: seconds (injected by tests); `stop()` ends it for good, and so
+    does `say()` returning False (its owner is gone: work that failed before closing its progress)."""
 
     def __init__(self, say: Callable[[], None], every_s: float = EVERY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -71,7 +73,8 @@ class Heartbeat:
                     continue
                 self._last = self.clock()
                 try:
-                    self.say()
+                    if self.say() is False:
+                        return
                 except Exception:  # noqa: BLE001 - a progress line must never break the work it reports on
                     return
 
@@ -103,7 +106,9 @@ class Progress:
         self._t0 = self._last = time.perf_counter()
         if not self.use_bar:
             if self.enabled and self._heartbeat is None:  # a line even while one unit of work takes long
-                self._heartbeat = Heartbeat(self._heartbeat_line, self.every_s).start()
+                ref = weakref.ref(self)  # no strong reference: a bar its work never closed does not live on
+                self._heartbeat = Heartbeat(lambda: (p := ref()) is not None and p._heartbeat_line(),
+                                            self.every_s).start()
             return
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -176,9 +181,10 @@ class Progress:
             return f"{self.desc}: {count}, {format_duration(elapsed)} elapsed, eta {format_duration(self.eta(now))}"
         return f"{self.desc}: {_num(self.done)}{unit}, {format_duration(elapsed)} elapsed"
 
-    def _heartbeat_line(self) -> None:
+    def _heartbeat_line(self) -> bool:
         self._last = time.perf_counter()
         self._line(self._last)
+        return True
 
     def _line(self, now: float | None = None) -> None:
         self._printed_done = self.done

@@ -134,3 +134,18 @@ def test_the_heartbeat_counts_from_the_last_line_on_an_injected_clock():
         assert not wait_for(lambda: len(said) > 1, timeout=0.1)
     finally:
         beat.stop()
+
+
+def test_a_bar_its_work_never_closed_stops_its_heartbeat():
+    """Work that fails before closing its progress (an error mid-evaluation): once the bar is gone, so are its lines."""
+    import gc
+    import threading
+
+    out = io.StringIO()
+    bar = Progress("eval", total=3, every_s=0.02, stream=out, bar=False)
+    bar.start()
+    assert wait_for(lambda: out.getvalue().count("\n") >= 1)
+    thread = bar._heartbeat._thread
+    del bar
+    gc.collect()
+    assert wait_for(lambda: not thread.is_alive()), [t.name for t in threading.enumerate()]
