@@ -46,13 +46,13 @@ def run(args: argparse.Namespace) -> int:
     if args.to_hf:
         out = export_to_hf(args.to_hf, args.out, overwrite=args.overwrite, max_shard_bytes=shard)
     elif args.from_hf:
-        if args.tokenizer is None and not (Path(args.from_hf) / "tokenizer.json").is_file():
-            # A warning, not a refusal: the weights convert correctly, and the tokenizer can come later.
-            print(f"mindvl convert: warning: {args.from_hf} has no tokenizer.json, so {args.out} will have none: "
-                  "chat and eval will need --tokenizer DIR, training data.tokenizer=DIR; or convert again with "
-                  "--tokenizer DIR (the model's own tokenizer) to copy it in", file=sys.stderr)
         out = convert_from_hf(args.from_hf, args.out, overwrite=args.overwrite, max_shard_bytes=shard,
                               tokenizer_from=args.tokenizer)
+        if not (Path(out) / "tokenizer.json").is_file():
+            # A warning, not a refusal: the weights converted correctly, and the tokenizer can come later.
+            print(f"mindvl convert: warning: {args.from_hf} has no tokenizer.json, so {out} has none: chat and eval "
+                  "need --tokenizer DIR, training data.tokenizer=DIR; or convert again with --tokenizer DIR (the "
+                  "model's own tokenizer) to copy it in", file=sys.stderr)
     elif args.vision_from and args.language_from:
         out = compose(args.vision_from, args.language_from, args.out, seed=args.seed,
                       position_encoding=args.position_encoding, overwrite=args.overwrite, max_shard_bytes=shard)
