@@ -362,6 +362,13 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ValueError(f"override {item!r}: expected key=value")
     key, text = item.split("=", 1)
     key = ALIASES.get(key.strip(), key.strip())
+    top = [f.name for f in dataclasses.fields(Recipe)]
+    if "." not in key and key not in top:  # a typo of a short name (max_step=20) would only list the sections
+        import difflib
+
+        close = difflib.get_close_matches(key, [*ALIASES, *top], n=1)
+        raise ValueError(f"{key}: unknown key{f'; did you mean {close[0]}?' if close else ''} (short names: "
+                         f"{', '.join(ALIASES)}; sections: {', '.join(t for t in top if t not in ALIASES)})")
     try:  # safe_load: a tag such as !!python/object is refused, never constructed
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as exc:

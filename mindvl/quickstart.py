@@ -316,6 +316,7 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     summary["headlines"] = search["headlines"]
     summary["merge_vs_sft"] = merge_vs_sft(out / "search", list(summary["evaluation"]["merged"]))
     summary["seconds"] = round(time.perf_counter() - start, 1)
+    summary["fast"] = fast
     # What the estimates are calibrated from (QUICKSTART_COST): each stage's work in probe units and its seconds.
     summary["timing"] = {"probe_s": round(probe_s, 4),
                          "stages": {s.name: {"cost": round(s.cost, 1), "seconds": plan.seconds.get(s.name)}
@@ -392,6 +393,11 @@ def write_report(out: Path, summary: dict[str, Any]) -> Path:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Scores are each toolkit's headline metric as lmms-eval reports it; OCRBench's is hits / 1000 "
               "whatever the item count, so the exact-match column is the accuracy to read.", ""]
+    if summary.get("fast"):
+        steps = max(p["steps"] for p in summary["phases"].values())
+        lines += [f"This is a `--fast` smoke run: {steps} training steps per phase show that every stage runs, not "
+                  "what the model learns, so scores at or near 0% are expected here; the full `./quickstart` reads "
+                  "about 91% OCR for the merged model.", ""]
     if summary.get("merge_vs_sft"):
         lines += merge_section(summary["merge_vs_sft"])
     lines += ["## Best test-time resolution per benchmark", "", "| benchmark | checkpoint | min_pixels | max_pixels | "

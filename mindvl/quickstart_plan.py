@@ -1,11 +1,11 @@
 """The quickstart's plan and its progress across stages: what it will run (stages, their work, an estimated time)
 printed before anything starts, then at every stage boundary how far the whole is, with an ETA.
 
-Estimates come from a step rate measured at start: a few real training steps of the multitask model on a random
-1,024-token pack (`step_probe`), whose time on the machine and load of the moment sets the unit. Each kind of work
-has a measured cost in those units (the quickstart's own stage times divided by the probe of the same run,
-`QUICKSTART_COST` below), so a busy machine's slower steps give proportionally longer estimates. Once stages have
-finished, the ETA uses the rate measured on them instead.
+Estimates come from a step rate measured at start: the steady-state time of a real training step of the multitask
+model on a random 1,024-token pack (`step_probe`), whose time on the machine and load of the moment sets the unit.
+Each kind of work has a measured cost in those units (the quickstart's own stage times divided by the probe of the
+same run, `QUICKSTART_COST` below), so a busy machine's slower steps give proportionally longer estimates. Once
+stages have finished, the ETA uses the rate measured on them instead.
 """
 
 from __future__ import annotations
@@ -52,9 +52,12 @@ def synth_probe(tasks, samples: int = 3) -> dict[str, float]:
 
 
 def step_probe(recipe, steps: int = 3, budget_s: float = 3.0) -> float:
-    """Seconds of one real training step of `recipe`'s model (seeded random weights, a 1,024-token text pack of four
-    samples, forward + backward + AdamW): the median of up to `steps` after one untimed step, fewer once `budget_s`
-    is spent. The rate of this machine at its current load, in about a second on an idle one."""
+    """Seconds of one steady-state training step of `recipe`'s model (seeded random weights, a 1,024-token text pack
+    of four samples, forward + backward + AdamW): the fastest of up to `steps` timed steps after one untimed step,
+    at least two of them, fewer than `steps` once `budget_s` is spent. The first steps of a fresh process carry
+    start-up (allocations, AdamW's state, thread pools: 3.3 s against 0.3 s later, issue 43), sometimes into the
+    second step, and a busy moment only ever slows a step down: the fastest timed step is the steady rate. About a
+    second on an idle machine."""
     import torch
 
     from mindvl.data import DataConfig, load_tokenizer
@@ -70,14 +73,14 @@ def step_probe(recipe, steps: int = 3, budget_s: float = 3.0) -> float:
     cu = torch.tensor([0, 256, 512, 768, 1024], dtype=torch.int32)
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < steps + 1 and not (len(times) >= 2 and time.perf_counter() - start > budget_s):
+    while len(times) < steps + 1 and not (len(times) >= 3 and time.perf_counter() - start > budget_s):
         t0 = time.perf_counter()
         loss_sum, count = model(input_ids=ids, labels=ids, cu_seqlens=cu)
         (loss_sum / count).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
 @dataclass

@@ -90,3 +90,62 @@ def test_planner_trace_moves_through_the_blocks(monkeypatch):
     assert bar.desc == "plan: step 1/1, micro-batch 2: forward block 1/2"
     for h in hooks:
         h.remove()
+
+
+def wait_for(condition, timeout: float = 60.0) -> bool:
+    """Poll `condition` (no fixed sleep: a busy machine only makes it slower, never wrong)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_line_while_one_unit_of_work_takes_long():
+    """Issue 43 item 6: off a terminal a line comes every `every_s` even when the work itself does not update (one
+    slow block, a model build); none after close. A short interval stands for the 10 s."""
+    out = io.StringIO()
+    with Progress("plan: building the model", total=4, unit="micro-batches", every_s=0.02, stream=out, bar=False):
+        assert wait_for(lambda: out.getvalue().count("\n") >= 3), out.getvalue()  # no update() is ever called
+    lines = out.getvalue().splitlines()
+    assert all(line.startswith("plan: building the model: 0/4 micro-batches (0%), ") for line in lines[:3])
+    after = out.getvalue()
+    assert not wait_for(lambda: out.getvalue() != after, timeout=0.2)  # closed: silent
+
+
+def test_the_heartbeat_counts_from_the_last_line_on_an_injected_clock():
+    from mindvl.progress import Heartbeat
+
+    now = [0.0]
+    said = []
+    beat = Heartbeat(lambda: said.append(now[0]), every_s=10.0, clock=lambda: now[0]).start()
+    try:
+        now[0] = 9.0
+        assert not wait_for(lambda: said, timeout=0.1)  # 9 s since the start: not yet
+        beat.beat()  # the owner printed at t=9
+        now[0] = 18.5
+        assert not wait_for(lambda: said, timeout=0.1)  # 9.5 s since that line
+        now[0] = 19.0
+        assert wait_for(lambda: said == [19.0])  # 10 s since the owner's line
+        now[0] = 25.0
+        assert not wait_for(lambda: len(said) > 1, timeout=0.1)
+    finally:
+        beat.stop()
+
+
+def test_a_bar_its_work_never_closed_stops_its_heartbeat():
+    """Work that fails before closing its progress (an error mid-evaluation): once the bar is gone, so are its lines."""
+    import gc
+    import threading
+
+    out = io.StringIO()
+    bar = Progress("eval", total=3, every_s=0.02, stream=out, bar=False)
+    bar.start()
+    assert wait_for(lambda: out.getvalue().count("\n") >= 1)
+    thread = bar._heartbeat._thread
+    del bar
+    gc.collect()
+    assert wait_for(lambda: not thread.is_alive()), [t.name for t in threading.enumerate()]

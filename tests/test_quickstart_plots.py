@@ -52,3 +52,12 @@ def test_report_names_no_best_resolution_when_all_scores_tie(tmp_path):
     assert rows[-1].startswith("| ocrbench | none | - | - | 0 (every one of the 6 (checkpoint, setting) pairs "
                                "scores 0: no setting is better) |")
     assert (tmp_path / "scores.png").stat().st_size > 0 and (tmp_path / "loss_curves.png").is_file()
+
+
+def test_a_fast_report_says_its_zeros_are_expected(tmp_path):
+    """Issue 43 item 8: a --fast run's all-0% tables come with the note that 10 steps are a smoke test."""
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 6.0}) + "\n")
+    note = "This is a `--fast` smoke run: 2 training steps per phase"
+    assert note in write_report(tmp_path, {**summary({}), "fast": True}).read_text()
+    assert "smoke run" not in write_report(tmp_path, summary({})).read_text()

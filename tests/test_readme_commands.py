@@ -40,6 +40,11 @@ RUN: dict[str, str] = {
     "mindvl train tiny/warmup max_steps=20": "final model: runs/tiny/warmup/final",
     "mindvl train --list": "tiny/warmup",
     "mindvl export runs/a --out models/a": "exported models/a",
+    # issue 43: an adapter folder chats as its run's model, with the run's tokenizer and (no) system turn
+    "mindvl train tiny/lora init_from=runs/tiny/warmup/final output_dir=runs/lora max_steps=5":
+        "final model: runs/lora/final",
+    'mindvl chat runs/lora/final/adapter --prompt "What number is shown?" --max-new-tokens 8':
+        "system prompt none (no system turn): data.default_system of the training run, runs/lora/recipe.json",
     PLAN_TINY: "fits:",
     DEMO_CORPUS: "",
     "mindvl curate recipes/curation/demo.yaml --workers 2": "curated/demo/report.md",

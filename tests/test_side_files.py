@@ -110,3 +110,54 @@ def test_tokenizer_from_wins_and_files_come_from_the_first_source_that_has_them(
     write_side_files(out, config(False), [model_dir], tokenizer_from=tok_dir / "tokenizer.json")
     assert read(out, "tokenizer_config.json")["model_max_length"] == 77
     assert read(out, "generation_config.json")["temperature"] == 0.7
+
+
+# Qwen3's way: a system turn only when the conversation has one (no literal default)
+QWEN3_LIKE = ("{% if messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+              "{% endif %}{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+              "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [QWEN2_VL_CHAT_TEMPLATE, QWEN3_LIKE], ids=["qwen2-vl", "no-literal-default"])
+@pytest.mark.parametrize("system", [None, "Be terse.", 'Answer as JSON: {"n": 1}'])
+def test_exported_template_renders_the_trained_system_turn(tmp_path, template, system):
+    """Issue 43 item 5: a model folder written with the system turn its run trained with (data.default_system) has a
+    chat template whose default is that turn, so transformers' apply_chat_template (the reference) gives the ids
+    mindvl chat renders (encode_conversation with that default_system); an explicit system turn still wins."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mindvl.data.schema import Message
+    from mindvl.data.template import encode_conversation
+
+    src = source(tmp_path / "src", tokenizer_config__json={"chat_template": template})
+    out = tmp_path / "out"
+    out.mkdir()
+    write_side_files(out, config(vision=False), [src], system=system)
+    saved = read(out, "tokenizer_config.json")["chat_template"]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    for messages in ([Message("user", "What is 2+2?")],
+                     [Message("system", "Other."), Message("user", "Hi"), Message("assistant", "Hello"),
+                      Message("user", "Bye")]):
+        theirs = hf.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                        chat_template=saved, tokenize=True, return_dict=True)["input_ids"]
+        ours = encode_conversation(TOK, messages, [], default_system=system).input_ids.tolist()
+        assert theirs == ours, hf.decode(theirs)
+    again = tmp_path / "again"  # a run started from that folder with another system turn: replaced, not stacked
+    again.mkdir()
+    write_side_files(again, config(vision=False), [out], system="Second.")
+    theirs = hf.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True,
+                                    chat_template=read(again, "tokenizer_config.json")["chat_template"])["input_ids"]
+    assert theirs == encode_conversation(TOK, [Message("user", "x")], [], default_system="Second.").input_ids.tolist()
+
+
+def test_the_template_is_kept_without_a_trained_system_and_generation_config_names_installed_transformers(tmp_path):
+    from importlib.metadata import version
+
+    src = source(tmp_path / "src", tokenizer_config__json={"chat_template": QWEN2_VL_CHAT_TEMPLATE})
+    out = tmp_path / "out"
+    out.mkdir()
+    write_side_files(out, config(vision=True), [src])  # convert, compose, merge: no recipe, the source's template
+    assert read(out, "tokenizer_config.json")["chat_template"] == QWEN2_VL_CHAT_TEMPLATE
+    assert (out / "chat_template.jinja").read_text() == QWEN2_VL_CHAT_TEMPLATE
+    assert read(out, "generation_config.json")["transformers_version"] == version("transformers")

@@ -41,7 +41,7 @@ from . import hf_qwen3_5, hf_qwen3_vl
 from .conv import conv3d_to_matmul
 from .hf_keys import ImportName, key_map
 from .safetensors_io import DEFAULT_SHARD_BYTES, ShardedWriter, TensorFolder, atomic_output_folder
-from .side_files import Pixels, added_token_ids, read_json, write_side_files
+from .side_files import KEEP_SYSTEM, Pixels, added_token_ids, read_json, write_side_files
 
 CONFIG_NAME = "config.json"
 SPECIAL_TOKENS = {
@@ -394,11 +394,13 @@ def _keep_fp32(name: str) -> bool:
 def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = False,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     side_files_from: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                    pixels: Pixels | None = None, tokenizer_from: str | os.PathLike | None = None) -> Path:
+                    pixels: Pixels | None = None, tokenizer_from: str | os.PathLike | None = None,
+                    system: str | None = KEEP_SYSTEM) -> Path:
     """Write config.json + sharded safetensors + side files (tokenizer, generation and processor configs, taken from
     the `side_files_from` folder(s) when they have them; see side_files.py), atomically. `pixels`: the (min, max)
     pixels the model was trained with, for its processor config; `tokenizer_from`: the tokenizer it was trained with
-    (default: the first `side_files_from` folder that has one)."""
+    (default: the first `side_files_from` folder that has one); `system`: the system turn it was trained with, which
+    its chat template then adds by default (default: the template's own)."""
     if side_files_from is None or isinstance(side_files_from, str | os.PathLike):
         side_files_from = [side_files_from]
     with atomic_output_folder(out, overwrite) as tmp:
@@ -407,7 +409,7 @@ def save_pretrained(model: MindVL, out: str | os.PathLike, overwrite: bool = Fal
             writer.add(name, tensor)
         writer.close()
         _write_config(tmp, model.config)
-        write_side_files(tmp, model.config, list(side_files_from), pixels, tokenizer_from)
+        write_side_files(tmp, model.config, list(side_files_from), pixels, tokenizer_from, system)
     return Path(out)
 
 
@@ -429,11 +431,22 @@ def _import_names(tensors: TensorFolder, family: str, tied: bool) -> dict[str, I
 
 
 def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Import a local Qwen2.5-VL / Qwen3 / Qwen2 checkpoint, streaming tensor by tensor (memory ~ one shard)."""
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Import a local HF checkpoint (the families above), streaming tensor by tensor (memory ~ one shard).
+    `tokenizer_from`: a tokenizer folder to copy in (default: the source's own), checked against the model first."""
     src = Path(src)
     raw = read_config(src)
     cfg = mindvl_config_from_hf(raw, src)
+    if tokenizer_from is not None:
+        from mindvl.data.tokenizer import load_tokenizer
+
+        from .side_files import tokenizer_mismatches
+
+        wrong = tokenizer_mismatches(cfg, load_tokenizer(tokenizer_from))
+        if wrong:
+            raise ValueError(f"--tokenizer {tokenizer_from} does not fit {src} ({'; '.join(wrong)}); give the "
+                             "tokenizer that model was released with")
     tensors = TensorFolder(src)
     family = detect_family(raw, str(src / CONFIG_NAME))
     plan = TensorPlan(tensors, _import_names(tensors, family, cfg.text.tie_word_embeddings), cfg.text)
@@ -444,7 +457,7 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, overwrite: b
             writer.add(name, tensor)
         writer.close()
         _write_config(tmp, cfg)
-        write_side_files(tmp, cfg, [src])
+        write_side_files(tmp, cfg, [src], tokenizer_from=tokenizer_from)
     return Path(out)
 
 

@@ -21,6 +21,7 @@ processor configuration (e.g. a video processor's), add its builder to `PROCESSO
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -128,8 +129,46 @@ def generation_config(existing: dict[str, Any] | None, ids: dict[str, int]) -> d
         cfg.setdefault("bos_token_id", ids[BOS_TOKEN])
     if PAD_TOKEN in ids:
         cfg["pad_token_id"] = cfg.get("pad_token_id", ids[PAD_TOKEN])
-    cfg.setdefault("transformers_version", "4.49.0")  # GenerationConfig warns without it; oldest layout we write
+    installed = _installed_transformers()
+    if installed is not None:  # GenerationConfig warns without it: the version that can read what is written here
+        cfg.setdefault("transformers_version", installed)
     return cfg
+
+
+def _installed_transformers() -> str | None:
+    """The installed transformers' version (its metadata: importing it would cost seconds), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+# `write_side_files(system=...)` default: leave the chat template's default system turn as the source wrote it.
+KEEP_SYSTEM: Any = type("KeepSystem", (), {"__repr__": lambda self: "KEEP_SYSTEM"})()
+# A chat template's literal default system turn (Qwen2-VL's, Qwen2.5-VL's: added when messages[0] is not a system
+# turn): plain text, or the Jinja string `template_with_system` writes for a text with braces.
+_LITERAL_SYSTEM = re.compile(r'<\|im_start\|>system\n([^{}]*?|\{\{ "(?:[^"\\]|\\.)*" \}\})<\|im_end\|>\n')
+
+
+def template_with_system(template: str, system: str | None) -> str:
+    """`template` whose default system turn (the one it renders when the conversation has none) is `system`, or no
+    system turn when None: what the model was trained with (`data.default_system`), so that transformers'
+    `apply_chat_template` renders the prompt `mindvl chat` does. A template with a literal default (Qwen2-VL's) gets
+    that text replaced or removed; one without gets a first step that puts the system turn in front of `messages`."""
+    found = _LITERAL_SYSTEM.search(template)
+    if found is not None:
+        if system is None:
+            return template[:found.start()] + template[found.end():]
+        text = system if not any(c in system for c in "{}") else \
+            "{{ " + json.dumps(system) + " }}"  # a Jinja string literal (JSON's escapes are Jinja's)
+        return template[:found.start(1)] + text + template[found.end(1):]
+    if system is None:
+        return template  # no literal default: it adds no system turn of its own
+    first = ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = [{'role': 'system', "
+             "'content': " + json.dumps(system) + "}] + messages %}{%- endif %}")
+    return first + template
 
 
 def image_processor_config(existing: dict[str, Any] | None, pixels: Pixels) -> dict[str, Any]:
@@ -174,12 +213,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[str | Path | None] = (),
-                     pixels: Pixels | None = None, tokenizer_from: str | Path | None = None) -> list[str]:
+                     pixels: Pixels | None = None, tokenizer_from: str | Path | None = None,
+                     system: str | None = KEEP_SYSTEM) -> list[str]:
     """Write the side files of a model folder `out` (whose weights and config.json are written by the caller).
 
     `sources`: folders to take side files from, in order of preference (each file from the first that has it; the
     tokenizer files all from one folder, `tokenizer_from` first when given). `pixels`: the (min, max) pixels the
-    model was trained with; default: the source's processor config, else Qwen2-VL's. Returns the names written.
+    model was trained with; default: the source's processor config, else Qwen2-VL's. `system`: the system turn the
+    model was trained with (a recipe's data.default_system; None: none), which the chat template then adds by
+    default (`template_with_system`); default: the template's own. Returns the names written.
     """
     out = Path(out)
 
@@ -198,6 +240,8 @@ def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[st
                 shutil.copy2(tok_src / name, out / name)
         existing = read_json(tok_src / TOKENIZER_CONFIG) if (tok_src / TOKENIZER_CONFIG).is_file() else None
         tok_cfg = tokenizer_config(existing, multimodal, _template_file(tok_src))
+        if system is not KEEP_SYSTEM:
+            tok_cfg["chat_template"] = template_with_system(tok_cfg["chat_template"], system)
         _write_json(out / TOKENIZER_CONFIG, tok_cfg)
         if multimodal and not any((out / name).is_file() for name in TEMPLATE_FILES):
             # transformers' processors (AutoProcessor) read the template from here, not from tokenizer_config.json

@@ -363,6 +363,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         found = read_latest(root) if root.is_dir() else None
         if found is not None:
             return found
+    if (p / "config.json").is_file():  # a run's final/, an export, a conversion: nothing left to export
+        raise ValueError(f"{p} is already a model folder (config.json + safetensors), not a training checkpoint: chat, "
+                         f"eval and merge read it as it is and training starts from it with model.init_from={p}; "
+                         f"transformers' layout: mindvl convert --to-hf {p} --out DIR")
     raise FileNotFoundError(f"{p} is not a training checkpoint (no {TRAIN_STATE}, no checkpoints/latest)")
 
 
@@ -510,11 +514,18 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, overwrite: bool = False
 
         merge_lora(model)
     written = save_pretrained(model, out, overwrite=overwrite, side_files_from=side.get("from") or [],
-                              pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"))
+                              pixels=tuple(pixels) if pixels else None, tokenizer_from=train_state.get("tokenizer_dir"),
+                              **_trained_system(side))
     if adapted is not None:
         _write_run_adapter(adapted, model.config, train_state, written)
     _copy_run_recipe(folder, written)
     return written
+
+
+def _trained_system(side_files: dict[str, Any]) -> dict[str, Any]:
+    """save_pretrained's `system`: the run's data.default_system (the trainer records it with the side files; a
+    checkpoint written before it did leaves the chat template as it is)."""
+    return {"system": side_files["system"]} if "system" in side_files else {}
 
 
 def _adapted_state(model: nn.Module) -> dict[str, torch.Tensor] | None:

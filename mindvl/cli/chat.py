@@ -7,6 +7,7 @@ the whole of stdin is the prompt.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -47,7 +48,16 @@ def run(args) -> int:
         training_system,
         video_settings,
     )
+    from mindvl.infer.generate import check_sampling
 
+    # Everything the arguments alone can tell is checked before the model loads (minutes for a large one).
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    for kind, files in (("image", args.image), ("video", args.video)):
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:  # before "install PyAV": a wrong path is the first thing to fix
+            raise FileNotFoundError(f"{kind} file not found: {missing[0]}")
     if args.video:
         try:
             require_decoder()  # before loading the model: name the missing extra at once

@@ -25,6 +25,9 @@ def settings_from(args, **pixels):
     from mindvl.data.template import DEFAULT_SYSTEM
     from mindvl.eval.runner import EvalSettings
 
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:  # before any model loads
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     system = None if args.no_system else (DEFAULT_SYSTEM if args.system is None else args.system)
     return EvalSettings(toolkit=args.toolkit, system=system, batch_size=args.batch_size, limit=args.limit,
                         max_new_tokens=args.max_new_tokens, **pixels)

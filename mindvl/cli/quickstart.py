@@ -13,7 +13,8 @@ FAMILY_RECIPES = {"qwen2.5-vl": None, "qwen3-vl": "tiny-qwen3-vl"}
 def register(subparsers) -> None:
     p = subparsers.add_parser("quickstart", help="the paper's pipeline end to end at toy scale on synthetic data")
     p.add_argument("--out", default=None, help="output folder (default runs/quickstart, with --fast "
-                   "runs/quickstart-fast); a rerun into it reuses finished phases and resumes a stopped one")
+                   "runs/quickstart-fast; --family qwen3-vl: runs/quickstart-qwen3-vl[-fast]); a rerun into it reuses "
+                   "finished phases and resumes a stopped one")
     p.add_argument("--recipes", default=None, help="folder with warmup/multitask/sft.yaml (default: the tiny ones)")
     p.add_argument("--family", choices=tuple(FAMILY_RECIPES), default="qwen2.5-vl",
                    help="the vision tower's family: qwen2.5-vl (the tiny recipes) or qwen3-vl (recipes/tiny-qwen3-vl: "

@@ -125,6 +125,7 @@ def folder_processing(model_dir: str | os.PathLike, model: MindVL) -> VisionProc
     processor files gets the tower family's defaults (`vision_processing`). None for Qwen2.5-VL's layout without
     files (mindvl.data.image's defaults) or a text-only model."""
     v = model.config.vision
+    model_dir = model_files_folder(model_dir)  # an adapter folder: its model's processor
     if v is None or not (Path(model_dir) / PREPROCESSOR_CONFIG).is_file():
         return vision_processing(model)
     p = processing_from_folder(model_dir)
@@ -248,16 +249,51 @@ def chat(model: MindVL, tokenizer: TextTokenizer, text: str, images: Sequence[Im
 
 def resolve_tokenizer(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> TextTokenizer:
     """An explicit tokenizer path wins; otherwise the model folder's own tokenizer.json (what `mindvl export`,
-    the trainer's final export and `mindvl convert` copy there)."""
+    the trainer's final export and `mindvl convert` copy there); an adapter folder's is its model's
+    (`model_files_folder`)."""
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"model folder {model_dir} does not exist (give a folder written by mindvl export, "
                                 "mindvl convert or a run's final/)")
+    refuse_training_folder(Path(model_dir))
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
-    if (Path(model_dir) / "tokenizer.json").is_file():
-        return load_tokenizer(model_dir)
-    raise FileNotFoundError(f"{model_dir} has no tokenizer.json; pass the tokenizer folder the model was trained "
+    files = model_files_folder(model_dir)
+    if (files / "tokenizer.json").is_file():
+        return load_tokenizer(files)
+    raise FileNotFoundError(f"{files} has no tokenizer.json; pass the tokenizer folder the model was trained "
                             "with (--tokenizer DIR)")
+
+
+def model_files_folder(model_dir: str | os.PathLike) -> Path:
+    """The folder whose side files (tokenizer, chat template, processor configs, its run's recipe.json) describe the
+    model of `model_dir`: the folder itself, or for an adapter folder (adapter_config.json without config.json) the
+    model folder it sits in (a LoRA run's `final/adapter`, `mindvl export`'s `OUT/adapter`: the merged model, trained
+    with that tokenizer and system turn), else its base (adapter_config.json's base_model_name_or_path), which
+    `load_model` merges it into."""
+    from mindvl.checkpoint.adapters import adapter_base, is_adapter_folder
+
+    folder = Path(model_dir)
+    if (folder / "config.json").is_file() or not is_adapter_folder(folder):
+        return folder
+    if (folder.parent / "config.json").is_file():
+        return folder.parent
+    base = adapter_base(folder)
+    if not base.is_dir():
+        raise FileNotFoundError(f"{folder} is an adapter folder whose base model folder {base} does not exist "
+                                "(adapter_config.json's base_model_name_or_path); fix it there")
+    return base
+
+
+def refuse_training_folder(folder: Path) -> None:
+    """A run folder or training checkpoint is not a model folder: say which command makes one (as merge does)."""
+    if (folder / "config.json").is_file() or not any(
+            (folder / marker).exists() for marker in ("train_state.json", "latest", "checkpoints")):
+        return
+    if (folder / "final" / "config.json").is_file():
+        raise ValueError(f"{folder} is a training run, not a model folder; use its final model, {folder / 'final'} "
+                         f"(or export a checkpoint: mindvl export {folder} --out DIR)")
+    raise ValueError(f"{folder} is a training run or checkpoint, not a model folder; export it first "
+                     f"(mindvl export {folder} --out DIR) and use DIR")
 
 
 def check_tokenizer(model: MindVL, tok: TextTokenizer) -> None:
@@ -276,13 +312,13 @@ def pixel_limits(model_dir: str | os.PathLike, processing: VisionProcessing | No
 
     fallback = (processing.min_pixels, processing.max_pixels) if processing is not None else \
         (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
-    return processor_pixels(Path(model_dir)) or fallback
+    return processor_pixels(model_files_folder(model_dir)) or fallback
 
 
 def video_settings(model_dir: str | os.PathLike, fps: float | None = None) -> VideoSettings:
     """Video sampling and sizes from the folder's video_preprocessor_config.json (transformers' video processor
     file) when it has one, else transformers' Qwen2-VL video defaults; an explicit `fps` wins."""
-    path = Path(model_dir) / VIDEO_PROCESSOR_CONFIG
+    path = model_files_folder(model_dir) / VIDEO_PROCESSOR_CONFIG
     if not path.is_file():
         return settings_from_processor_config({}, fps)
     config = read_json(path, fix="; fix or delete it (then Qwen2-VL's defaults apply)")
@@ -297,8 +333,8 @@ def training_system(model_dir: str | os.PathLike) -> tuple[str | None, str]:
     when they agree. `mindvl export` of a checkpoint copies the run's recipe.json into the folder. Other folders
     (`convert`) record no recipe: the default system turn of their chat template is then the best record there is
     (what transformers' `apply_chat_template` renders; Qwen2-VL's: "You are a helpful assistant."), which callers
-    print so that a user can override it."""
-    folder = Path(model_dir)
+    print so that a user can override it. An adapter folder: its model's (`model_files_folder`)."""
+    folder = model_files_folder(model_dir)
     recipe = _run_recipe(folder)
     if recipe is not None:
         data = json.loads(recipe.read_text()).get("data") or {}

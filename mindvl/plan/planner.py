@@ -258,7 +258,16 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """Bytes in GiB, or in MiB / KiB below a tenth of the unit above (a tiny recipe's parts are not "0.0 GiB")."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if abs(n) >= 0.1 * size or n == 0:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def _count(n: float) -> str:
+    """A parameter count: 8.29B, 1.25M, 77,352 (a tiny recipe's is not "0.00B")."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,.0f}"
 
 
 def skew_lines(r: PlanResult) -> list[str]:
@@ -307,7 +316,7 @@ def format_report(r: PlanResult) -> str:
     lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name}{layout} "
              f"({r.accumulation} micro-batch(es) per rank per step, grad accumulation {r.grad_accumulation}, "
              f"activation checkpointing {r.activation_checkpointing})",
-             f"model: {r.params['total'] / 1e9:.2f}B parameters ({r.params['trainable'] / 1e9:.2f}B trainable), "
+             f"model: {_count(r.params['total'])} parameters ({_count(r.params['trainable'])} trainable), "
              f"from {r.model_source}; {'; '.join(r.notes)}",
              "memory per rank (traced):"]
     for part in PARTS:
@@ -331,7 +340,9 @@ def format_report(r: PlanResult) -> str:
         + (f"tensor-parallel collectives {t['tensor_parallel_s']:.2f} s (not overlapped), "
            if r.tensor_parallel > 1 else "")
         + f"optimizer {t['optimizer_s']:.3f} s), "
-        f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}",
+        f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}"
+        + (" (compute-bound: the datasheet peak is the roofline's ceiling, not a prediction of real MFU)"
+           if r.est_mfu >= 0.995 else ""),
     ]
     if r.vision_load:
         v = r.vision_load

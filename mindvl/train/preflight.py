@@ -35,7 +35,8 @@ from mindvl.models import MindVLConfig, VisionConfig
 
 def preflight(recipe: Recipe, data_cfg: DataConfig) -> tuple[TextTokenizer, str, dict[str, Any]]:
     """(the run's tokenizer, its folder, the side files of its exports) after `check_inputs`. The side files are
-    {"from": [the start model's folder], "pixels": [min, max] trained}, what `final/` and `mindvl export` write."""
+    {"from": [the start model's folder], "pixels": [min, max] trained, "system": data.default_system}, what `final/`
+    and `mindvl export` write (the system turn becomes the chat template's default)."""
     from .lora import check_lora_recipe
 
     check_lora_recipe(recipe)  # model.lora's keys and values, QLoRA's backend: before the run folder is claimed
@@ -43,7 +44,8 @@ def preflight(recipe: Recipe, data_cfg: DataConfig) -> tuple[TextTokenizer, str,
     tok = load_tokenizer(tokenizer_dir)
     check_inputs(recipe, tok)
     start = start_folder(recipe)
-    side_files = {"from": [str(start)] if start else [], "pixels": [data_cfg.min_pixels, data_cfg.max_pixels]}
+    side_files = {"from": [str(start)] if start else [], "pixels": [data_cfg.min_pixels, data_cfg.max_pixels],
+                  "system": data_cfg.default_system}
     return tok, tokenizer_dir or str(DEFAULT_TOKENIZER_PATH.parent), side_files
 
 

@@ -1,7 +1,8 @@
 """Where training metrics go: metrics.jsonl (rank 0), TensorBoard when installed, optional Weights & Biases and
-MLflow runs, on a terminal a rich progress bar and otherwise one plain flushed line every `logging.every` steps
-(SLURM, torchrun and nohup logs are not terminals: a bar would print nothing there), and the loss-curve PNG at the
-end. The trainer hands each step's record to `MetricSinks.log`.
+MLflow runs, on a terminal a rich progress bar and otherwise one plain flushed line every `logging.every` steps and
+at least every 10 s (SLURM, torchrun and nohup logs are not terminals: a bar would print nothing there; a step
+longer than that gets a "running" line from `mindvl.progress.Heartbeat`), and the loss-curve PNG at the end. The
+trainer hands each step's record to `MetricSinks.log`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from mindvl.config import Recipe
+from mindvl.progress import EVERY_S, Heartbeat, quiet
 
 from .parallel import ParallelEnv
 
@@ -28,8 +30,10 @@ class MetricSinks:
         self.steps: list[int] = []
         self.tb = None
         self.progress = None
+        self.heartbeat: Heartbeat | None = None
         self.remote: list[RemoteSink] = []
         self._t_start, self._step_start, self._total = time.perf_counter(), resume_step, 0
+        self._step, self._last_line = resume_step, time.perf_counter()
         if not env.is_main:
             return
         out.mkdir(parents=True, exist_ok=True)
@@ -69,12 +73,32 @@ class MetricSinks:
 
     def info(self, text: str) -> None:
         if self.env.is_main:
+            self._print(text)
+
+    def _print(self, text: str) -> None:
+        """A plain line; the heartbeat's clock restarts (its lines and these never interleave)."""
+        self._last_line = time.perf_counter()
+        if self.heartbeat is None:
             print(text, flush=True)
+            return
+        with self.heartbeat.lock:
+            self.heartbeat.beat()
+            print(text, flush=True)
+
+    def _running_line(self) -> None:
+        """The heartbeat's line while a step takes longer than EVERY_S (the first one compiles and warms up)."""
+        self._last_line = time.perf_counter()
+        print(f"{self.recipe.phase.name} step {self._step + 1}/{self._total or '?'} running, "
+              f"{format_duration(self._last_line - self._t_start)} elapsed", flush=True)
 
     def start(self, step: int, total: int) -> None:
         self._t_start, self._step_start, self._total = time.perf_counter(), step, total
+        self._step = step
+        timed = self.env.is_main and self.recipe.logging.progress and not quiet()
+        if timed and not sys.stdout.isatty():  # plain lines: one at least every EVERY_S, even inside a long step
+            self.heartbeat = Heartbeat(self._running_line, EVERY_S).start()
         # The bar only on a terminal: elsewhere rich prints nothing per step, so plain lines are used instead.
-        if not (self.env.is_main and self.recipe.logging.progress and sys.stdout.isatty()):
+        if not (timed and sys.stdout.isatty()):
             return
         from rich.progress import Progress
 
@@ -87,6 +111,7 @@ class MetricSinks:
             return
         self.steps.append(rec["step"])
         self.losses.append(rec["loss"])
+        self._step = rec["step"]
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         scalars = {k: float(v) for k, v in rec.items()
@@ -106,8 +131,8 @@ class MetricSinks:
             self.progress.update(self.task, completed=rec["step"], stats=stats)
             if rec.get("bad_step"):  # above the bar, so it stays visible
                 self.progress.console.print(self.plain_line(rec))
-        elif show:
-            print(self.plain_line(rec), flush=True)
+        elif show or (self.heartbeat is not None and time.perf_counter() - self._last_line >= EVERY_S):
+            self._print(self.plain_line(rec))
 
     def plain_line(self, rec: dict) -> str:
         """One log line: step/total, loss, lr, tokens/s, MFU, grad norm, ETA (and eval metrics when present)."""
@@ -126,6 +151,9 @@ class MetricSinks:
         return " | ".join(parts)
 
     def stop(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         if self.progress is not None:
             self.progress.stop()
             self.progress = None

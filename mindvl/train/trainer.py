@@ -338,15 +338,18 @@ class Trainer:
         """Raises stops.Preempted after a stop signal (a checkpoint was written) and stops.TooManyBadSteps after
         optim.max_bad_steps bad steps in a row, on every rank alike."""
         self.sinks.start(self.step, self.total_steps)
-        while not self.done():
-            record = self.train_step()
-            self.maybe_evaluate(record)
-            self.log(record)
-            self.control.check_bad_steps(self.batches.position())
-            self.maybe_checkpoint()
-            if self.should_stop():
-                raise self.preempt()
-        return self.finish()
+        try:
+            while not self.done():
+                record = self.train_step()
+                self.maybe_evaluate(record)
+                self.log(record)
+                self.control.check_bad_steps(self.batches.position())
+                self.maybe_checkpoint()
+                if self.should_stop():
+                    raise self.preempt()
+            return self.finish()
+        finally:
+            self.sinks.stop()  # also after an error: no progress line outlives the run
 
     def done(self) -> bool:
         max_tokens = self.recipe.budget.max_tokens
@@ -485,7 +488,8 @@ def export_final(model, config: MindVLConfig, out: Path, tokenizer_dir: str, env
         plain.load_state_dict(state, assign=True)
         side = side_files or {}
         save_pretrained(plain, out, overwrite=True, side_files_from=side.get("from") or [],
-                        pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir)
+                        pixels=tuple(side["pixels"]) if side.get("pixels") else None, tokenizer_from=tokenizer_dir,
+                        **({"system": side["system"]} if "system" in side else {}))  # its template's default
         if adapters is not None:
             adapters.write(adapted, config, out)
     barrier(env)

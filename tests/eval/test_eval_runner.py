@@ -157,3 +157,22 @@ def test_eval_cli_writes_summaries(setup, tmp_path):
     assert summary["results"]["ocrbench"]["n"] == 2
     assert "ocrbench" in (out / "summary.md").read_text()
     assert cli_main(["eval", str(a), "--bench", "nope=/x", "--out", str(out)]) == 2  # one-line error, not a trace
+
+
+def test_the_ocrbench_box_plot_is_in_percent_of_the_items():
+    """Issue 43 item 8: OCRBench's headline is hits / 1000 whatever the item count (0.094 for 94 of 100), while the
+    tables read 94%: its box plot shows the accuracy in percent of the items; other headlines as they are."""
+    from mindvl.eval.resolution_search import box_plot_figure, plot_value
+
+    rows = [{"score": 1.0, "category": "Regular Text Recognition"}] * 94 + \
+        [{"score": 0.0, "category": "Regular Text Recognition"}] * 6
+    for toolkit in ("lmms-eval", "vlmevalkit"):
+        summary = BENCHMARKS["ocrbench"].summarise(rows, toolkit)
+        summary["headline"] = BENCHMARKS["ocrbench"].headline(toolkit)
+        assert plot_value(summary) == (pytest.approx(94.0), "accuracy (% of the items)")
+    assert plot_value({"headline": "relaxed_overall", "relaxed_overall": 0.25, "accuracy": 0.2}) == \
+        (0.25, "relaxed_overall")
+    pytest.importorskip("matplotlib")
+    fig = box_plot_figure({"merged": {"ocrbench": {"a": 94.0, "b": 90.0}}}, "ocrbench", "accuracy (% of the items)")
+    assert fig.axes[0].get_ylabel() == "accuracy (% of the items)"
+    assert max(fig.axes[0].get_ylim()) > 90

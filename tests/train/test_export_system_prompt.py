@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from train_helpers import raw_recipe
 
 from mindvl.checkpoint.training import export_checkpoint, read_latest
 from mindvl.cli import main
 from mindvl.config import load_recipe
-from mindvl.data.template import DEFAULT_SYSTEM
-from mindvl.infer.chat import training_system
+from mindvl.data.tokenizer import load_tokenizer
+from mindvl.infer.chat import conversation_prompt, training_system, user_message
 from mindvl.train.trainer import train
+
+transformers = pytest.importorskip("transformers")
 
 
 def test_an_exported_checkpoint_keeps_the_training_system_turn(tmp_path, capsys):
@@ -27,9 +30,20 @@ def test_an_exported_checkpoint_keeps_the_training_system_turn(tmp_path, capsys)
     system, source = training_system(exported)
     assert system is None and source.endswith(f"{exported / 'recipe.json'}")
 
-    # without the recipe the same folder falls back to its chat template's default: what the copy prevents
+    # the chat template carries it too (issue 43 item 5): without the recipe the folder's template says the same, and
+    # transformers' apply_chat_template renders what mindvl chat does (no system turn), for final/ and the export
     (exported / "recipe.json").unlink()
-    assert training_system(exported)[0] == DEFAULT_SYSTEM
+    assert training_system(exported) == (None, f"the default of the folder's chat template, "
+                                               f"{exported / 'chat_template.jinja'}")
+    for folder in (exported, out / "final"):
+        hf = transformers.AutoTokenizer.from_pretrained(folder)
+        theirs = hf.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+        tok = load_tokenizer(folder)
+        ours = conversation_prompt(tok, [user_message("hi", 0)], None, [], system=None).input_ids.tolist()
+        assert theirs == ours, hf.decode(theirs)
+        assert json.loads((folder / "generation_config.json").read_text())["transformers_version"] == \
+            transformers.__version__
 
     # a step folder outside a run folder: nothing to copy, the export still succeeds
     lone = tmp_path / "lone" / "x" / step.name

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 from train_helpers import raw_recipe
 
@@ -25,9 +27,11 @@ def test_overrides_and_aliases(tmp_path):
     ("data.seq_len=-1", "data.seq_len: must be > 0"),
     ("schedule.decay=step", "schedule.decay: must be"),
     ("phase.trainable=[vision]", "phase.trainable: unknown module"),
+    ("max_step=20", "max_step: unknown key; did you mean max_steps? (short names: output_dir, max_steps"),  # issue 43
+    ("bugdet.max_steps=2", "bugdet: unknown key (known: output_dir, seed"),
 ])
 def test_errors_name_the_key(tmp_path, override, message):
-    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         load_recipe(raw=raw_recipe(tmp_path / "o", tmp_path / "c"), overrides=[override])
 
 
