@@ -23,13 +23,14 @@ from __future__ import annotations
 import glob
 import hashlib
 import io
-import json
 import os
 import random
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from mindvl.untrusted import loads_json
 
 from .config import SourceConfig
 from .records import parse_record
@@ -379,8 +380,8 @@ def item_to_conversation(item: RawItem) -> Conversation:
     """Parse a RawItem into a validated Conversation (BadSample on any problem)."""
     if item.kind == "jsonl":
         try:
-            record = json.loads(item.line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            record = loads_json(item.line)
+        except ValueError as exc:  # malformed, not UTF-8, nested too deep, or an integer too long
             raise BadSample("bad_json", item.where, f"malformed JSON line ({exc}); fix or delete the line") from exc
 
         def resolve(name: str) -> ImageRef:
@@ -398,8 +399,8 @@ def item_to_conversation(item: RawItem) -> Conversation:
     if "json" not in members and caption is None:
         raise BadSample("bad_record", item.where, "key has no .json record member (nor a .txt caption)")
     try:
-        record = json.loads(members["json"]) if "json" in members else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        record = loads_json(members["json"]) if "json" in members else {}
+    except ValueError as exc:
         raise BadSample("bad_json", item.where, f"malformed .json member ({exc}); re-create the shard") from exc
     image_suffixes = sorted(
         (s for s in members if s.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS), key=_natural_key
