@@ -87,29 +87,36 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular(path: str | os.PathLike, max_bytes: int, what: str = "file", key: str | None = None) -> bytes:
-    """The bytes of a regular file of at most `max_bytes`, measured before reading (opened non-blocking, so a FIFO
-    that appeared after the check does not hang; the read stops at max_bytes + 1 whatever the file claims)."""
+class TooLargeError(UntrustedInputError):
+    """A regular file over the byte limit it is read under."""
+
+
+def open_regular(path: str | os.PathLike, max_bytes: int, what: str = "file", key: str | None = None):
+    """A binary file object on `path` once it is known to be a regular file of at most `max_bytes` (opened
+    non-blocking, then checked with fstat, so a FIFO or device is refused without blocking or reading)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UntrustedInputError(f"{path}: the {what} is not a regular file ({_kind(st.st_mode)})")
         if st.st_size > max_bytes:
-            raise UntrustedInputError(f"{path}: the {what} has {st.st_size} bytes, over the limit of {max_bytes}"
-                                      + (f" ({key})" if key else ""))
-        chunks, n = [], 0
-        while n <= max_bytes:
-            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-        if n > max_bytes:
-            raise UntrustedInputError(f"{path}: the {what} grew past the limit of {max_bytes} bytes while read")
-        return b"".join(chunks)
-    finally:
+            raise TooLargeError(f"{path}: the {what} has {st.st_size} bytes, over the limit of {max_bytes}"
+                                + (f" ({key})" if key else ""))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int, what: str = "file", key: str | None = None) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, measured before reading (opened non-blocking, so a FIFO
+    that appeared after the check does not hang; the read stops at max_bytes + 1 whatever the file claims)."""
+    with open_regular(path, max_bytes, what, key) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise TooLargeError(f"{path}: the {what} grew past the limit of {max_bytes} bytes while read")
+    return data
 
 
 def inside(root: str | os.PathLike, name: str, what: str = "path") -> str:
@@ -127,3 +134,46 @@ def plain_name(name: Any, what: str = "file name") -> str:
             or "\0" in name):
         raise UntrustedInputError(f"{what} {name!r} is not a plain file name inside its folder")
     return name
+
+
+# --------------------------------------------------------------------------------------------------------- npz
+
+MAX_DEFLATE_RATIO = 1100  # DEFLATE cannot expand more than ~1032x; a larger declared ratio is a lie or a bomb
+
+
+def check_npz(path: str | os.PathLike, max_bytes: int | None = None) -> None:
+    """Before `np.load`: every member of the .npz is stored or deflated (never bzip2/lzma, whose ratios are
+    unbounded), declares an uncompressed size DEFLATE can reach from its compressed size, and holds one .npy array
+    whose header's shape x itemsize fits in that declared size (numpy allocates what the header says before it
+    reads). `max_bytes` bounds the sum of the arrays. Raises UntrustedInputError naming the member."""
+    import zipfile
+    from math import prod
+
+    import numpy as np
+
+    total = 0
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise UntrustedInputError(f"member {name} uses compression method {info.compress_type} (only stored "
+                                          "or deflated members are read)")
+            if info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 4096:
+                raise UntrustedInputError(f"member {name} declares {info.file_size} bytes from "
+                                          f"{info.compress_size} compressed (a compression bomb)")
+            with zf.open(info) as f:
+                try:
+                    version = np.lib.format.read_magic(f)
+                    if version == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                    else:
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                except ValueError as exc:
+                    raise UntrustedInputError(f"member {name} is not a readable .npy array ({exc})") from None
+            nbytes = prod(shape) * dtype.itemsize
+            if nbytes > info.file_size:
+                raise UntrustedInputError(f"member {name} declares shape {tuple(shape)} ({nbytes} bytes) but holds "
+                                          f"{info.file_size} bytes")
+            total += nbytes
+    if max_bytes is not None and total > max_bytes:
+        raise UntrustedInputError(f"its arrays hold {total} bytes, over the limit of {max_bytes}")

@@ -26,7 +26,7 @@ import numpy as np
 from mindvl.data.records import parse_record
 from mindvl.data.schema import BadSample, ImageRef
 from mindvl.data.sources import RawItem, Unit, item_to_conversation, iter_jsonl, iter_tar, too_large
-from mindvl.untrusted import loads_json
+from mindvl.untrusted import MAX_IMAGE_BYTES, TooLargeError, UntrustedInputError, inside, loads_json, read_regular
 
 from .items import Item, image_extension
 
@@ -93,9 +93,13 @@ def _jsonl_item(task: ShardTask, ordinal: int, raw: RawItem) -> Item:
         if ref.data is not None:
             images.append(ref.data)
             continue
-        try:
-            with open(ref.name, "rb") as f:
-                images.append(f.read())
+        try:  # the bytes are copied into the output: only a regular file inside the record's folder, measured first
+            inside(raw.base_dir, ref.name, "image")  # symlinks resolved: a link to a secret is not copied either
+            images.append(read_regular(ref.name, MAX_IMAGE_BYTES, "image"))
+        except TooLargeError as exc:
+            raise BadSample("image_too_large", raw.where, f"{exc}; it is not read") from exc
+        except UntrustedInputError as exc:
+            raise BadSample("missing_image", raw.where, str(exc)) from exc
         except OSError as exc:
             raise BadSample("missing_image", raw.where, f"image file not found or unreadable: {ref.name}") from exc
     members = raw.members or {}
