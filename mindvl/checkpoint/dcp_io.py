@@ -36,6 +36,7 @@ import pickle
 import re
 import shutil
 import stat
+import struct
 import warnings
 from collections.abc import Iterator
 from pathlib import Path, PosixPath, PurePosixPath
@@ -172,7 +173,7 @@ def read_metadata(folder: str | os.PathLike) -> Metadata:
         raise CheckpointReadError(f"{path} is damaged (nested too deeply); resume or export an older "
                                   "checkpoint") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, IndexError, TypeError, ValueError, KeyError,
-            OSError, RuntimeError, OverflowError, MemoryError) as exc:
+            OSError, RuntimeError, OverflowError, MemoryError, struct.error) as exc:
         raise CheckpointReadError(f"{path} is truncated or damaged ({type(exc).__name__}: {_first_line(exc)}); "
                                   "resume or export an older checkpoint") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
