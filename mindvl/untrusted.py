@@ -128,6 +128,20 @@ def inside(root: str | os.PathLike, name: str, what: str = "path") -> str:
     return target
 
 
+def regular_inside(root: str | os.PathLike, name: str, what: str = "file") -> str:
+    """`root/name` resolved, when it is a regular file inside `root`, or (an HF hub cache snapshot, whose files are
+    links into the repository's `blobs/`) inside `root/../../blobs`; else an UntrustedInputError."""
+    root_real = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(root_real, name))
+    homes = [root_real]
+    if os.path.basename(os.path.dirname(root_real)) == "snapshots":
+        homes.append(os.path.join(os.path.dirname(os.path.dirname(root_real)), "blobs"))
+    if not any(os.path.commonpath([h, target]) == h for h in homes):
+        raise UntrustedInputError(f"{os.path.join(root, name)}: the {what} resolves outside {root}")
+    regular_size(target, what)
+    return target
+
+
 def plain_name(name: Any, what: str = "file name") -> str:
     """`name` if it is a plain file name (no folder part, not `.`/`..`, no NUL); else an UntrustedInputError."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from mindvl.untrusted import loads_json
+from mindvl.untrusted import UntrustedInputError, loads_json, regular_inside
 
 from .dcp_io import (
     CheckpointReadError,
@@ -557,9 +557,13 @@ def _copy_run_recipe(checkpoint: Path, out: Path) -> None:
     sits beside a run's `final/`: eval and chat read the system turn the model was trained with from it
     (`data.default_system`) instead of guessing from the chat template. Written atomically; absent when the
     checkpoint lives outside a run folder."""
-    recipe = checkpoint.parent.parent / "recipe.json"
-    if not recipe.is_file():
+    run = checkpoint.parent.parent
+    if not (run / "recipe.json").is_file():
         return
+    try:  # a regular file inside the run folder only: a symlink to a secret is not exported with the model
+        recipe = regular_inside(run, "recipe.json", "run recipe")
+    except UntrustedInputError as exc:
+        raise CheckpointReadError(f"{exc}; mindvl copies only regular files inside the run folder") from None
     tmp = out / f".recipe.json.tmp{os.getpid()}"
     shutil.copyfile(recipe, tmp)
     os.replace(tmp, out / "recipe.json")
