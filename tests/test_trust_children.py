@@ -55,10 +55,12 @@ def test_spawn_context_pool_in_a_planted_folder(tmp_path, monkeypatch):
     marker = tmp_path / "PWNED"
     plant(tmp_path, "multiprocessing", marker)
     monkeypatch.chdir(tmp_path)
+    before = {k: os.environ.get(k) for k in ("PYTHONSAFEPATH", "PYTHONPATH")}
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn_context()) as pool:
         assert pool.submit(os.getcwd).result(timeout=120) == str(tmp_path)
+        assert pool.submit(os.environ.get, "PYTHONSAFEPATH").result(timeout=120) == "1"
     assert not marker.exists()
-    assert "PYTHONSAFEPATH" not in os.environ or os.environ["PYTHONSAFEPATH"] == os.environ.get("PYTHONSAFEPATH")
+    assert {k: os.environ.get(k) for k in before} == before  # the parent's environment is left as it was
 
 
 def test_the_planner_child_does_not_run_a_planted_mindvl_plan(tmp_path):
