@@ -58,7 +58,7 @@ def test_spawn_context_pool_in_a_planted_folder(tmp_path, monkeypatch):
     before = {k: os.environ.get(k) for k in ("PYTHONSAFEPATH", "PYTHONPATH")}
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn_context()) as pool:
         assert pool.submit(os.getcwd).result(timeout=120) == str(tmp_path)
-        assert pool.submit(os.environ.get, "PYTHONSAFEPATH").result(timeout=120) == "1"
+        assert pool.submit(os.getenv, "PYTHONSAFEPATH").result(timeout=120) == "1"
     assert not marker.exists()
     assert {k: os.environ.get(k) for k in before} == before  # the parent's environment is left as it was
 
