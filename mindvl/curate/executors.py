@@ -101,7 +101,8 @@ def run_ray(jobs: list[dict], workers: int, address: str | None, work: Work) -> 
             _check_reachable(address)
         try:
             if address:
-                ray.init(address=address, log_to_driver=False)
+                # the cluster's nodes keep their own PYTHONPATH; the safe path still applies to their workers
+                ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONSAFEPATH": "1"}})
             else:
                 ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": ray_worker_env()})
