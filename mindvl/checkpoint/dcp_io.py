@@ -49,7 +49,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA = ".metadata"
@@ -288,11 +288,25 @@ def shard_bytes(folder: str | os.PathLike, prefix: str = "") -> int:
 # ------------------------------------------------------------------------------------------------------ reading
 
 
+class _ClosedFolderFileSystem(FileSystem):
+    """DCP's file system, but a shard is opened only as a regular file, never through a symlink (O_NOFOLLOW), so
+    one swapped in after `_check_shards` looked is still refused."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise CheckpointReadError(f"{path}: a checkpoint is only read here")
+        with open_in_checkpoint(Path(path), 1 << 62) as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file system reader with `read_metadata` through the allow-list (read once, then cached)."""
+    """DCP's file system reader with `read_metadata` through the allow-list (read once, then cached) and shards
+    opened as regular files only."""
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
+        self.fs = _ClosedFolderFileSystem()
         self.folder = Path(path)
         self._metadata: Metadata | None = None
 

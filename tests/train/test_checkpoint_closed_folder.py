@@ -188,3 +188,20 @@ def test_a_fifo_train_state_is_refused_without_waiting(tmp_path):
     os.mkfifo(tmp_path / TRAIN_STATE)
     with pytest.raises(CheckpointReadError, match="not a regular file"):
         read_train_state(tmp_path)
+
+
+def test_dcp_opens_shards_without_following_links(tmp_path):
+    """A shard swapped for a link after the metadata check is still refused where DCP opens it."""
+    from mindvl.checkpoint.dcp_io import SafeFileSystemReader
+
+    ck = small_checkpoint(tmp_path / "ck")
+    reader = SafeFileSystemReader(ck)
+    reader.read_metadata()
+    shard = shard_of(ck)
+    with reader.fs.create_stream(shard, "rb") as f:
+        assert f.read(4)
+    shard.rename(tmp_path / "real.distcp")
+    os.symlink(tmp_path / "real.distcp", shard)
+    with pytest.raises(CheckpointReadError, match="is a symlink"):
+        with reader.fs.create_stream(shard, "rb"):
+            pass
