@@ -333,7 +333,7 @@ def _run_recipe(folder: Path) -> Path | None:
 def _merged_from(folder: Path) -> list[str]:
     """The input folders `mindvl merge` recorded in config.json (`source.merged_from`), or []."""
     try:
-        source = json.loads((folder / "config.json").read_text()).get("source") or {}
+        source = loads_json(read_regular(folder / "config.json", MAX_SIDE_BYTES, "config")).get("source") or {}
     except (OSError, ValueError):
         return []
     return [str(p) for p in source.get("merged_from") or []] if isinstance(source, dict) else []
