@@ -171,6 +171,159 @@ def checkpoint_shard_missing(tmp: Path, model: Path):
     return ["export", str(ckpt), "--out", str(tmp / "exported")], [str(shard)]
 
 
+# ------------------------------------------------------------------------ crafted inputs (issue 41, the threat model)
+
+
+def _checkpoint(tmp: Path, model: Path) -> Path:
+    import torch
+
+    from mindvl.checkpoint import load_model
+    from mindvl.checkpoint.training import save_checkpoint
+
+    net = load_model(model)
+    return save_checkpoint(tmp / "run" / "checkpoints", 1, net, torch.optim.AdamW(net.parameters()),
+                           {"model_config": net.config.to_dict(), "step": 1, "tokens": 0}, {"data": {}})
+
+
+def _edit_metadata(ckpt: Path, edit) -> None:
+    import pickle
+
+    with open(ckpt / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own file: plain pickle is fine here
+    edit(meta)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def metadata_bad_memory_format(tmp: Path, model: Path):
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    ckpt = _checkpoint(tmp, model)
+    real = TensorProperties.__getstate__
+    TensorProperties.__getstate__ = lambda self: (*real(self)[:3], 99, real(self)[4])
+    try:
+        _edit_metadata(ckpt, lambda meta: None)
+    finally:
+        TensorProperties.__getstate__ = real
+    return ["export", str(ckpt), "--out", str(tmp / "exported")], [str(ckpt / ".metadata"), "damaged"]
+
+
+def metadata_length_2_50(tmp: Path, model: Path):
+    ckpt = _checkpoint(tmp, model)
+
+    def edit(meta):
+        next(iter(meta.storage_data.values())).length = 2**50
+
+    _edit_metadata(ckpt, edit)
+    return (["export", str(ckpt), "--out", str(tmp / "exported")],
+            [str(ckpt / ".metadata"), str(2**50), "more than its tensor can need"])
+
+
+def shard_symlink_dev_zero(tmp: Path, model: Path):
+    ckpt = _checkpoint(tmp, model)
+    shard = next(ckpt.glob("*.distcp"))
+    shard.unlink()
+    os.symlink("/dev/zero", shard)
+    return ["export", str(ckpt), "--out", str(tmp / "exported")], [str(shard), "is a symlink"]
+
+
+def train_state_40gb(tmp: Path, model: Path):
+    ckpt = _checkpoint(tmp, model)
+    state = json.loads((ckpt / "train_state.json").read_text())
+    state["model_config"]["text"].update(hidden_size=1 << 14, intermediate_size=1 << 16, num_hidden_layers=40)
+    (ckpt / "train_state.json").write_text(json.dumps(state))
+    return (["export", str(ckpt), "--out", str(tmp / "exported")],
+            [str(ckpt / "train_state.json"), "parameters", "bytes"])
+
+
+def exported_recipe_symlink(tmp: Path, model: Path):
+    ckpt = _checkpoint(tmp, model)
+    (tmp / "secret.json").write_text('{"token": "SECRET"}')
+    os.symlink(tmp / "secret.json", tmp / "run" / "recipe.json")
+    return (["export", str(ckpt), "--out", str(tmp / "exported")],
+            [str(tmp / "run" / "recipe.json"), "resolves outside"])
+
+
+def _npy_header(shape, descr: str = "<i2") -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def npz_header_2_45(tmp: Path, model: Path):
+    import zipfile
+
+    with zipfile.ZipFile(tmp / "trace.npz", "w") as zf:
+        zf.writestr("topk_ids.npy", _npy_header((2**45,)))
+    return ["moe-analyze", str(tmp / "trace.npz")], [str(tmp / "trace.npz"), "declares shape"]
+
+
+def npz_bzip2_bomb(tmp: Path, model: Path):
+    import zipfile
+
+    with zipfile.ZipFile(tmp / "trace.npz", "w", compression=zipfile.ZIP_BZIP2) as zf:
+        zf.writestr("topk_ids.npy", _npy_header((32 << 20,)) + bytes(64 << 20))
+    return ["moe-analyze", str(tmp / "trace.npz")], [str(tmp / "trace.npz"), "compression method"]
+
+
+def config_deeply_nested(tmp: Path, model: Path):
+    m = copy_model(model, tmp / "m")
+    (m / "config.json").write_text('{"text": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    return ["chat", str(m), "--prompt", "hi"], [str(m / "config.json"), "nested deeper"]
+
+
+def config_vocab_2_70(tmp: Path, model: Path):
+    m = copy_model(model, tmp / "m")
+    config = json.loads((m / "config.json").read_text())
+    config["text"]["vocab_size"] = 2**70
+    (m / "config.json").write_text(json.dumps(config))
+    return ["chat", str(m), "--prompt", "hi"], [str(m / "config.json"), "text.vocab_size"]
+
+
+def moe_trace_pickled_bin(tmp: Path, model: Path):
+    import torch
+
+    hf = tmp / "qwen2_moe"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 32,
+                                                "intermediate_size": 64, "num_hidden_layers": 1,
+                                                "num_attention_heads": 2, "num_experts": 4}))
+    torch.save({"lm_head.weight": torch.zeros(2)}, hf / "pytorch_model.bin")
+    shutil.copy(model / "tokenizer.json", hf / "tokenizer.json")
+    (tmp / "corpus.jsonl").write_text('{"text": "hello world"}\n')
+    return (["moe-trace", str(hf), "--corpus", str(tmp / "corpus.jsonl"), "--out", str(tmp / "t.npz")],
+            [str(hf), "pytorch_model.bin"])
+
+
+def index_names_another_folder(tmp: Path, model: Path):
+    copy_model(model, tmp / "victim")
+    m = copy_model(model, tmp / "m")
+    (m / "model.safetensors").unlink()
+    _, header, _ = _header(tmp / "victim" / "model.safetensors")
+    weight_map = {k: "../victim/model.safetensors" for k in header if k != "__metadata__"}
+    (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return (["chat", str(m), "--prompt", "hi"],
+            [str(m / "model.safetensors.index.json"), "../victim/model.safetensors"])
+
+
+def chat_template_bomb(tmp: Path, model: Path):
+    m = copy_model(model, tmp / "m")
+    bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    (m / "chat_template.jinja").write_text(bomb)
+    return ["chat", str(m), "--prompt", "hi"], [str(m / "chat_template.jinja"), "ran for more than"]
+
+
+def run_folder_lock_symlink(tmp: Path, model: Path):
+    run = tmp / "run"
+    run.mkdir()
+    (tmp / "victim.txt").write_text("precious")
+    os.symlink(tmp / "victim.txt", run / ".lock")
+    return (["train", "tiny/warmup", f"output_dir={run}", "resume=auto"], [str(run / ".lock"), "is a symlink"])
+
+
 CASES = [
     Case("safetensors-truncated", "model.safetensors cut to half its size", truncated_safetensors),
     Case("safetensors-header-2^60", "safetensors header length field = 2^60", huge_header_length),
@@ -193,6 +346,23 @@ CASES = [
     Case("moe-analyze-not-a-trace", "`mindvl moe-analyze` on a file that is not a trace", moe_analyze_not_a_trace),
     Case("checkpoint-shard-missing", "`mindvl export` of a DCP checkpoint whose .distcp file is gone "
          "(CheckpointException)", checkpoint_shard_missing),
+    Case("metadata-memory-format", "`.metadata` with an unknown memory-format value", metadata_bad_memory_format),
+    Case("metadata-length-2^50", "`.metadata` whose shard entry has length 2^50", metadata_length_2_50),
+    Case("shard-symlink-dev-zero", "a checkpoint shard that is a symlink to /dev/zero", shard_symlink_dev_zero),
+    Case("train-state-40gb", "`train_state.json` describing a 40 GB model beside tiny shards", train_state_40gb),
+    Case("export-recipe-symlink", "a run whose recipe.json is a symlink to a secret, exported",
+         exported_recipe_symlink),
+    Case("npz-header-2^45", "`mindvl moe-analyze` of an .npz whose header declares 2^45 elements", npz_header_2_45),
+    Case("npz-bzip2-bomb", "`mindvl moe-analyze` of a 64 MiB bzip2 bomb in a few hundred bytes", npz_bzip2_bomb),
+    Case("config-deeply-nested", "config.json nested 50,000 deep", config_deeply_nested),
+    Case("config-vocab-2^70", "config.json with text.vocab_size 2^70", config_vocab_2_70),
+    Case("moe-trace-pickled-bin", "`mindvl moe-trace` of a transformers folder holding only pytorch_model.bin",
+         moe_trace_pickled_bin),
+    Case("index-names-another-folder", "a safetensors index naming ../victim/model.safetensors",
+         index_names_another_folder),
+    Case("chat-template-bomb", "a chat template with nested range(100000) loops", chat_template_bomb),
+    Case("run-folder-lock-symlink", "`train resume=auto` into a run folder whose .lock is a symlink",
+         run_folder_lock_symlink),
 ]
 
 

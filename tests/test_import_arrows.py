@@ -24,10 +24,11 @@ ROOMS = {
     "infer": "infer", "eval": "eval", "plan": "plan", "curate": "curate", "moe_analysis": "moe_analysis",
     "quickstart": "workflows", "quickstart_plan": "workflows", "ablate": "workflows", "cli": "cli",
     # Leaf modules that import nothing of mindvl, so every room may use them (a plan change: see LEAVES).
-    "typed": "leaf", "conventions": "leaf", "progress": "leaf",
+    "typed": "leaf", "conventions": "leaf", "progress": "leaf", "children": "leaf", "untrusted": "leaf",
 }
 LEAVES = {"leaf"}  # mindvl.typed (the one mapping -> dataclass converter), mindvl.conventions (shared constants),
-# mindvl.progress (the progress display of long work: eval, search, planner trace, curation, synthetic data)
+# mindvl.progress (the progress display of long work: eval, search, planner trace, curation, synthetic data),
+# mindvl.children (Python children start with the safe path), mindvl.untrusted (bounded reads of received files)
 ROOT = "root"  # mindvl/__init__.py (the version string)
 
 # The "may import" column of ARCHITECTURE.md §2 (stdlib and third-party imports are not checked here).

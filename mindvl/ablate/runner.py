@@ -161,13 +161,14 @@ def _run_seeds_parallel(claims: list[str], seeds: int, out: Path, recipes: Path,
                         benches: dict[str, Path], jobs: int, tower: Path | None, log) -> list[dict[str, Any]]:
     """Seeds in `jobs` spawned processes (the synthetic sets and the tower made beforehand); results in seed
     order."""
-    import multiprocessing as mp
     import os
     from concurrent.futures import ProcessPoolExecutor
 
+    from mindvl.children import spawn_context
+
     threads = max(1, (os.cpu_count() or 1) // jobs)
     log(f"--- seeds 0..{seeds - 1}, {jobs} at a time, {threads} thread(s) each ---")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn_context()) as pool:
         futures = [pool.submit(_seed_worker, threads, claims, seed, out, recipes, sc, overrides, benches, tower)
                    for seed in range(seeds)]
         return [f.result() for f in futures]

@@ -26,13 +26,17 @@ file system is full (ENOSPC/EDQUOT anywhere in the failure, or almost no free sp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import io
+import math
 import os
 import pickle
 import re
 import shutil
+import stat
+import struct
 import warnings
 from collections.abc import Iterator
 from pathlib import Path, PosixPath, PurePosixPath
@@ -45,7 +49,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA = ".metadata"
@@ -95,17 +99,51 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 _ALLOWED = _allowed_globals()
 
 
-class MetadataUnpickler(pickle.Unpickler):
+def _buildable() -> dict[type, frozenset[str]]:
+    """The allowed classes a BUILD step may fill in (DCP's metadata dataclasses), each with the fields it may set."""
+    out = {}
+    for obj in _ALLOWED.values():
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+            out[obj] = frozenset(f.name for f in dataclasses.fields(obj))
+    return out
+
+
+_BUILDABLE = _buildable()
+
+
+class MetadataUnpickler(pickle._Unpickler):
     """Unpickles a DCP `.metadata` admitting only `_ALLOWED`; anything else raises UnsafeCheckpointError.
 
     Every way a pickle reaches a callable (GLOBAL, STACK_GLOBAL, INST, OBJ, extension codes) goes through
     `find_class`, so refusing there means nothing named by the file is ever called. Exact (module, name) pairs:
-    dotted names ("Metadata.__init__.__globals__") are not attribute-walked.
+    dotted names ("Metadata.__init__.__globals__") are not attribute-walked. BUILD (setting an object's state) is
+    admitted only on a new instance of one of DCP's metadata dataclasses, with a dict of its own fields: a path,
+    size or dtype object can not be given a state that prints one file and opens another. (The Python unpickler,
+    so BUILD can be checked; a metadata file is small.)
     """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, source: Path):
         super().__init__(file)
         self.source = source
+        self._built: set[int] = set()
+
+    def _load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        fields = _BUILDABLE.get(type(inst))
+        own_setstate = fields is not None and "__setstate__" in vars(type(inst))  # TensorProperties: a tuple
+        if (fields is None or id(inst) in self._built
+                or not (isinstance(state, tuple) if own_setstate else isinstance(state, dict))
+                or (isinstance(state, dict) and not all(isinstance(k, str) and k in fields for k in state))):
+            raise UnsafeCheckpointError(
+                f"{self.source}: refusing to load it: it sets the state of a {type(inst).__module__}."
+                f"{type(inst).__qualname__} in a way DCP never writes (it could make a path or size say one thing "
+                "and mean another); get the checkpoint again from a source you trust")
+        self._built.add(id(inst))
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -125,14 +163,17 @@ def read_metadata(folder: str | os.PathLike) -> Metadata:
     folder = Path(folder)
     path = folder / METADATA
     try:
-        with open(path, "rb") as f:
+        with open_in_checkpoint(path, MAX_METADATA_BYTES) as f:
             metadata = MetadataUnpickler(f, path).load()
     except FileNotFoundError:
         raise CheckpointReadError(f"{path} not found: {folder} is not a complete DCP checkpoint") from None
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, CheckpointReadError):
         raise
+    except RecursionError:
+        raise CheckpointReadError(f"{path} is damaged (nested too deeply); resume or export an older "
+                                  "checkpoint") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, IndexError, TypeError, ValueError, KeyError,
-            OSError) as exc:
+            OSError, RuntimeError, OverflowError, MemoryError, struct.error) as exc:
         raise CheckpointReadError(f"{path} is truncated or damaged ({type(exc).__name__}: {_first_line(exc)}); "
                                   "resume or export an older checkpoint") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
@@ -141,42 +182,131 @@ def read_metadata(folder: str | os.PathLike) -> Metadata:
     return metadata
 
 
+MAX_METADATA_BYTES = 1 << 30  # a .metadata file (a large sharded run's is tens of MB)
+MAX_STORAGE_ENTRIES = 1 << 22  # shard locations in one checkpoint
+MAX_BYTES_ENTRY = 64 << 20  # one non-tensor entry (a param group's values, a scheduler's state)
+SHARD_OVERHEAD = 1 << 20  # torch.save's container around one stored tensor chunk
+
+
+def open_in_checkpoint(path: Path, max_bytes: int):
+    """A binary file object on `path`, a regular file (not a symlink, device or FIFO) of at most `max_bytes` inside
+    a checkpoint folder: opened with O_NOFOLLOW and O_NONBLOCK, then checked with fstat (nothing blocks or is read
+    before the check)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointReadError(f"{path} is a symlink; a checkpoint is a folder of regular files (copy the "
+                                      "file in place of the link)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointReadError(f"{path} is not a regular file; a checkpoint is a folder of regular files")
+        if st.st_size > max_bytes:
+            raise CheckpointReadError(f"{path} has {st.st_size} bytes, over the limit of {max_bytes} for it")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _exact_int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _entry_limit(metadata: Metadata, key: Any) -> int | None:
+    """The most bytes the storage entry `key` may hold: its tensor chunk's bytes plus torch.save's container, or
+    MAX_BYTES_ENTRY for a non-tensor entry (None: the entry's tensor metadata is not usable)."""
+    md = metadata.state_dict_metadata.get(getattr(key, "fqn", None))
+    if isinstance(md, dcp_metadata.BytesStorageMetadata):
+        return MAX_BYTES_ENTRY
+    if not isinstance(md, dcp_metadata.TensorStorageMetadata):
+        return None
+    index = getattr(key, "index", None)
+    chunks = md.chunks
+    if not isinstance(chunks, list) or not isinstance(index, int) or not 0 <= index < len(chunks):
+        return None
+    sizes = getattr(chunks[index], "sizes", None)
+    dtype = getattr(md.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not isinstance(sizes, tuple) or not all(_exact_int(n) for n in sizes):
+        return None
+    return math.prod(sizes) * dtype.itemsize + SHARD_OVERHEAD
+
+
 def _check_shards(folder: Path, metadata: Metadata) -> None:
-    """Every shard file the metadata names: a plain name inside `folder`, present and long enough."""
+    """Every shard location the metadata names: a plain file name (a str) directly inside `folder`, naming a regular
+    file (not a symlink, device or FIFO) that holds [offset, offset + length) with both non-negative integers,
+    no storage transforms, and a length its tensor chunk (or a non-tensor entry's cap) can need."""
+    meta = folder / METADATA
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointReadError(f"{meta} is not DCP metadata (no tensor table)")
+    if len(metadata.storage_data) > MAX_STORAGE_ENTRIES or len(metadata.state_dict_metadata) > MAX_STORAGE_ENTRIES:
+        raise CheckpointReadError(f"{meta} names more than {MAX_STORAGE_ENTRIES} entries; refusing to read it")
     needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        if not isinstance(info, _StorageInfo):
-            raise CheckpointReadError(f"{folder / METADATA}: a storage entry is a {type(info).__name__}, not a shard "
-                                      "location")
-        rel = str(info.relative_path)
-        if not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
-            raise CheckpointReadError(f"{folder / METADATA} names the shard {rel!r}, outside the checkpoint folder; "
-                                      "refusing to read it")
-        try:
-            end = int(info.offset) + int(info.length)
-        except (TypeError, ValueError):
-            raise CheckpointReadError(f"{folder / METADATA}: the shard entry for {rel!r} has no valid offset and "
-                                      "length") from None
-        needed[rel] = max(needed.get(rel, 0), end)
+    for key, info in metadata.storage_data.items():
+        if type(info) is not _StorageInfo:
+            raise CheckpointReadError(f"{meta}: a storage entry is a {type(info).__name__}, not a shard location")
+        rel = info.relative_path
+        if type(rel) is not str or not rel or "/" in rel or "\\" in rel or "\0" in rel or rel in (".", ".."):
+            raise CheckpointReadError(f"{meta} names the shard {rel!r}, not a plain file name inside the checkpoint "
+                                      "folder; refusing to read it")
+        if not (_exact_int(info.offset) and _exact_int(info.length)):
+            raise CheckpointReadError(f"{meta}: the shard entry for {rel!r} has no valid offset and length (both "
+                                      "must be non-negative integers)")
+        if info.transform_descriptors:
+            raise CheckpointReadError(f"{meta}: the shard entry for {rel!r} names storage transforms "
+                                      f"{info.transform_descriptors!r}, which mindvl never writes; refusing to read it")
+        limit = _entry_limit(metadata, key)
+        if limit is None or info.length > limit:
+            raise CheckpointReadError(f"{meta}: the shard entry for {getattr(key, 'fqn', key)!r} holds "
+                                      f"{info.length} bytes, more than its tensor can need; refusing to read it")
+        needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
     for rel, size in sorted(needed.items()):
         try:
-            have = (folder / rel).stat().st_size
+            st = os.lstat(folder / rel)
         except FileNotFoundError:
             raise CheckpointReadError(f"{folder / rel} is missing (named by {METADATA}): the checkpoint is "
                                       "incomplete") from None
-        if have < size:
-            raise CheckpointReadError(f"{folder / rel} is truncated ({have} bytes, its metadata needs {size}); "
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise CheckpointReadError(f"{folder / rel} is {what}; a checkpoint is a folder of regular files")
+        if st.st_size < size:
+            raise CheckpointReadError(f"{folder / rel} is truncated ({st.st_size} bytes, its metadata needs {size}); "
                                       "resume or export an older checkpoint")
+
+
+def shard_bytes(folder: str | os.PathLike, prefix: str = "") -> int:
+    """The bytes the checkpoint's storage entries hold for the entries whose name starts with `prefix` (after
+    `read_metadata`'s checks): what a model read from it can weigh at most, in elements of one byte or more."""
+    metadata = read_metadata(folder)
+    return sum(info.length for key, info in metadata.storage_data.items()
+               if str(getattr(key, "fqn", "")).startswith(prefix))
 
 
 # ------------------------------------------------------------------------------------------------------ reading
 
 
+class _ClosedFolderFileSystem(FileSystem):
+    """DCP's file system, but a shard is opened only as a regular file, never through a symlink (O_NOFOLLOW), so
+    one swapped in after `_check_shards` looked is still refused."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise CheckpointReadError(f"{path}: a checkpoint is only read here")
+        with open_in_checkpoint(Path(path), 1 << 62) as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file system reader with `read_metadata` through the allow-list (read once, then cached)."""
+    """DCP's file system reader with `read_metadata` through the allow-list (read once, then cached) and shards
+    opened as regular files only."""
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
+        self.fs = _ClosedFolderFileSystem()
         self.folder = Path(path)
         self._metadata: Metadata | None = None
 

@@ -369,7 +369,12 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype | None = None,
                          f"mindvl convert --from-hf {folder} --out OUT")
     cfg = MindVLConfig.from_dict(config, str(folder / CONFIG_NAME))
     tensors = TensorFolder(folder)
-    check_tensors(tensors.shapes(), expected_shapes(cfg), str(folder))
+    try:  # on the meta device: a config describing an impossible model fails here, allocating nothing
+        expected = expected_shapes(cfg)
+    except (RuntimeError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{folder / CONFIG_NAME}: describes a model that cannot be built ({type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0][:200]})") from None
+    check_tensors(tensors.shapes(), expected, str(folder))
     with torch.device("meta"):
         model = MindVL(cfg)
     state = {}

@@ -18,6 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mindvl.untrusted import UntrustedInputError, loads_json, plain_name, read_regular
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
@@ -30,6 +32,7 @@ _DTYPE_TAGS: dict[torch.dtype, str] = {
 _TAG_DTYPES = {tag: dtype for dtype, tag in _DTYPE_TAGS.items()}
 # safetensors' own bound on the JSON header; a larger length field is a corrupt or foreign file.
 MAX_HEADER_BYTES = 100_000_000
+MAX_INDEX_BYTES = 256 << 20  # a model.safetensors.index.json (a 1T-parameter model's is a few MB)
 _FIX = "re-export or re-download it"
 
 
@@ -49,8 +52,8 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
                              f"safetensors file, or corrupt; {_FIX}")
         raw = fh.read(n)
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        header = loads_json(raw)
+    except ValueError as exc:
         raise ValueError(f"{path}: the safetensors header is not valid JSON ({exc}); {_FIX}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the safetensors header is not a JSON object; {_FIX}")
@@ -156,11 +159,16 @@ class TensorFolder:
 def _read_index(index: Path) -> dict[str, str]:
     """The weight map of a model.safetensors.index.json: tensor name -> shard file name."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        weight_map = loads_json(read_regular(index, MAX_INDEX_BYTES, "safetensors index")).get("weight_map")
+    except (ValueError, AttributeError) as exc:  # not JSON, not UTF-8, too deep or large, not a regular file
         raise ValueError(f"{index}: not a safetensors index ({exc}); {_FIX}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names; {_FIX}")
+    for shard in set(weight_map.values()):
+        try:  # a shard beside the index: `../victim/model.safetensors` would read another folder's weights
+            plain_name(shard, "shard")
+        except UntrustedInputError as exc:
+            raise ValueError(f"{index}: {exc}; {_FIX}") from None
     return weight_map
 
 

@@ -40,7 +40,9 @@ from mindvl.data.image import (
 from mindvl.data.processors import QWEN3_VL
 from mindvl.data.tokenizer import QWEN2_VL_CHAT_TEMPLATE, TextTokenizer
 from mindvl.models import MindVLConfig
+from mindvl.untrusted import UntrustedInputError, loads_json, read_regular, regular_inside
 
+MAX_SIDE_JSON_BYTES = 256 << 20  # tokenizer.json and the small configs beside the weights
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -60,8 +62,10 @@ Pixels = tuple[int, int]
 def read_json(path: Path, fix: str = "") -> dict[str, Any]:
     """A JSON object from a model folder's file; one-line errors naming the file (`fix`: what to do, appended)."""
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = loads_json(read_regular(path, MAX_SIDE_JSON_BYTES, "JSON file"))
+    except UntrustedInputError as exc:  # not a regular file, too large, nested too deep, an integer too long
+        raise ValueError(f"{path}: not a JSON file mindvl reads ({exc}){fix}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path}: not valid JSON ({exc}){fix}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
@@ -208,6 +212,17 @@ def _first_with(sources: Sequence[Path], name: str) -> Path | None:
     return next((s for s in sources if (s / name).is_file()), None)
 
 
+def copy_side_file(src: Path, name: str, out: Path) -> None:
+    """Copy `src/name` into `out` only when it is a regular file inside `src` (or an HF cache snapshot's blob): a
+    symlinked `merges.txt` or `recipe.json` pointing at a secret must not leave with the model."""
+    try:
+        path = regular_inside(src, name, "side file")
+    except UntrustedInputError as exc:
+        raise ValueError(f"{exc}; copy the file itself into the folder (mindvl copies only regular files inside "
+                         "it)") from None
+    shutil.copyfile(path, out / name)
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -237,7 +252,7 @@ def write_side_files(out: str | Path, config: MindVLConfig, sources: Sequence[st
     if tok_src is not None:
         for name in (*TOKENIZER_FILES, *TEMPLATE_FILES):
             if (tok_src / name).is_file():
-                shutil.copy2(tok_src / name, out / name)
+                copy_side_file(tok_src, name, out)
         existing = read_json(tok_src / TOKENIZER_CONFIG) if (tok_src / TOKENIZER_CONFIG).is_file() else None
         tok_cfg = tokenizer_config(existing, multimodal, _template_file(tok_src))
         if system is not KEEP_SYSTEM:

@@ -53,14 +53,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from mindvl.untrusted import UntrustedInputError, loads_json, regular_inside
+
 from .dcp_io import (
     CheckpointReadError,
     CheckpointWriteError,
     create_pin,
+    open_in_checkpoint,
     pinned,
     read_dcp,
     read_metadata,
     remove_unpinned,
+    shard_bytes,
     write_failure,
 )
 from .frozen_base import KEY as FROZEN_BASE
@@ -211,7 +215,7 @@ def _agreed_message(message: str | None) -> str | None:
 
 def _latest_name(root: Path) -> str | None:
     try:
-        return json.loads((root / LATEST).read_text())
+        return _small_json(root / LATEST)
     except (OSError, ValueError):
         return None
 
@@ -334,7 +338,7 @@ def read_latest(root: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     try:
-        name = json.loads(pointer.read_text())
+        name = _small_json(pointer)
     except FileNotFoundError:  # removed this instant (point_latest)
         return None
     except (OSError, ValueError) as exc:
@@ -370,9 +374,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"{p} is not a training checkpoint (no {TRAIN_STATE}, no checkpoints/latest)")
 
 
+MAX_JSON_BYTES = 256 << 20  # train_state.json, rank states, `latest`
+
+
+def _small_json(path: Path) -> Any:
+    """A JSON file of a checkpoint folder: a regular file (no symlink, FIFO or device), bounded size and nesting."""
+    with open_in_checkpoint(path, MAX_JSON_BYTES) as f:
+        return loads_json(f.read())
+
+
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return _small_json(path)
+    except CheckpointReadError:
+        raise
     except FileNotFoundError:
         raise CheckpointReadError(f"{path} is missing: the checkpoint is incomplete") from None
     except (OSError, ValueError) as exc:
@@ -553,12 +568,34 @@ def _copy_run_recipe(checkpoint: Path, out: Path) -> None:
     sits beside a run's `final/`: eval and chat read the system turn the model was trained with from it
     (`data.default_system`) instead of guessing from the chat template. Written atomically; absent when the
     checkpoint lives outside a run folder."""
-    recipe = checkpoint.parent.parent / "recipe.json"
-    if not recipe.is_file():
+    run = checkpoint.parent.parent
+    if not (run / "recipe.json").is_file():
         return
+    try:  # a regular file inside the run folder only: a symlink to a secret is not exported with the model
+        recipe = regular_inside(run, "recipe.json", "run recipe")
+    except UntrustedInputError as exc:
+        raise CheckpointReadError(f"{exc}; mindvl copies only regular files inside the run folder") from None
     tmp = out / f".recipe.json.tmp{os.getpid()}"
     shutil.copyfile(recipe, tmp)
     os.replace(tmp, out / "recipe.json")
+
+
+def _check_model_fits_shards(folder: Path, config) -> None:
+    """Before anything is allocated: the model `train_state.json` describes (built on the meta device, which
+    allocates nothing) has no more parameters than the checkpoint's model entries hold bytes (a parameter is at
+    least one byte), so a tiny checkpoint cannot make export build a 40 GB model."""
+    from mindvl.models import MindVL
+
+    try:
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in MindVL(config).parameters())
+    except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:
+        raise CheckpointReadError(f"{folder / TRAIN_STATE}: model_config describes a model that cannot be built "
+                                  f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})") from None
+    held = shard_bytes(folder, "model.")
+    if numel > held:
+        raise CheckpointReadError(f"{folder / TRAIN_STATE}: model_config describes {numel} parameters, but the "
+                                  f"checkpoint's model shards hold {held} bytes; it does not belong to these shards")
 
 
 def _read_model(folder: Path, quantizer: BaseQuantizer | None = None) -> tuple[nn.Module, dict[str, Any]]:
@@ -569,6 +606,8 @@ def _read_model(folder: Path, quantizer: BaseQuantizer | None = None) -> tuple[n
         config = MindVLConfig.from_dict(train_state["model_config"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{folder / TRAIN_STATE}: model_config is not a valid model config ({exc})") from None
+    if FROZEN_BASE not in train_state:  # every weight comes from the shards: they must be able to hold the model
+        _check_model_fits_shards(folder, config)
     model = MindVL(config)
     lora = (train_state.get("recipe") or {}).get("model", {}).get("lora")
     if lora is not None:  # a LoRA run's checkpoint holds the adapters (and, before frozen_base, the base weights)

@@ -20,7 +20,8 @@ import socket
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
-from multiprocessing import get_context
+
+from mindvl.children import child_env, spawn_context
 
 from .pipeline import EngineConfig
 
@@ -47,7 +48,7 @@ class LocalPool:
             # One core per worker (N workers use N cores, not N x cores threads): spawned children inherit the
             # environment, and BLAS/OpenMP read it when they load.
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"))
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=spawn_context())
         return list(self._pool.map(self.work, jobs))
 
     def close(self) -> None:
@@ -82,6 +83,13 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
                          "(`ray start --head`) or remove engine.address to run a local Ray instance") from exc
 
 
+def ray_worker_env() -> dict[str, str]:
+    """Environment of a local Ray instance's workers: one thread each, the safe path (no imports from the working
+    directory) and this process's absolute PYTHONPATH."""
+    env = child_env({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, OMP_NUM_THREADS="1")
+    return {k: env[k] for k in ("OMP_NUM_THREADS", "PYTHONSAFEPATH", "PYTHONPATH")}
+
+
 def run_ray(jobs: list[dict], workers: int, address: str | None, work: Work) -> list[dict]:
     try:
         import ray
@@ -93,11 +101,11 @@ def run_ray(jobs: list[dict], workers: int, address: str | None, work: Work) -> 
             _check_reachable(address)
         try:
             if address:
-                ray.init(address=address, log_to_driver=False)
+                # the cluster's nodes keep their own PYTHONPATH; the safe path still applies to their workers
+                ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONSAFEPATH": "1"}})
             else:
                 ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
-                         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1",
-                                                   "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+                         runtime_env={"env_vars": ray_worker_env()})
         except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"engine.address: cannot reach the Ray cluster at {address!r} ({first}); start it "

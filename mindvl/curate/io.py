@@ -26,6 +26,7 @@ import numpy as np
 from mindvl.data.records import parse_record
 from mindvl.data.schema import BadSample, ImageRef
 from mindvl.data.sources import RawItem, Unit, item_to_conversation, iter_jsonl, iter_tar, too_large
+from mindvl.untrusted import MAX_IMAGE_BYTES, TooLargeError, UntrustedInputError, inside, loads_json, read_regular
 
 from .items import Item, image_extension
 
@@ -92,13 +93,17 @@ def _jsonl_item(task: ShardTask, ordinal: int, raw: RawItem) -> Item:
         if ref.data is not None:
             images.append(ref.data)
             continue
-        try:
-            with open(ref.name, "rb") as f:
-                images.append(f.read())
+        try:  # the bytes are copied into the output: only a regular file inside the record's folder, measured first
+            inside(raw.base_dir, ref.name, "image")  # symlinks resolved: a link to a secret is not copied either
+            images.append(read_regular(ref.name, MAX_IMAGE_BYTES, "image"))
+        except TooLargeError as exc:
+            raise BadSample("image_too_large", raw.where, f"{exc}; it is not read") from exc
+        except UntrustedInputError as exc:
+            raise BadSample("missing_image", raw.where, str(exc)) from exc
         except OSError as exc:
             raise BadSample("missing_image", raw.where, f"image file not found or unreadable: {ref.name}") from exc
     members = raw.members or {}
-    record = json.loads(raw.line) if raw.kind == "jsonl" else (json.loads(members["json"]) if "json" in members
+    record = loads_json(raw.line) if raw.kind == "jsonl" else (loads_json(members["json"]) if "json" in members
                                                                else {})
     if getattr(conv, "kind", "chat") == "caption":
         record["caption"] = conv.text  # a tar key's txt caption goes into the written record
@@ -150,16 +155,20 @@ def _parquet_item(task: ShardTask, ordinal: int, row: dict, where: str) -> Item:
     raw_record = row.get("json", row.get("record"))
     if raw_record is not None:
         try:
-            record = json.loads(raw_record)
-        except (json.JSONDecodeError, TypeError) as exc:
+            record = loads_json(raw_record)
+        except (ValueError, TypeError) as exc:  # malformed, nested too deep, an integer too long, not a string
             raise BadSample("bad_json", where, f"malformed JSON in the record column ({exc})") from exc
     else:
         record = {}
         for col in ("messages", "conversations", "system", "caption", "text"):
             value = row.get(col)
+            if value is not None and isinstance(value, str) and col in ("messages", "conversations"):
+                try:
+                    value = loads_json(value)
+                except ValueError as exc:
+                    raise BadSample("bad_json", where, f"malformed JSON in the {col} column ({exc})") from exc
             if value is not None:
-                record[col] = json.loads(value) if isinstance(value, str) and col in ("messages",
-                                                                                       "conversations") else value
+                record[col] = value
     cells = row.get("images", row.get("image"))
     cells = [] if cells is None else (cells if isinstance(cells, list) else [cells])
     images = [_image_bytes(c, where) for c in cells]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindvl.typed import build
+from mindvl.untrusted import MAX_IMAGE_BYTES
 
 from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, RESIZE_METHODS
 from .processors import QWEN2_VL, VisionProcessing, as_processing
@@ -170,6 +171,9 @@ class DataConfig:
     # Bytes of one record (a JSONL line; a tar key's non-media members) above which it is skipped unparsed
     # (`record_too_large`); None: record_byte_limit()'s default, derived from seq_len.
     max_record_bytes: int | None = None
+    # Bytes of one image or video file (a tar member, or a file a record names) above which it is skipped unread
+    # (`image_too_large`): its size is measured before anything is read.
+    max_image_bytes: int = MAX_IMAGE_BYTES
     pack_buffer: int = 256  # samples held for packing (bounded look-ahead)
     pad_to_seq_len: bool = False  # pad each pack to seq_len with a final -100 segment (static shapes)
     seed: int = 0
@@ -211,7 +215,7 @@ class DataConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.sources: source names must be unique, got {names}")
         for key in ("seq_len", "max_patches_per_pack", "min_pixels", "max_pixels", "max_image_pixels",
-                    "max_record_bytes", "pack_buffer"):
+                    "max_record_bytes", "max_image_bytes", "pack_buffer"):
             _positive(getattr(self, key), f"{where}.{key}")
         for i, s in enumerate(self.eval_sources):
             s.name = s.name or f"eval{i}"

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageOps
 
+from mindvl.untrusted import MAX_IMAGE_BYTES, TooLargeError, UntrustedInputError, open_regular
+
 from . import _compiled
 
 PATCH_SIZE = 14
@@ -122,14 +124,21 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_image(source: str | os.PathLike | bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode an image file or bytes: size check first (decompression bombs), full decode, EXIF orientation.
+def load_image(source: str | os.PathLike | bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+               max_image_bytes: int = MAX_IMAGE_BYTES) -> Image.Image:
+    """Decode an image file or bytes: size checks first (a file: a regular file of at most `max_image_bytes`;
+    decompression bombs), full decode, EXIF orientation.
 
-    Raises `ImageError` with reason `missing_image`, `decompression_bomb` or `corrupt_image`.
+    Raises `ImageError` with reason `missing_image`, `image_too_large`, `decompression_bomb` or `corrupt_image`.
     """
     name = "<bytes>" if isinstance(source, bytes) else os.fspath(source)
     try:
-        fp = io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")  # noqa: SIM115
+        fp = io.BytesIO(source) if isinstance(source, bytes) else open_regular(source, max_image_bytes, "image",
+                                                                              "data.max_image_bytes")
+    except TooLargeError as exc:
+        raise ImageError("image_too_large", f"{exc}; it is not read") from exc
+    except UntrustedInputError as exc:
+        raise ImageError("missing_image", f"image file unusable: {exc}") from exc
     except FileNotFoundError as exc:
         raise ImageError("missing_image", f"image file not found: {name}") from exc
     except OSError as exc:

@@ -111,6 +111,8 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
     """Mean tokens and vision tokens per sample over the first `probe` usable records (images sized from headers)."""
     from PIL import Image
 
+    from mindvl.untrusted import TooLargeError, UntrustedInputError, open_regular
+
     from .captions import caption_sample, prompt_set
     from .processors import grid_for_image, video_layout_qwen3
     from .sources import SourceReader, item_to_conversation, resolve_files
@@ -119,7 +121,7 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
 
     src = cfg.sources[source]
     reader = SourceReader(src, source, resolve_files(files, src.format, src.name), 0, 1, cfg.seed, max_epochs=1,
-                          max_record_bytes=cfg.record_byte_limit())
+                          max_record_bytes=cfg.record_byte_limit(), max_media_bytes=cfg.max_image_bytes)
     lo, hi = cfg.pixels_for(source)
     processing = cfg.vision_processing()
     qwen3 = processing.family == "qwen3_vl"
@@ -138,8 +140,14 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
             grids = []
             for img in conv.images:
                 try:
-                    with Image.open(io.BytesIO(img.data) if img.data is not None else img.name) as im:
+                    fp = io.BytesIO(img.data) if img.data is not None else open_regular(
+                        img.name, cfg.max_image_bytes, "image", "data.max_image_bytes")
+                    with fp, Image.open(fp) as im:
                         grids.append(grid_for_image(im.height, im.width, processing, lo, hi))
+                except TooLargeError as exc:
+                    raise BadSample("image_too_large", conv.where, str(exc)) from exc
+                except UntrustedInputError as exc:
+                    raise BadSample("missing_image", conv.where, str(exc)) from exc
                 except OSError as exc:
                     raise BadSample("corrupt_image", conv.where, str(exc)) from exc
                 except ImageError as exc:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mindvl.untrusted import MAX_IMAGE_BYTES
+
 from .captions import caption_sample, prompt_set
 from .grounding import BoxError, convert_text
 from .image import ImageError, load_image
@@ -37,6 +39,7 @@ class ProcessConfig:
     min_pixels: int
     max_pixels: int
     max_image_pixels: int
+    max_image_bytes: int = MAX_IMAGE_BYTES  # a named image file over it is skipped unread (image_too_large)
     truncation: str = "truncate"  # truncate | drop
     max_patches: int | None = None  # a sample with more patch rows can never fit a pack
     default_system: str | None = DEFAULT_SYSTEM
@@ -56,7 +59,8 @@ def _images(conv: Conversation, cfg: ProcessConfig) -> tuple[list[np.ndarray], l
     pixels, grids = [], []
     for img in conv.images:
         try:
-            image = load_image(img.data if img.data is not None else img.name, cfg.max_image_pixels)
+            image = load_image(img.data if img.data is not None else img.name, cfg.max_image_pixels,
+                               cfg.max_image_bytes)
             pv, grid = image_uint8(image, cfg.processing, cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels,
                                    cfg.image_resize)
         except ImageError as exc:

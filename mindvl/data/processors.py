@@ -27,7 +27,6 @@ the resolution search and chat. mindvl.data never reads a model: only its folder
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from mindvl.untrusted import loads_json, read_regular
 
 from .image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageError, load_image, smart_resize, to_rgb
 
@@ -87,9 +88,9 @@ VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 def _read(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    try:  # a regular file of bounded size and nesting (a model folder mindvl may not have written)
+        data = loads_json(read_regular(path, 64 << 20, "processor config"))
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc}); fix or remove the file") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: must hold a JSON object, got {type(data).__name__}")

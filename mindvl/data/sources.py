@@ -15,7 +15,8 @@ restored on resume without storing samples in the checkpoint.
 Records are measured before they are parsed: a JSONL line (or a tar key's text members together) longer than
 `max_record_bytes` is never held whole, never JSON-parsed; it comes out as a `BadSample` with reason
 `record_too_large` (file:line or shard:key), and the reader skips over it in 1 MiB chunks. Image and video members
-of a tar key do not count (their decoded size has its own limit, `max_image_pixels`).
+of a tar key do not count there: each is measured from its header against `max_image_bytes` (`image_too_large`,
+unread; a sparse member declaring gigabytes in a tiny shard is one), and its decoded size against `max_image_pixels`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from __future__ import annotations
 import glob
 import hashlib
 import io
-import json
 import os
 import random
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
+
+from mindvl.untrusted import MAX_IMAGE_BYTES, loads_json
 
 from .config import SourceConfig
 from .records import parse_record
@@ -245,7 +248,8 @@ class ShardError(Exception):
 
 
 def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | None, ordinal: int,
-             max_bytes: int | None = None, span: tuple[int, int] | None = None) -> Iterator[
+             max_bytes: int | None = None, span: tuple[int, int] | None = None,
+             max_media_bytes: int = MAX_IMAGE_BYTES) -> Iterator[
     tuple[RawItem | BadSample, int, int]
 ]:
     """Yield (item or BadSample, next_offset, next_ordinal) for the keys of `unit` (every parts-th key), and given
@@ -254,7 +258,8 @@ def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | 
 
     `offset` is the header offset of the next key's first member and `ordinal` its 0-based key index in the shard.
     A key whose text members (everything but images and videos) add up to more than `max_bytes` is yielded as a
-    `record_too_large` BadSample, its members unread.
+    `record_too_large` BadSample, its members unread; one whose image or video member is over `max_media_bytes`
+    (measured from its header) as an `image_too_large` BadSample.
     """
     offset = 0 if offset is None else offset
     lo, hi = span if span is not None else (0, None)
@@ -286,8 +291,8 @@ def iter_tar(path: str, file_index: int, source: int, unit: Unit, offset: int | 
             if group and member_key != key:
                 next_offset = member.offset if member is not None else os.path.getsize(path)
                 if ordinal % unit.parts == unit.part and group[0].offset >= lo:
-                    yield (_read_group(tf, path, file_index, source, key, group, ordinal, max_bytes), next_offset,
-                           ordinal + 1)
+                    yield (_read_group(tf, path, file_index, source, key, group, ordinal, max_bytes,
+                                       max_media_bytes), next_offset, ordinal + 1)
                 ordinal += 1
                 offset = next_offset
                 group = []
@@ -341,13 +346,18 @@ def _is_media(suffix: str) -> bool:
 
 
 def _read_group(tf: tarfile.TarFile, path: str, file_index: int, source: int, key: str,
-                members: list[tarfile.TarInfo], ordinal: int, max_bytes: int | None = None) -> RawItem | BadSample:
+                members: list[tarfile.TarInfo], ordinal: int, max_bytes: int | None = None,
+                max_media_bytes: int = MAX_IMAGE_BYTES) -> RawItem | BadSample:
     ref = SampleRef(source, file_index, members[0].offset, ordinal)
     where = f"{path}:{key}"
     if max_bytes is not None:  # measured from the headers, before any member is read
         text = sum(m.size for m in members if not _is_media(_split_key(m.name)[1]))
         if text > max_bytes:
             return too_large(where, text, max_bytes, "the key's text (its non-image members)")
+    for m in members:  # images and videos: each measured from its header (a sparse member can declare gigabytes)
+        if _is_media(_split_key(m.name)[1]) and m.size > max_media_bytes:
+            return BadSample("image_too_large", where, f"member {m.name} is {m.size} bytes, over data.max_image_bytes "
+                             f"= {max_media_bytes}; it is not read (raise the limit if the file is genuine)")
     data: dict[str, bytes] = {}
     for m in members:
         suffix = _split_key(m.name)[1]
@@ -364,10 +374,12 @@ def _read_group(tf: tarfile.TarFile, path: str, file_index: int, source: int, ke
     return RawItem(ref, where, "tar", members=data, key=key)
 
 
-def read_tar_key(path: str, ref: SampleRef, max_bytes: int | None = None) -> RawItem | BadSample:
+def read_tar_key(path: str, ref: SampleRef, max_bytes: int | None = None,
+                 max_media_bytes: int = MAX_IMAGE_BYTES) -> RawItem | BadSample:
     """Read the key whose first member's header is at ref.offset."""
     unit = Unit(0, 0, 1)
-    for item, _, _ in iter_tar(path, ref.file, ref.source, unit, ref.offset, ref.line, max_bytes):
+    for item, _, _ in iter_tar(path, ref.file, ref.source, unit, ref.offset, ref.line, max_bytes,
+                               max_media_bytes=max_media_bytes):
         return item
     raise ShardError(f"{path}: no key at offset {ref.offset}; the shard changed since the checkpoint")
 
@@ -379,12 +391,19 @@ def item_to_conversation(item: RawItem) -> Conversation:
     """Parse a RawItem into a validated Conversation (BadSample on any problem)."""
     if item.kind == "jsonl":
         try:
-            record = json.loads(item.line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            record = loads_json(item.line)
+        except ValueError as exc:  # malformed, not UTF-8, nested too deep, or an integer too long
             raise BadSample("bad_json", item.where, f"malformed JSON line ({exc}); fix or delete the line") from exc
 
         def resolve(name: str) -> ImageRef:
-            return ImageRef(os.path.join(item.base_dir, name) if not os.path.isabs(name) else name)
+            if os.path.isabs(name):
+                return ImageRef(name)
+            base = os.path.normpath(item.base_dir)
+            path = os.path.normpath(os.path.join(base, name))
+            if os.path.commonpath([base, path]) != base:  # `../../home/.netrc`: outside the records' folder
+                raise BadSample("image_outside", item.where, f"image {name!r} resolves outside the record's folder "
+                                f"{base}; give a path inside it (or an absolute path)")
+            return ImageRef(path)
 
         return parse_record(record, item.where, resolve)
 
@@ -398,8 +417,8 @@ def item_to_conversation(item: RawItem) -> Conversation:
     if "json" not in members and caption is None:
         raise BadSample("bad_record", item.where, "key has no .json record member (nor a .txt caption)")
     try:
-        record = json.loads(members["json"]) if "json" in members else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        record = loads_json(members["json"]) if "json" in members else {}
+    except ValueError as exc:
         raise BadSample("bad_json", item.where, f"malformed .json member ({exc}); re-create the shard") from exc
     image_suffixes = sorted(
         (s for s in members if s.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS), key=_natural_key
@@ -461,10 +480,11 @@ class SourceReader:
 
     def __init__(self, cfg: SourceConfig, source: int, files: list[tuple[str, str]], slot: int, n_slots: int,
                  seed: int, max_epochs: int | None = None, state: ReaderState | None = None,
-                 max_record_bytes: int | None = None):
+                 max_record_bytes: int | None = None, max_media_bytes: int = MAX_IMAGE_BYTES):
         self.cfg, self.source, self.files = cfg, source, files
         self.slot, self.n_slots, self.seed, self.max_epochs = slot, n_slots, seed, max_epochs
         self.max_record_bytes = max_record_bytes
+        self.max_media_bytes = max_media_bytes
         self.state = state or ReaderState()
         self._it: Iterator | None = None
         self._units: list[Unit] | None = None
@@ -500,7 +520,7 @@ class SourceReader:
             if self._it is None:
                 unit = units[self.state.unit]
                 path, kind = self.files[unit.file]
-                opener = iter_tar if kind == "tar" else iter_jsonl
+                opener = self._opener(kind)
                 self._it = opener(path, unit.file, self.source, unit, self.state.offset, self.state.line,
                                   self.max_record_bytes)
             try:
@@ -524,7 +544,7 @@ class SourceReader:
         epoch, file, part, parts, offset, line, *span = self.state.carry[0]
         path, kind = self.files[file]
         if self._it is None:
-            opener = iter_tar if kind == "tar" else iter_jsonl
+            opener = self._opener(kind)
             self._it = opener(path, file, self.source, Unit(file, part, parts), offset, line, self.max_record_bytes,
                               (int(span[0]), int(span[1])) if span else None)
         try:
@@ -541,6 +561,9 @@ class SourceReader:
                                                 *self.state.carry[1:]])
         return item
 
+    def _opener(self, kind: str):
+        return partial(iter_tar, max_media_bytes=self.max_media_bytes) if kind == "tar" else iter_jsonl
+
     def _advance_unit(self) -> None:
         self.state = ReaderState(self.state.epoch, self.state.unit + 1, None, 0, self.state.carry)
         self._it = None
@@ -548,5 +571,5 @@ class SourceReader:
     def read_ref(self, ref: SampleRef) -> RawItem | BadSample:
         path, kind = self.files[ref.file]
         if kind == "tar":
-            return read_tar_key(path, ref, self.max_record_bytes)
+            return read_tar_key(path, ref, self.max_record_bytes, self.max_media_bytes)
         return read_jsonl_line(path, ref, self.max_record_bytes)

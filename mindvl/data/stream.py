@@ -36,7 +36,8 @@ class PackStream:
         self.slot, self.n_slots, self.context = slot, n_slots, context
         self.readers = [
             SourceReader(s, i, files[i], slot, n_slots, cfg.seed, max_epochs,
-                         max_record_bytes=cfg.record_byte_limit()) for i, s in enumerate(cfg.sources)
+                         max_record_bytes=cfg.record_byte_limit(),
+                         max_media_bytes=cfg.max_image_bytes) for i, s in enumerate(cfg.sources)
         ]
         self.mixture = Mixture([s.ratio for s in cfg.sources], cfg.seed, slot)
         self.packer = Packer(cfg.seq_len, cfg.max_patches_per_pack, cfg.pack_buffer, cfg.pad_to_seq_len,
@@ -51,7 +52,8 @@ class PackStream:
         self.alloc_pixels = None  # optional [P] -> float32 [P, patch_dim] allocator for pack pixel rows (shared memory)
         self._process_cfgs = [
             ProcessConfig(seq_len=cfg.seq_len, min_pixels=cfg.pixels_for(i)[0], max_pixels=cfg.pixels_for(i)[1],
-                          max_image_pixels=cfg.max_image_pixels, truncation=cfg.truncation,
+                          max_image_pixels=cfg.max_image_pixels, max_image_bytes=cfg.max_image_bytes,
+                          truncation=cfg.truncation,
                           max_patches=cfg.max_patches_per_pack, default_system=cfg.default_system,
                           train_on_prompt=cfg.train_on_prompt, caption_prompts=cfg.sources[i].caption_prompts,
                           seed=cfg.seed, video=video_settings(cfg.video),

@@ -693,13 +693,18 @@ def _struct_bytes(cell: Any, folder: Path, where: str) -> bytes:
     if isinstance(cell, dict):
         if cell.get("bytes"):
             return bytes(cell["bytes"])
-        if cell.get("path"):  # an HF Image stored by path only: relative to the parquet file
-            p = Path(cell["path"])
-            p = p if p.is_absolute() else folder / p
+        if cell.get("path"):  # an HF Image stored by path only: relative to the parquet file, and inside its folder
+            from mindvl.untrusted import MAX_IMAGE_BYTES, TooLargeError, UntrustedInputError, inside, read_regular
+
             try:
-                return p.read_bytes()
+                p = inside(folder, str(cell["path"]), "image path")
+                return read_regular(p, MAX_IMAGE_BYTES, "image")
+            except TooLargeError as exc:
+                raise BadSample("image_too_large", where, f"{exc}; it is not read") from exc
+            except UntrustedInputError as exc:
+                raise BadSample("missing_image", where, str(exc)) from exc
             except OSError as exc:
-                raise BadSample("missing_image", where, f"image path {p} unreadable ({exc})") from exc
+                raise BadSample("missing_image", where, f"image path {cell['path']} unreadable ({exc})") from exc
     raise BadSample("missing_image", where, f"image cell of type {type(cell).__name__} has no bytes")
 
 

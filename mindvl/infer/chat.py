@@ -48,6 +48,7 @@ from mindvl.data.video import (
     settings_from_processor_config,
 )
 from mindvl.models import MindVL
+from mindvl.untrusted import loads_json, read_regular
 
 from .device import default_device, resolve_device  # noqa: F401  (default_device: public here before)
 from .generate import Prompt, check_sampling, generate
@@ -337,20 +338,24 @@ def training_system(model_dir: str | os.PathLike) -> tuple[str | None, str]:
     folder = model_files_folder(model_dir)
     recipe = _run_recipe(folder)
     if recipe is not None:
-        data = json.loads(recipe.read_text()).get("data") or {}
+        data = loads_json(read_regular(recipe, MAX_SIDE_BYTES, "run recipe")).get("data") or {}
         return data.get("default_system", DEFAULT_SYSTEM), f"data.default_system of the training run, {recipe}"
     merged = _merged_from(folder)  # a merge of runs' final/ folders: their recipes, when they agree
     recipes = [_run_recipe(Path(p)) for p in merged]
     if merged and all(recipes):
-        systems = {json.dumps((json.loads(r.read_text()).get("data") or {}).get("default_system", DEFAULT_SYSTEM))
+        systems = {json.dumps((loads_json(read_regular(r, MAX_SIDE_BYTES, "run recipe")).get("data") or {})
+                              .get("default_system", DEFAULT_SYSTEM))
                    for r in recipes}
         if len(systems) == 1:
             return json.loads(systems.pop()), (f"data.default_system of the {len(recipes)} merged models' training "
                                                f"runs, {', '.join(str(r) for r in recipes)}")
     template, where = _chat_template(folder)
     if template is not None:
-        return template_default_system(template), f"the default of the folder's chat template, {where}"
+        return template_default_system(template, str(where)), f"the default of the folder's chat template, {where}"
     return DEFAULT_SYSTEM, f"Qwen's default: {folder} has no chat template or training recipe"
+
+
+MAX_SIDE_BYTES = 64 << 20  # a recipe.json, chat template or tokenizer_config.json read for the system turn
 
 
 def _run_recipe(folder: Path) -> Path | None:
@@ -364,7 +369,7 @@ def _run_recipe(folder: Path) -> Path | None:
 def _merged_from(folder: Path) -> list[str]:
     """The input folders `mindvl merge` recorded in config.json (`source.merged_from`), or []."""
     try:
-        source = json.loads((folder / "config.json").read_text()).get("source") or {}
+        source = loads_json(read_regular(folder / "config.json", MAX_SIDE_BYTES, "config")).get("source") or {}
     except (OSError, ValueError):
         return []
     return [str(p) for p in source.get("merged_from") or []] if isinstance(source, dict) else []
@@ -376,22 +381,27 @@ def _chat_template(folder: Path) -> tuple[str | None, Path | None]:
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
         path = folder / name
         if path.is_file():
-            text = path.read_text() if name.endswith(".jinja") else json.loads(path.read_text()).get("chat_template")
+            raw = read_regular(path, MAX_SIDE_BYTES, "chat template file").decode()
+            text = raw if name.endswith(".jinja") else loads_json(raw).get("chat_template")
             if isinstance(text, str):
                 return text, path
     return None, None
 
 
-def template_default_system(template: str) -> str | None:
+def template_default_system(template: str, where: str = "<chat template>") -> str | None:
     """The system turn a chat template adds to a conversation without one (None: it adds none): rendered with jinja2
-    when it is installed (transformers' renderer), else read from the template's literal system block."""
+    when it is installed (transformers' renderer; here sandboxed and bounded in time and size, see
+    mindvl.infer.jinja_sandbox: over a limit is a one-line TemplateLimitError naming `where`), else read from the
+    template's literal system block."""
     import re
 
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from .jinja_sandbox import TemplateLimitError, render_template
 
-        rendered = ImmutableSandboxedEnvironment().from_string(template).render(
-            messages=[{"role": "user", "content": "?"}], add_generation_prompt=False)
+    try:
+        rendered = render_template(template, where, messages=[{"role": "user", "content": "?"}],
+                                   add_generation_prompt=False)
+    except TemplateLimitError:
+        raise
     except Exception:  # no jinja2, or a template needing transformers' extensions: its literal text then
         found = re.search(r"<\|im_start\|>system\n([^{}]*?)<\|im_end\|>", template)
         return found.group(1) if found else None

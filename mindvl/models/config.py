@@ -37,6 +37,9 @@ def _from_dict(cls: type[T], data: dict[str, Any], where: str, section: str = ""
         raise ValueError(f"{where}: {exc}") from None
 
 
+MAX_CONFIG_INT = 2**53
+
+
 def _fits(value: Any, hint: Any) -> bool:
     """Does a JSON value have the field's type? (A wrong type would otherwise fail far away, e.g. a string
     hidden_size inside torch.empty with a misleading message.)"""
@@ -49,8 +52,8 @@ def _fits(value: Any, hint: Any) -> bool:
         return value is None
     if hint is bool:
         return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is int:  # a size beyond 2^53 (JSON's exact integers) is no model's: refused before torch sees it
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_CONFIG_INT
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
@@ -84,6 +87,8 @@ def _describe(hint: Any) -> str:
 
 
 def _kind(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CONFIG_INT:
+        return "an integer over 2^53"
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
              dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)

@@ -251,7 +251,10 @@ def load_moe_model(model_dir: str | os.PathLike, dtype: torch.dtype | None = Non
     except ImportError:
         raise ImportError(f"{model_dir} is a transformers checkpoint ({config.get('model_type')!r}); tracing it "
                           "needs `pip install transformers`, or convert it with `mindvl convert --from-hf`") from None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
+    from mindvl.checkpoint.safetensors_io import TensorFolder
+
+    TensorFolder(model_dir)  # safetensors only (one line naming pickled .bin files): nothing is unpickled
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto", use_safetensors=True)
     return model.to(device).eval()
 
 

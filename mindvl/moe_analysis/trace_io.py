@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mindvl.untrusted import check_npz, loads_json
+
 TRACE_FORMAT_VERSION = 1
 
 
@@ -186,6 +188,7 @@ def load_trace(path: str | os.PathLike) -> RouterTrace:
         raise ValueError(f"{path}: not a router trace (a trace is the .npz that `mindvl moe-trace` writes; this file "
                          "is not an .npz archive)")
     try:
+        check_npz(path)  # member sizes, compression and array headers, before numpy allocates anything
         with np.load(path, allow_pickle=False) as data:
             files = set(data.files)
             missing = {"format", "topk_ids", "seq_offsets", "num_experts", "layer_names"} - files
@@ -194,7 +197,7 @@ def load_trace(path: str | os.PathLike) -> RouterTrace:
             version = int(data["format"])
             if version > TRACE_FORMAT_VERSION:
                 raise ValueError(f"format version {version} is newer than this mindvl reads ({TRACE_FORMAT_VERSION})")
-            meta = json.loads(str(data["meta"])) if "meta" in files else {}
+            meta = loads_json(str(data["meta"])) if "meta" in files else {}
             return RouterTrace(
                 topk_ids=data["topk_ids"],
                 seq_offsets=data["seq_offsets"],

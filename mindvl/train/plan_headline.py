@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from mindvl.children import child_env, python_command
 from mindvl.config import Recipe
 
 from .parallel import ParallelEnv
@@ -33,11 +33,9 @@ class PlannerHeadline:
         out.mkdir(parents=True, exist_ok=True)
         path = out / "plan_recipe.yaml"
         path.write_text(yaml.safe_dump(recipe.to_dict()))
-        # the planner's own entry point (mindvl.plan.__main__, the JSON of `mindvl plan --json`), not the CLI
-        cmd = [sys.executable, "-m", "mindvl.plan", str(path), "--world-size", str(env.world_size), "--device", device]
+        cmd, child = planner_command(path, env.world_size, device)
         self.log = (out / "plan.json").open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.DEVNULL,
-                                     env={**_env(), "CUDA_VISIBLE_DEVICES": "", "ASCEND_RT_VISIBLE_DEVICES": ""})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.DEVNULL, env=child)
 
     def poll(self) -> str | None:
         """The headline once the planner has finished (once), else None."""
@@ -54,10 +52,12 @@ class PlannerHeadline:
                 + ("" if d["fits"] else " -- WARNING: the plan does not fit"))
 
 
-def _env() -> dict:
-    import os
-
-    return dict(os.environ)
+def planner_command(recipe: Path, world_size: int, device: str) -> tuple[list[str], dict[str, str]]:
+    """The planner's own entry point (mindvl.plan.__main__, the JSON of `mindvl plan --json`), not the CLI, with
+    its environment: no accelerator, and the safe path (`-m` would otherwise import a `mindvl/` package planted in
+    the working directory)."""
+    cmd = python_command("-m", "mindvl.plan", str(recipe), "--world-size", str(world_size), "--device", device)
+    return cmd, child_env(CUDA_VISIBLE_DEVICES="", ASCEND_RT_VISIBLE_DEVICES="")
 
 
 def _device_name(env: ParallelEnv) -> str | None:

@@ -5,6 +5,9 @@
   restart; a second run into the same folder fails at once, naming the holder.
 - A fresh run (no `resume=`) into a folder that holds a finished or partial run (checkpoints, metrics, `final/`)
   is refused unless `overwrite=true`, which deletes those outputs first.
+- No writes through links: a run folder (its top level, `checkpoints/` and each checkpoint in it) that holds a
+  symlink, FIFO or device is refused before anything is written (a received run folder's `.lock` or `recipe.json`
+  linked elsewhere would make `resume=auto` overwrite that file). `output_dir` itself may be a link.
 
 The decision is rank 0's and is shared (agree.agreed_error), so every rank raises the same error and none waits
 in a collective.
@@ -42,7 +45,7 @@ class RunLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another process holds it
@@ -72,6 +75,27 @@ def describe_holder(path: Path) -> str:
         return "holder unknown"
 
 
+def check_no_links(folder: Path) -> None:
+    """RunFolderError naming the first entry of the run folder that is not a regular file or a real folder (looked
+    for at the top level, in `checkpoints/` and in each checkpoint folder: everywhere a run writes)."""
+    todo = [folder]
+    if (folder / "checkpoints").is_dir() and not (folder / "checkpoints").is_symlink():
+        todo.append(folder / "checkpoints")
+    while todo:
+        here = todo.pop(0)
+        try:
+            entries = list(os.scandir(here))
+        except FileNotFoundError:
+            continue
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.is_symlink() or not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
+                what = "a symlink" if entry.is_symlink() else "not a regular file or folder"
+                raise RunFolderError(f"{entry.path} is {what}; a run folder holds only its own files (a run writes "
+                                     "through no links): remove it, or choose another output_dir")
+            if here != folder and entry.is_dir(follow_symlinks=False) and entry.name.startswith("step_"):
+                todo.append(Path(entry.path))
+
+
 def previous_outputs(folder: Path) -> list[str]:
     return [name for name in RUN_OUTPUTS if (folder / name).exists()]
 
@@ -82,6 +106,7 @@ def claim_run_folder(folder: Path, resuming: bool, overwrite: bool, env: Paralle
     lock, message = None, None
     if env.is_main:
         try:
+            check_no_links(folder)
             lock = RunLock(folder)
             lock.acquire()
             found = previous_outputs(folder)

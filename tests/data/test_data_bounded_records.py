@@ -47,8 +47,8 @@ def test_an_oversized_line_is_skipped_unparsed_and_named_by_file_line(tmp_path, 
     path = write_jsonl(tmp_path / "c.jsonl", recs)
     huge_line = len(json.dumps(recs[2]).encode())
     parsed = []
-    real_loads = json.loads
-    monkeypatch.setattr(sources.json, "loads", lambda s, *a, **k: parsed.append(len(s)) or real_loads(s, *a, **k))
+    real_loads = sources.loads_json
+    monkeypatch.setattr(sources, "loads_json", lambda s, *a, **k: parsed.append(len(s)) or real_loads(s, *a, **k))
     items = _read_all(path, 100_000)
     bad = [i for i in items if isinstance(i, BadSample)]
     assert [b.reason for b in bad] == ["record_too_large"]
