@@ -25,6 +25,8 @@ ALLOWED = {
     "mindvl/config.py": (2, "the parallel.device choices a recipe may name"),
     "mindvl/infer/decode_graph.py": (8, "CUDA-graph capture and replay of the decode step (CUDA only: graphs, "
                                         "streams, the device check)"),
+    "mindvl/models/host.py": (2, "host-built tables reach CUDA through pinned memory (a non-blocking copy; a pageable "
+                                 "one synchronises the stream)"),
     "mindvl/infer/device.py": (5, "the device a user names for chat/eval/search/moe-trace: checked before loading, "
                                   "with the default (cuda when available)"),
 }
