@@ -88,30 +88,18 @@ def _where() -> str:
     return f"{frames[-1].filename.split('/mindvl/')[-1]}:{frames[-1].lineno}" if frames else "?"
 
 
-def packed_batch(model, seed: int = 0) -> dict:
-    """Three samples in one row: two images (one whose windows are cut at the edge), a text-only sample, lengths
-    that fall in sdpa's padded buckets and an exact one; host tensors, as a loader yields them."""
-    from mindvl.models import mrope_position_ids
+def packed_batch(model) -> dict:
+    """Three samples in one row: two images (8x12 and 12x8 patches: windows cut at the edge), a text-only sample,
+    lengths that fall in sdpa's padded buckets and an exact one; host tensors, as a loader yields them. The same row
+    as benchmarks/device_reads.py counts (that script runs on older trees too, so the row is written there)."""
+    import importlib.util
+    from pathlib import Path
 
-    c = model.config
-    gen = torch.Generator().manual_seed(seed)
-    grids = [[1, 8, 12], [1, 12, 8]]
-
-    def image(grid):
-        return [c.vision_start_token_id] + [c.image_token_id] * (grid[1] * grid[2] // 4) + [c.vision_end_token_id]
-
-    def words(n):
-        return torch.randint(5, 200, (n,), generator=gen).tolist()
-
-    samples = [words(5) + image(grids[0]) + words(9), words(37), words(3) + image(grids[1]) + words(20)]
-    ids = torch.tensor([t for s in samples for t in s])
-    cu = F.pad(torch.tensor([len(s) for s in samples]).cumsum(0), (1, 0)).int()
-    grid = torch.tensor(grids)
-    labels = ids.masked_fill(ids == c.image_token_id, IGNORE_INDEX)
-    return {"input_ids": ids, "labels": labels, "cu_seqlens": cu,
-            "position_ids": mrope_position_ids(ids, cu, grid, c.image_token_id, c.vision.spatial_merge_size),
-            "pixel_values": torch.randn(int(grid.prod(-1).sum()), c.vision.patch_dim, generator=gen),
-            "image_grid_thw": grid}
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "device_reads.py"
+    spec = importlib.util.spec_from_file_location("device_reads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.small_batch(model)
 
 
 def on_device(batch: dict, config) -> dict:
