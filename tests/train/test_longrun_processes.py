@@ -117,11 +117,11 @@ def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, 
     bad_starts = [st for st in starts if data[st:].startswith(b'{"messages": [oops')]
     count = 0
     for epoch in range(pos.epoch + 1):
-        units = slot_units(1, n_slots, slot, seed, 0, epoch)
+        units = slot_units([len(data)], n_slots, slot, seed, 0, epoch)
         for k, unit in enumerate(units):
             if epoch == pos.epoch and k > pos.unit:
                 break
-            lo, hi = len(data) * unit.part // unit.parts, len(data) * (unit.part + 1) // unit.parts
+            lo, hi = unit.lo, unit.hi
             if epoch == pos.epoch and k == pos.unit:
                 hi = lo if pos.offset is None else pos.offset  # read up to its current offset
             count += sum(lo <= st < hi for st in bad_starts)
