@@ -55,6 +55,7 @@ def mrope_position_ids(
     video_grid_thw: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | list[float] | None = None,
     tokens_per_second: int = 2,
+    video_frames_apart: bool = False,
 ) -> torch.Tensor:
     """3-D M-RoPE positions [3, T] for a packed row, restarting at 0 in every sample (transformers' get_rope_index).
 
@@ -67,6 +68,10 @@ def mrope_position_ids(
     form); without it every vision item, image or video, takes the next row of `image_grid_thw` (mindvl's packed
     form, where pixel rows and grids of images and videos share one stream). `second_per_grid_ts` [n_videos]
     (default 1.0 each, as in transformers) holds each video's seconds per temporal patch.
+
+    `video_frames_apart` (Qwen3-VL, whose prompt writes a timestamp before every video frame): each temporal patch of
+    a video is a vision item of its own (t = 1), its grid row read one frame per pad run; an image stays one item
+    with time offsets 0..t-1 whatever its t, as transformers' get_rope_index places it.
     """
     ids = input_ids.tolist()
     image_grids = image_grid_thw.tolist() if image_grid_thw is not None else []
@@ -74,7 +79,8 @@ def mrope_position_ids(
     seconds = torch.as_tensor(second_per_grid_ts if second_per_grid_ts is not None else [], dtype=torch.float32)
     pos = torch.empty(3, len(ids), dtype=torch.long)
     bounds = cu_seqlens.tolist()
-    image = video = 0
+    image = video = frames_left = 0
+    t = h = w = 0
     vision = {image_token_id} | ({video_token_id} if video_token_id is not None else set())
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         cur, i = 0, start
@@ -88,7 +94,9 @@ def mrope_position_ids(
                 i = j
                 continue
             is_video = ids[i] != image_token_id
-            if is_video and video_grids is not None:
+            if is_video and frames_left:  # the next frame of a video whose frames are items of their own
+                frames_left -= 1
+            elif is_video and video_grids is not None:
                 if video >= len(video_grids):
                     raise ValueError("more video-pad runs than videos in video_grid_thw")
                 t, h, w = video_grids[video]
@@ -97,12 +105,17 @@ def mrope_position_ids(
                     raise ValueError("more vision-pad runs than grids in image_grid_thw")
                 t, h, w = image_grids[image]
                 image += 1
+            if is_video and video_frames_apart:
+                if not frames_left:  # a new video: its other frames follow in the next pad runs
+                    frames_left = t - 1
+                    video += 1
+                t = 1
             lh, lw = h // spatial_merge_size, w // spatial_merge_size
             n = t * lh * lw
             if i + n > end:
                 raise ValueError(f"a vision item needs {n} pad tokens but its sample ends after {end - i}")
             frames = torch.arange(t)
-            if is_video:
+            if is_video and not video_frames_apart:
                 seconds_per_t = seconds[video] if video < len(seconds) else torch.tensor(1.0)
                 frames = (frames * (tokens_per_second * seconds_per_t)).long()  # float32, truncated
                 video += 1
@@ -112,16 +125,6 @@ def mrope_position_ids(
             cur += max(lh, lw)
             i += n
     return pos.to(input_ids.device)
-
-
-def split_frames(grid_thw: torch.Tensor | None) -> torch.Tensor | None:
-    """[N, 3] grids -> one (1, h, w) row per frame: a video of t temporal patches becomes t items (Qwen3-VL)."""
-    if grid_thw is None:
-        return None
-    grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
-    frames = grid_thw.repeat_interleave(grid_thw[:, 0], dim=0)
-    frames[:, 0] = 1
-    return frames
 
 
 def _deepstack_kw(deepstack) -> dict:
@@ -188,7 +191,11 @@ class MindVL(nn.Module):
         mergers = self.projector.deepstack
         if mergers is None:  # DeepStack off (no indexes, or an ablation)
             return self.projector(hidden), []
-        return self.projector(hidden), [m(h) for m, h in zip(mergers, stack, strict=True)]
+        # `stack` is in block order; block b's states go through merger indexes.index(b) (transformers' order,
+        # whatever order the indexes are listed in).
+        indexes = self.config.vision.deepstack_visual_indexes
+        return self.projector(hidden), [mergers[indexes.index(b)](h)
+                                        for b, h in zip(sorted(indexes), stack, strict=True)]
 
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None) -> torch.Tensor:
@@ -264,13 +271,12 @@ class MindVL(nn.Module):
         sample, vision pads included: what generation feeds a 1-D RoPE model, so training must use the same."""
         if self.config.uses_mrope:
             merge = self.config.vision.spatial_merge_size if self.config.vision else 2
-            if self.config.vision is not None and self.config.vision.family == "qwen3_vl":
-                # Qwen3-VL writes a timestamp before every video frame, so each frame is its own vision item (t = 1):
-                # no temporal offsets, and the text between frames advances the position.
-                image_grid_thw, video_grid_thw = split_frames(image_grid_thw), split_frames(video_grid_thw)
+            # Qwen3-VL writes a timestamp before every video frame, so each frame is its own vision item (t = 1):
+            # no temporal offsets, and the text between frames advances the position (an image keeps its t).
+            frames_apart = self.config.vision is not None and self.config.vision.family == "qwen3_vl"
             return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge,
                                       self.config.video_token_id, video_grid_thw, second_per_grid_ts,
-                                      self.config.tokens_per_second)
+                                      self.config.tokens_per_second, frames_apart)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
         return torch.arange(input_ids.shape[0], device=input_ids.device) - starts
