@@ -62,7 +62,7 @@ def mrope_position_ids(
     Text tokens advance all three rows together; a vision item's pad tokens get (time, row, col) offsets from the
     running position and the text after it resumes at the running position + max(h, w) / merge. The time index of
     frame group k is `int(k * tokens_per_second * second_per_grid_t)` for a video (Qwen2.5-VL's absolute-time
-    alignment, computed in float32 as transformers does) and k for an image (always 0: images have t = 1).
+    alignment, computed in float32 as transformers does) and k for an image (0 for the t = 1 of a processed image).
 
     Grids are consumed in order of appearance: with `video_grid_thw` the videos' grids come from it (transformers'
     form); without it every vision item, image or video, takes the next row of `image_grid_thw` (mindvl's packed
