@@ -112,8 +112,9 @@ def run_ablation(claims: list[str], seeds: int, out: str | Path, scale: str | Sc
     parallel = jobs > 1 and seeds > 1
     if parallel:
         prepare_synth(claims, out, recipes, sc, overrides, log)  # once, not raced by every worker
-    tower = prepare_tower(vision, TOWER_SEED if tower_seed is None else tower_seed, out, recipes, sc, overrides,
-                          benches, log)
+    # The tower's chain keeps its own recipes and budget: the overrides are the ablation's, for the seeds' runs
+    # (`max_steps=40` would starve the tower under its reading gate, found only after its whole chain had trained).
+    tower = prepare_tower(vision, TOWER_SEED if tower_seed is None else tower_seed, out, recipes, sc, benches, log)
     config["vision"] = tower or "random"
     tower_final = Path(tower["final"]) if tower else None
     if parallel:
@@ -245,12 +246,13 @@ def train_stages(names: list[str], root: Path, seed: int, steps: dict[str, int],
     return training
 
 
-def prepare_tower(vision: str, seed: int, out: Path, recipes: Path, sc: Scale, overrides: list[str],
-                  benches: dict[str, Path], log=print) -> dict[str, Any] | None:
+def prepare_tower(vision: str, seed: int, out: Path, recipes: Path, sc: Scale, benches: dict[str, Path],
+                  log=print) -> dict[str, Any] | None:
     """The pretrained vision tower every seed starts from (None for `random`): for `trained`, plan.TOWER_FROM's
-    chain at `seed` with `sc.tower_steps`, trained once under OUT/tower/seed<seed> (a rerun reuses it, a changed
-    budget is refused by run_phase), then its ChartQA and DocVQA exact match at the training resolution, which must
-    reach `sc.tower_reads`; else `vision` names a mindvl model folder. Returns what OUT/tower/.../tower.json holds."""
+    chain at `seed` with `sc.tower_steps` and the recipes as they are (no key=value override of the ablation reaches
+    it: they are the seeds'), trained once under OUT/tower/seed<seed> (a rerun reuses it, a changed budget is refused
+    by run_phase), then its ChartQA and DocVQA exact match at the training resolution, which must reach
+    `sc.tower_reads`; else `vision` names a mindvl model folder. Returns what OUT/tower/.../tower.json holds."""
     from mindvl.eval.runner import write_json
 
     if vision == "random":
@@ -260,8 +262,8 @@ def prepare_tower(vision: str, seed: int, out: Path, recipes: Path, sc: Scale, o
     root = out / "tower" / f"seed{seed}"
     models: dict[str, Path] = {}  # no TOWER here: the chain's own tower starts seeded random
     log(f"--- pretrained vision tower: {TOWER_FROM} chain at seed {seed} under {root} ---")
-    training = train_stages(stages_for([TOWER_FROM]), root, seed, sc.tower_steps, recipes, out / "synth",
-                            overrides, models, log)
+    training = train_stages(stages_for([TOWER_FROM]), root, seed, sc.tower_steps, recipes, out / "synth", [],
+                            models, log)
     final = models[TOWER_FROM]
     reads = _reads_pages(final, root / "eval", benches)
     info = {"source": "trained", "seed": seed, "stage": TOWER_FROM, "steps": sc.tower_steps, "final": str(final),

@@ -9,11 +9,18 @@ Tensor names are PEFT's for the transformers model the base converts to (mindvl.
 path of that model in memory (transformers >= 4.52: `model.language_model.layers.0.self_attn.q_proj` for Qwen2.5-VL,
 `model.layers.0.self_attn.q_proj` for Qwen3) under `base_model.model.`, then `.lora_A.weight` / `.lora_B.weight`.
 A module the phase trained in full next to the adapters (e.g. the projector) is saved as PEFT saves
-`modules_to_save`: its parameters under their plain names. A model transformers cannot represent (a MindVL
-composition) keeps mindvl's own module paths under the same prefix: PEFT has no model to load it onto, mindvl does.
+`modules_to_save`: the transformers module that holds it (`model.visual.merger` for the projector, `model.visual`
+for the ViT, `model.language_model` and `lm_head` for the LLM), every tensor of that module under its plain name, in
+transformers' shapes (the patch embedding as its Conv3d [D, C, T, p, p]). The list is flat: a module inside another
+listed one is not listed again (the ViT in full carries its merger, the projector, trained or not). With tied
+embeddings a trained LLM lists `lm_head` too, holding the trained embedding: PEFT's copy of the LLM would otherwise
+leave the head tied to the base embedding. A model transformers cannot represent (a MindVL composition) keeps
+mindvl's own module paths under the same prefix: PEFT has no model to load it onto, mindvl does.
 
 Reading accepts both spellings of Qwen2.5-VL's paths (the hub's `model.layers...` of PEFT adapters saved with older
-transformers, and the in-memory one) and keys that still carry PEFT's adapter name (`lora_A.default.weight`).
+transformers, and the in-memory one) and keys that still carry PEFT's adapter name (`lora_A.default.weight`), and
+undoes the same conversions (a Conv3d patch embedding back to mindvl's matmul rows; a tied model's `lm_head`, which
+must equal its embedding, dropped).
 What mindvl's LoRA cannot express is refused in one line: DoRA, rsLoRA, per-layer ranks, bias training.
 """
 
@@ -30,7 +37,8 @@ import torch
 from mindvl.models import MindVLConfig
 from mindvl.models.lora import LoRAConfig, inject_lora, is_adapter_name, merge_lora
 
-from .hf import CONFIG_NAME, save_pretrained
+from .conv import conv3d_to_matmul, matmul_to_conv3d
+from .hf import CONFIG_NAME, read_config, save_pretrained
 from .hf import load_model as load_plain
 from .hf_export import hf_config
 from .hf_keys import key_map
@@ -85,11 +93,27 @@ def _target_regex(modules: list[str]) -> str:
     return "^(" + "|".join(patterns) + ")$" if len(patterns) > 1 else "^" + patterns[0] + "$"
 
 
+def to_peft_tensor(name: str, value: torch.Tensor, config: MindVLConfig) -> torch.Tensor:
+    """A mindvl tensor in the shape its transformers module has (the patch embedding: matmul rows -> Conv3d)."""
+    if name == "visual.patch_embed.weight" and value.dim() == 2 and family_of(config) != "mindvl":
+        v = config.vision
+        return matmul_to_conv3d(value, v.in_channels, v.temporal_patch_size, v.patch_size)
+    return value
+
+
+def from_peft_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_peft_tensor`, for a tensor already named the mindvl way."""
+    if name == "visual.patch_embed.weight" and value.dim() == 5:
+        return conv3d_to_matmul(value)
+    return value
+
+
 def save_adapter(state: dict[str, torch.Tensor], config: MindVLConfig, lora: LoRAConfig, out: str | os.PathLike,
                  base: str | None = None, full_modules: list[str] | tuple[str, ...] = (),
                  overwrite: bool = True) -> Path:
-    """Write the adapters of `state` (a state dict of a model with inject_lora: mindvl names) and the parameters of
-    the fully trained top-level `full_modules` as a PEFT adapter folder. `base`: the base model's folder."""
+    """Write the adapters of `state` (the whole state dict of a model with inject_lora: mindvl names) and the
+    fully trained top-level `full_modules` as a PEFT adapter folder (module docstring: what `modules_to_save` holds).
+    `base`: the base model's folder."""
     from safetensors.torch import save_file
 
     both = sorted(set(full_modules) & set(lora.modules))
@@ -106,12 +130,24 @@ def save_adapter(state: dict[str, torch.Tensor], config: MindVLConfig, lora: LoR
             tensors[f"{PREFIX}{peft_module}.{which}.weight"] = value
     if not adapted:
         raise ValueError("save_adapter: the state has no LoRA adapters")
-    to_save: set[str] = set()
-    for name, value in state.items():
-        if not is_adapter_name(name) and name.split(".")[0] in full_modules:
-            peft = to_peft_name(name, family)
-            tensors[PREFIX + peft] = value
-            to_save.add(_top_path(peft, family))
+    plain = {to_peft_name(name, family): (name, value) for name, value in state.items() if not is_adapter_name(name)}
+    tied = config.text.tie_word_embeddings and "language_model.embed_tokens.weight" in state
+    listed: set[str] = set()
+    for peft, (name, _) in plain.items():
+        if name.split(".")[0] in full_modules:
+            listed.add(_top_path(peft, family))
+    if tied and "language_model" in full_modules and family != "mindvl":
+        listed.add("lm_head")  # PEFT's own copy of the head, holding the trained embedding (module docstring)
+    to_save = {m for m in listed if not any(m.startswith(other + ".") for other in listed)}  # flat
+    inside = sorted({m for m in adapted if any(m.startswith(top + ".") for top in to_save)})
+    if inside:
+        raise ValueError(f"save_adapter: {sorted(to_save)} trained in full hold adapted layers ({inside[0]}...): PEFT "
+                         "cannot load adapters inside a module it saves whole; put the adapters on another module")
+    for peft, (name, value) in plain.items():
+        if any(peft == top or peft.startswith(top + ".") for top in to_save):
+            tensors[PREFIX + peft] = to_peft_tensor(name, value, config)
+    if "lm_head" in to_save and tied:
+        tensors[PREFIX + "lm_head.weight"] = state["language_model.embed_tokens.weight"].detach().clone()  # own storage
     cfg: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
@@ -136,7 +172,9 @@ def _top_path(peft_name: str, family: str) -> str:
         return "lm_head"
     if parts[:3] == ["model", "visual", "merger"]:
         return "model.visual.merger"
-    return ".".join(parts[:2]) if family == "qwen2_5_vl" else "model"
+    if parts[:2] == ["model", "visual"]:
+        return "model.visual"
+    return ".".join(parts[:2]) if family == "qwen2_5_vl" or parts[:2] == ["model", "language_model"] else "model"
 
 
 def read_adapter(folder: str | os.PathLike, config: MindVLConfig
@@ -166,9 +204,16 @@ def read_adapter(folder: str | os.PathLike, config: MindVLConfig
             module = from_peft_name(m.group(1) + ".weight", family).removesuffix(".weight")
             adapters[f"{module}.{m.group(2)}"] = value
         else:
-            full[from_peft_name(name.replace(".modules_to_save.default", ""), family)] = value
+            ours = from_peft_name(name.replace(".modules_to_save.default", ""), family)
+            full[ours] = from_peft_tensor(ours, value)
     if not adapters:
         raise ValueError(f"{folder / ADAPTER_WEIGHTS}: no lora_A/lora_B tensors")
+    if config.text.tie_word_embeddings and "language_model.lm_head.weight" in full:
+        # A tied model has no head of its own: PEFT saved its copy of the head, the (trained) embedding itself.
+        head, embed = full.pop("language_model.lm_head.weight"), full.get("language_model.embed_tokens.weight")
+        if embed is None or not torch.equal(head, embed):
+            raise ValueError(f"{folder}: saves an lm_head apart from the embedding, but the base ties the two "
+                             "(tie_word_embeddings); an adapter of an untied base?")
     modules = sorted({n.split(".")[0] for n in adapters})
     targets = sorted({n.rsplit(".", 2)[-2] for n in adapters})
     lora = LoRAConfig(r=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])),
@@ -214,7 +259,12 @@ def adapter_base(folder: str | os.PathLike, base: str | os.PathLike | None = Non
 def load_adapted(folder: str | os.PathLike, base: str | os.PathLike | None = None, merge: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The base (a mindvl model folder) with the adapter folder's adapters, merged by default (chat, eval)."""
-    model = load_plain(adapter_base(folder, base), dtype=None, device=device)
+    base_folder = adapter_base(folder, base)
+    kind = read_config(base_folder).get("model_type") if (base_folder / CONFIG_NAME).is_file() else None
+    if kind is not None and kind != "mindvl":  # e.g. PEFT's adapters name the transformers folder they were made on
+        raise ValueError(f"{folder}: its base {base_folder} is a {kind!r} checkpoint; import it first (mindvl convert "
+                         f"--from-hf {base_folder} --out OUT) and give OUT as the base (--base OUT)")
+    model = load_plain(base_folder, dtype=None, device=device)
     model = apply_adapter(model, folder, merge=merge)
     return model.to(dtype) if dtype is not None else model
 

@@ -315,12 +315,14 @@ def _sync_template_files(out: Path, template: str) -> None:
 
 
 def token_ids_for_config(folder: Path) -> dict[str, Any]:
-    """bos/eos/pad ids for a transformers config.json, from the folder's generation_config.json (None: absent)."""
+    """bos/eos/pad ids for a transformers config.json, from the folder's generation_config.json. An id stated as
+    null stays null (left out, transformers would fall back to its class default, e.g. Qwen's 151643, which may lie
+    outside a small vocabulary); an id the file does not name is left out."""
     path = Path(folder) / GENERATION_CONFIG
     if not path.is_file():
         return {}
     gen = read_json(path)
-    return {k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if gen.get(k) is not None}
+    return {k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in gen}
 
 
 def tokenizer_mismatches(config: MindVLConfig, tok: TextTokenizer) -> list[str]:

@@ -29,8 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-verdict", action="store_true", help="allow one seed: means and differences, no verdicts")
     p.add_argument("--report-only", action="store_true", help="train nothing: report the claims the seeds under "
                    "--out have finished so far (e.g. while the ablation runs in another process)")
-    add_overrides(p, "applied to every training run (e.g. optim.lr=5e-4); they are part of each run's recipe, so a "
-                     "rerun with other ones needs a new --out")
+    add_overrides(p, "applied to every training run of the seeds (e.g. optim.lr=5e-4; the pretrained tower's chain "
+                     "keeps its own recipes and budget); they are part of each run's recipe, so a rerun with other "
+                     "ones needs a new --out")
     p.set_defaults(func=run)
 
 

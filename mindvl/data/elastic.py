@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from .config import DataConfig
 from .schema import SampleRef
-from .sources import ReaderState, Unit, next_line_start, slot_units, tar_keys
+from .sources import ReaderState, Unit, legacy_slot_units, next_line_start, slot_units, tar_data_end, tar_keys
+from .stream import LEGACY_STATE_VERSION as LEGACY_STREAM_STATE_VERSION
 from .stream import STATE_VERSION as STREAM_STATE_VERSION
 
 
@@ -70,17 +71,6 @@ class _Range:
         return [self.epoch, self.file, self.part, self.parts, self.offset, self.line, self.lo, self.hi]
 
 
-def _tar_data_end(path: str, size: int) -> int:
-    """Where a tar shard's members end: the zero blocks after them (end-of-archive marker, padding to tar's 10 KiB
-    records) are not data. Reads the last 64 KiB."""
-    tail = min(size, 1 << 16)
-    with open(path, "rb") as f:
-        f.seek(size - tail)
-        data = f.read(tail)
-    end = size - tail + len(data.rstrip(b"\0"))
-    return min(size, -(-end // 512) * 512)
-
-
 class _Files:
     """One source's files: sizes and kinds; finds JSONL line starts and tar key headers at cuts. A resume reads
     two short stretches per JSONL range (its bounds moved to line starts) and one per tar shard (where its data
@@ -91,6 +81,15 @@ class _Files:
         self.size = [os.path.getsize(path) for path, _ in files]
         self.tar = [kind == "tar" for _, kind in files]
         self._data_end: dict[int, int] = {}
+
+    def weights(self) -> list[int]:
+        """Bytes of records per file, as the readers' deal weighs them (sources.file_weights)."""
+        return [self.data_end(f) if self.tar[f] else self.size[f] for f in range(len(self.size))]
+
+    def data_end(self, file: int) -> int:
+        if file not in self._data_end:
+            self._data_end[file] = tar_data_end(self.path[file], self.size[file])
+        return self._data_end[file]
 
     def line_start(self, file: int, pos: int) -> tuple[int, int]:
         """(first JSONL line start at or after pos, its line number or 0 when unknown)."""
@@ -123,10 +122,8 @@ class _Files:
         else:
             lo, hi = size * part // parts, size * (part + 1) // parts
         if self.tar[file]:
-            if file not in self._data_end:
-                self._data_end[file] = _tar_data_end(self.path[file], size)
-            return _Range(epoch, file, part, parts, offset, line, max(lo, offset or 0),
-                          min(hi, self._data_end[file]), True)
+            return _Range(epoch, file, part, parts, offset, line, max(lo, offset or 0), min(hi, self.data_end(file)),
+                          True)
         if offset is None:
             offset, line = self.line_start(file, lo)
         return _Range(epoch, file, part, parts, offset, line, max(lo, offset), self.line_start(file, hi)[0], False)
@@ -152,18 +149,20 @@ class _Files:
         return dataclasses.replace(r, hi=cut), dataclasses.replace(r, offset=cut, line=line, lo=cut)
 
 
-def _pieces(reader: ReaderState, n_files: int, n_slots: int, slot: int, seed: int, source: int, last_epoch: int,
-            max_epochs: int | None) -> list[list]:
-    """The unread work of one old slot for one source, through `last_epoch`, as carry pieces."""
+def _pieces(reader: ReaderState, files: _Files, n_slots: int, slot: int, seed: int, source: int, last_epoch: int,
+            max_epochs: int | None, legacy: bool) -> list[list]:
+    """The unread work of one old slot for one source, through `last_epoch`, as carry pieces (`legacy`: the slot's
+    state was written with the whole-file deal of stream state version 1)."""
     pieces = [list(p) for p in reader.carry]
     stop = last_epoch + 1 if max_epochs is None else min(last_epoch + 1, max_epochs)
     for epoch in range(reader.epoch, stop):
-        units = slot_units(n_files, n_slots, slot, seed, source, epoch)
+        units = legacy_slot_units(len(files.path), n_slots, slot, seed, source, epoch) if legacy else \
+            slot_units(files.weights(), n_slots, slot, seed, source, epoch)
         first = reader.unit if epoch == reader.epoch else 0
         for k, unit in enumerate(units[first:]):
             at_position = epoch == reader.epoch and k == 0
             pieces.append([epoch, unit.file, unit.part, unit.parts, reader.offset if at_position else None,
-                           reader.line if at_position else 0])
+                           reader.line if at_position else 0, *(unit.span or ())])
     return pieces
 
 
@@ -199,16 +198,18 @@ def reshard_loader_states(old: list[dict], cfg: DataConfig, files: list, new_wor
     readers = [[ReaderState.from_dict(s["readers"][i]) if s else ReaderState() for i in range(n_src)]
                for s in old_streams]
     last_epoch = [max(r[i].epoch for r in readers) for i in range(n_src)]
+    legacy = [bool(s) and s.get("version") == LEGACY_STREAM_STATE_VERSION for s in old_streams]
 
     buffered = [SampleRef.from_list(entry[0]) for s in old_streams if s for entry in s["packer"]["buffer"]]
     new_carry: list[list[list[list]]] = [[[] for _ in range(n_src)] for _ in range(n_new)]
     for src in range(n_src):
+        source_files = _Files(files[src])
         pieces = []
         for slot, r in enumerate(readers):
-            pieces += _pieces(r[src], len(files[src]), n_old, slot, cfg.seed, src, last_epoch[src], max_epochs)
+            pieces += _pieces(r[src], source_files, n_old, slot, cfg.seed, src, last_epoch[src], max_epochs,
+                              legacy[slot])
         # Records read into a packing buffer but not packed: one-record pieces, dealt with the oldest epoch's rest
         # (so they count in the even deal; they were read before every reader's position).
-        source_files = _Files(files[src])
         oldest = min((p[0] for p in pieces), default=0)
         pieces[:0] = [source_files.one_record(oldest, ref) for ref in buffered if ref.source == src]
         for epoch in sorted({p[0] for p in pieces}):  # every slot reads its share of an epoch before the next one's

@@ -7,6 +7,14 @@ largest sample that still fits both budgets (best fit). With a buffer of a few h
 always a small one left to fill the gap, which is what gets >98% of token slots used at 8K. Ties go to the sample
 that arrived first, so the result is a pure function of the arrival order.
 
+How long a sample can wait (the bound `test_data_packing` checks): a sample that enters the buffer while it holds
+`k` older samples (k <= buffer_size - 1) is in one of the next `max_wait + k` packs. Once it has waited `max_wait`
+packs, so has every older sample, and each pack then opens with the oldest one; after at most k such packs it is the
+oldest. With the default `max_wait = 2 x buffer_size` a small record can so trail larger ones by up to
+`3 x buffer_size - 1` packs of its reading slot (a slot makes one in every `num_workers` of its rank's packs), and at
+the last step of a one-epoch budget up to `buffer_size` of the epoch's records per slot may still be buffered: they
+are trained first thing in the next epoch's steps (a finite `max_epochs` flushes them at the end instead).
+
 `Packer.state_dict()` holds only the buffered samples' refs and arrival ticks; the stream re-reads them on resume.
 """
 

@@ -1,12 +1,15 @@
 """Reading sources: JSONL files and WebDataset tar shards, split over (rank, worker), resumable.
 
-A source is a list of files (globs expanded, sorted). The unit of work is a *part* of a file: when there are fewer
-files than reading slots (ranks x workers), each file is cut into `parts` pieces so every slot has work — a JSONL
-part is a byte range (a line belongs to the part holding its first byte; a part finds its first line by reading
-forward from its start offset, never by scanning from byte 0), a tar part is every `parts`-th key. A source with
-fewer records than slots leaves some slots' shares empty in an epoch; those slots move on to the next epoch. Each
-epoch, the units are shuffled with a seed derived from (seed, source, epoch) and dealt round-robin to the slots, so
-a rank only ever opens its own units and all ranks agree on the split without talking to each other.
+A source is a list of files (globs expanded, sorted). Each epoch its files are shuffled with a seed derived from
+(seed, source, epoch), laid end to end, and the whole is cut into as many stretches of equal bytes as there are
+reading slots (ranks x workers); slot s reads stretch (s + r) mod n_slots, r a seeded rotation per epoch. A stretch
+is a list of *units*, byte ranges of files: a JSONL line belongs to the range holding its first byte (a range finds
+its first line by reading forward from its start offset, never by scanning from byte 0), a tar key to the range
+holding its first member's header. So every slot reads the same number of bytes per epoch, however many records
+each file holds (dealing whole files made a 2-rank run over 97/143/66-record files train 56 records twice and 56
+never in one epoch's steps), every record is read once per epoch across all slots, and all ranks agree on the deal
+without talking to each other. A source with fewer records than slots leaves some slots' shares empty in an epoch;
+those slots move on to the next epoch (the rotation gives every slot its turn at every record).
 
 A `SourceReader` walks one slot's units and yields `RawItem`s; its position (epoch, unit, byte offset, line) is its
 whole state. `read_ref(ref)` reads one record again from its byte offset, which is how the packing buffer is
@@ -68,11 +71,18 @@ def resolve_files(paths: list[str], fmt: str, where: str) -> list[tuple[str, str
 
 @dataclass(frozen=True)
 class Unit:
-    """Part `part` of `parts` of file `file` (index into the source's file list)."""
+    """Part `part` of `parts` of file `file` (index into the source's file list), or, given `lo`/`hi`, the records of
+    that file whose first byte (a tar key's first header) lies in [lo, hi)."""
 
     file: int
     part: int
     parts: int
+    lo: int | None = None
+    hi: int | None = None
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        return None if self.lo is None or self.hi is None else (self.lo, self.hi)
 
 
 def derived_seed(*parts: Any) -> int:
@@ -82,26 +92,58 @@ def derived_seed(*parts: Any) -> int:
 
 def empty_epoch_limit(n_slots: int) -> int:
     """Consecutive epochs without a record after which a slot gives up on a source. A record lands in a given
-    slot's share with probability >= 1/n_slots per epoch, so a source with even one record fails this with
-    probability below (1 - 1/n)^(32n + 32) < e^-32."""
+    slot's share with probability 1/n_slots per epoch (the seeded rotation of the stretches), so a source with even
+    one record fails this with probability below (1 - 1/n)^(32n + 32) < e^-32."""
     return 32 * n_slots + 32
 
 
-def epoch_units(n_files: int, n_slots: int, seed: int, source: int, epoch: int) -> list[Unit]:
-    """All units of a source for one epoch, shuffled; slot s reads `units[s::n_slots]`.
+def tar_data_end(path: str, size: int) -> int:
+    """Where a tar shard's members end: the zero blocks after them (end-of-archive marker, padding to tar's 10 KiB
+    records) are not data. Reads the last 64 KiB."""
+    tail = min(size, 1 << 16)
+    with open(path, "rb") as f:
+        f.seek(size - tail)
+        data = f.read(tail)
+    end = size - tail + len(data.rstrip(b"\0"))
+    return min(size, -(-end // 512) * 512)
 
-    A source smaller than the number of slots still works: its files are cut into at least one part per slot, a
-    record belongs to exactly one part (by its first byte, or its key ordinal in a tar shard), and each part is
-    dealt to exactly one slot, so every record is read once per epoch across all slots, even when some slots'
-    parts hold no record that epoch."""
-    parts = max(1, -(-n_slots // n_files))  # ceil: at least one unit per slot
-    units = [Unit(f, p, parts) for f in range(n_files) for p in range(parts)]
-    random.Random(derived_seed("units", seed, source, epoch)).shuffle(units)
+
+def file_weights(files: list[tuple[str, str]]) -> list[int]:
+    """Bytes of records per file, what the deal splits evenly: a JSONL file's size, a tar shard's up to where its
+    members end (a tiny shard is mostly padding). Measured once per reader: a stat per file, plus a 64 KiB read at
+    the end of each tar shard."""
+    return [tar_data_end(path, os.path.getsize(path)) if kind == "tar" else os.path.getsize(path)
+            for path, kind in files]
+
+
+def slot_units(weights: list[int], n_slots: int, slot: int, seed: int, source: int, epoch: int) -> list[Unit]:
+    """Slot `slot`'s units of one epoch: its stretch of the epoch's shuffled files laid end to end (`weights`: bytes
+    per file, `file_weights`), cut at multiples of total/n_slots bytes. Together the slots' units cover every byte of
+    every file exactly once, so every record is read once per epoch across all slots (a record belongs to the unit
+    holding its first byte), and the slots' shares of bytes differ by at most one."""
+    order = list(range(len(weights)))
+    rng = random.Random(derived_seed("units", seed, source, epoch))
+    rng.shuffle(order)
+    stretch = (slot + rng.randrange(n_slots)) % n_slots
+    total = sum(weights)
+    lo, hi = total * stretch // n_slots, total * (stretch + 1) // n_slots
+    units, start = [], 0
+    for f in order:
+        a, b = max(lo, start), min(hi, start + weights[f])
+        if a < b:
+            units.append(Unit(f, 0, 1, a - start, b - start))
+        start += weights[f]
     return units
 
 
-def slot_units(n_files: int, n_slots: int, slot: int, seed: int, source: int, epoch: int) -> list[Unit]:
-    return epoch_units(n_files, n_slots, seed, source, epoch)[slot::n_slots]
+def legacy_slot_units(n_files: int, n_slots: int, slot: int, seed: int, source: int, epoch: int) -> list[Unit]:
+    """The deal of data states written before byte stretches (stream state version 1): whole files (cut into
+    `parts` when there were fewer files than slots) shuffled and dealt round-robin. Only read to continue such a
+    state through the elastic path."""
+    parts = max(1, -(-n_slots // n_files))
+    units = [Unit(f, p, parts) for f in range(n_files) for p in range(parts)]
+    random.Random(derived_seed("units", seed, source, epoch)).shuffle(units)
+    return units[slot::n_slots]
 
 
 @dataclass
@@ -486,13 +528,16 @@ class SourceReader:
         self.max_record_bytes = max_record_bytes
         self.max_media_bytes = max_media_bytes
         self.state = state or ReaderState()
+        self._weights: list[int] | None = None  # file_weights, measured once (the deal of every epoch uses them)
         self._it: Iterator | None = None
         self._units: list[Unit] | None = None
         self._units_epoch = -1
 
     def _epoch_units(self) -> list[Unit]:
         if self._units_epoch != self.state.epoch:
-            self._units = slot_units(len(self.files), self.n_slots, self.slot, self.seed, self.source, self.state.epoch)
+            if self._weights is None:
+                self._weights = file_weights(self.files)
+            self._units = slot_units(self._weights, self.n_slots, self.slot, self.seed, self.source, self.state.epoch)
             self._units_epoch = self.state.epoch
         return self._units  # type: ignore[return-value]
 
@@ -522,7 +567,7 @@ class SourceReader:
                 path, kind = self.files[unit.file]
                 opener = self._opener(kind)
                 self._it = opener(path, unit.file, self.source, unit, self.state.offset, self.state.line,
-                                  self.max_record_bytes)
+                                  self.max_record_bytes, unit.span)
             try:
                 item, offset, line = next(self._it)
             except StopIteration:

@@ -20,7 +20,8 @@ from .sources import RawItem, ReaderState, SourceReader, derived_seed, empty_epo
 from .tokenizer import TextTokenizer
 from .video import video_settings
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: readers deal byte stretches (sources.slot_units)
+LEGACY_STATE_VERSION = 1  # whole files dealt round-robin: continued through mindvl.data.elastic, never as is
 
 
 def held_out(ref: SampleRef, fraction: float) -> bool:
@@ -168,6 +169,10 @@ class PackStream:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("version") == LEGACY_STATE_VERSION:
+            raise ValueError(f"data state version {LEGACY_STATE_VERSION} deals whole files to reading slots, this "
+                             "version deals byte stretches; continue it with mindvl.data.elastic."
+                             "reshard_loader_states (a trainer resume does)")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')} is not {STATE_VERSION}")
         if list(state["slot"]) != [self.slot, self.n_slots]:

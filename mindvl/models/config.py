@@ -151,6 +151,9 @@ class VisionConfig:
         self.deepstack_visual_indexes = list(self.deepstack_visual_indexes or [])
         _require(all(0 <= i < self.depth for i in self.deepstack_visual_indexes), w,
                  f"deepstack_visual_indexes {self.deepstack_visual_indexes} must lie in [0, depth={self.depth})")
+        _require(len(set(self.deepstack_visual_indexes)) == len(self.deepstack_visual_indexes), w,
+                 f"deepstack_visual_indexes {self.deepstack_visual_indexes} names a block more than once (its "
+                 "merger after the first would never run)")
         self.fullatt_block_indexes = []  # every block attends over its whole frame: no windows
 
     @property

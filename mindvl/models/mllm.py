@@ -65,18 +65,23 @@ def mrope_position_ids(
     video_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
     second_per_grid_ts: torch.Tensor | list[float] | None = None,
     tokens_per_second: int = 2,
+    video_frames_apart: bool = False,
 ) -> torch.Tensor:
     """3-D M-RoPE positions [3, T] for a packed row, restarting at 0 in every sample (transformers' get_rope_index).
 
     Text tokens advance all three rows together; a vision item's pad tokens get (time, row, col) offsets from the
     running position and the text after it resumes at the running position + max(h, w) / merge. The time index of
     frame group k is `int(k * tokens_per_second * second_per_grid_t)` for a video (Qwen2.5-VL's absolute-time
-    alignment, computed in float32 as transformers does) and k for an image (always 0: images have t = 1).
+    alignment, computed in float32 as transformers does) and k for an image (0 for the t = 1 of a processed image).
 
     Grids are consumed in order of appearance: with `video_grid_thw` the videos' grids come from it (transformers'
     form); without it every vision item, image or video, takes the next row of `image_grid_thw` (mindvl's packed
     form, where pixel rows and grids of images and videos share one stream). `second_per_grid_ts` [n_videos]
     (default 1.0 each, as in transformers) holds each video's seconds per temporal patch.
+
+    `video_frames_apart` (Qwen3-VL, whose prompt writes a timestamp before every video frame): each temporal patch of
+    a video is a vision item of its own (t = 1), its grid row read one frame per pad run; an image stays one item
+    with time offsets 0..t-1 whatever its t, as transformers' get_rope_index places it.
     """
     ids = input_ids.tolist()  # the token ids decide the positions: packers compute these on the host
     image_grids = host_grids(image_grid_thw)
@@ -84,7 +89,8 @@ def mrope_position_ids(
     seconds = torch.as_tensor(second_per_grid_ts if second_per_grid_ts is not None else [], dtype=torch.float32)
     pos = torch.empty(3, len(ids), dtype=torch.long)
     bounds = host_offsets(cu_seqlens)
-    image = video = 0
+    image = video = frames_left = 0
+    t = h = w = 0
     vision = {image_token_id} | ({video_token_id} if video_token_id is not None else set())
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         cur, i = 0, start
@@ -98,7 +104,9 @@ def mrope_position_ids(
                 i = j
                 continue
             is_video = ids[i] != image_token_id
-            if is_video and video_grids is not None:
+            if is_video and frames_left:  # the next frame of a video whose frames are items of their own
+                frames_left -= 1
+            elif is_video and video_grids is not None:
                 if video >= len(video_grids):
                     raise ValueError("more video-pad runs than videos in video_grid_thw")
                 t, h, w = video_grids[video]
@@ -107,12 +115,17 @@ def mrope_position_ids(
                     raise ValueError("more vision-pad runs than grids in image_grid_thw")
                 t, h, w = image_grids[image]
                 image += 1
+            if is_video and video_frames_apart:
+                if not frames_left:  # a new video: its other frames follow in the next pad runs
+                    frames_left = t - 1
+                    video += 1
+                t = 1
             lh, lw = h // spatial_merge_size, w // spatial_merge_size
             n = t * lh * lw
             if i + n > end:
                 raise ValueError(f"a vision item needs {n} pad tokens but its sample ends after {end - i}")
             frames = torch.arange(t)
-            if is_video:
+            if is_video and not video_frames_apart:
                 seconds_per_t = seconds[video] if video < len(seconds) else torch.tensor(1.0)
                 frames = (frames * (tokens_per_second * seconds_per_t)).long()  # float32, truncated
                 video += 1
@@ -132,14 +145,6 @@ def pack_layout(config: MindVLConfig, input_ids: torch.Tensor, cu_seqlens: torch
     trainer calls it on the host copy of each pack, before the copy to the device."""
     pad_ids = (config.image_token_id, config.video_token_id) if config.vision is not None else ()
     return PackLayout.read(cu_seqlens, image_grid_thw, input_ids if pad_ids else None, pad_ids, labels)
-
-
-def split_frames(grid_thw: torch.Tensor | Sequence[Sequence[int]] | None) -> tuple[tuple[int, int, int], ...] | None:
-    """[N, 3] grids -> one (1, h, w) row per frame, as host ints: a video of t temporal patches becomes t items
-    (Qwen3-VL)."""
-    if grid_thw is None:
-        return None
-    return tuple((1, h, w) for t, h, w in host_grids(grid_thw) for _ in range(t))
 
 
 def next_token_targets_from_offsets(labels: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
@@ -218,7 +223,11 @@ class MindVL(nn.Module):
         mergers = self.projector.deepstack
         if mergers is None:  # DeepStack off (no indexes, or an ablation)
             return self.projector(hidden), []
-        return self.projector(hidden), [m(h) for m, h in zip(mergers, stack, strict=True)]
+        # `stack` is in block order; block b's states go through merger indexes.index(b) (transformers' order,
+        # whatever order the indexes are listed in).
+        indexes = self.config.vision.deepstack_visual_indexes
+        return self.projector(hidden), [mergers[indexes.index(b)](h)
+                                        for b, h in zip(sorted(indexes), stack, strict=True)]
 
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None) -> torch.Tensor:
@@ -303,13 +312,12 @@ class MindVL(nn.Module):
         sample, vision pads included: what generation feeds a 1-D RoPE model, so training must use the same."""
         if self.config.uses_mrope:
             merge = self.config.vision.spatial_merge_size if self.config.vision else 2
-            if self.config.vision is not None and self.config.vision.family == "qwen3_vl":
-                # Qwen3-VL writes a timestamp before every video frame, so each frame is its own vision item (t = 1):
-                # no temporal offsets, and the text between frames advances the position.
-                image_grid_thw, video_grid_thw = split_frames(image_grid_thw), split_frames(video_grid_thw)
+            # Qwen3-VL writes a timestamp before every video frame, so each frame is its own vision item (t = 1):
+            # no temporal offsets, and the text between frames advances the position (an image keeps its t).
+            frames_apart = self.config.vision is not None and self.config.vision.family == "qwen3_vl"
             return mrope_position_ids(input_ids, cu_seqlens, image_grid_thw, self.config.image_token_id, merge,
                                       self.config.video_token_id, video_grid_thw, second_per_grid_ts,
-                                      self.config.tokens_per_second)
+                                      self.config.tokens_per_second, frames_apart)
         bounds = host_offsets(cu_seqlens)
         pieces = [torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         return to_device(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long), input_ids.device)

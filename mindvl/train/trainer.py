@@ -130,9 +130,13 @@ class ShardedBatches:
         self._iters = [None] * len(self.loaders)
 
     def same_layout(self, old_rank_states: list[dict]) -> bool:
-        """Was the checkpoint written with this many data shards and loader workers (exact resume)?"""
+        """Was the checkpoint written with this many data shards and loader workers (exact resume), by this version's
+        deal of the data (a state of the whole-file deal continues through the elastic path)?"""
+        from mindvl.data.stream import STATE_VERSION
+
         old = list(_states_by_shard(old_rank_states).values())
-        return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old)
+        return len(old) == self.n_shards and all(ld["num_streams"] == self.loaders[0].n_streams for ld in old) and \
+            all(st is None or st["version"] == STATE_VERSION for ld in old for st in ld["streams"])
 
     def load_shards(self, old_rank_states: list[dict]) -> None:
         """Exact resume with the same data shards and workers, whichever rank held which shard before (a step

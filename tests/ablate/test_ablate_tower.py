@@ -148,3 +148,32 @@ def test_cli_vision_tower_that_is_no_model_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--vision-tower" in err and "nowhere" in err
     assert not out.exists()
+
+
+def test_overrides_reach_the_seeds_and_never_the_towers_chain(tmp_path, monkeypatch):
+    """`mindvl ablate merge max_steps=40`: the tower's chain trains on its own recipes and budget (the override
+    would starve it under its reading gate, refused only after the whole chain had trained); the seeds' runs take
+    the override. Training is recorded, not run."""
+    import mindvl.ablate.runner as runner
+
+    calls = []
+
+    class _Stop(Exception):
+        pass
+
+    def train_stages(names, root, seed, steps, recipes, cache, overrides, models, log=print):
+        calls.append((root.parent.name, list(overrides)))
+        if root.parent.name != "tower":
+            raise _Stop  # the first seed's first training: enough seen
+        for name in names:
+            models[name] = root / name / "final"
+        return {}
+
+    monkeypatch.setattr(runner, "train_stages", train_stages)
+    monkeypatch.setattr(runner, "_reads_pages", lambda model, out, benches: {"chartqa": 0.9, "docvqa": 0.9})
+    monkeypatch.setattr(runner, "_benchmarks", lambda folder, n: {})
+    monkeypatch.setattr(runner, "make_merge", lambda name, root, models, log=print: root / name)
+    with pytest.raises(_Stop):
+        run_ablation(["lm-merge"], 2, tmp_path / "out", TWO, small_recipes(tmp_path / "recipes"),
+                     overrides=["max_steps=40"], verdicts=False, log=quiet)
+    assert calls[0] == ("tower", []) and calls[1] == ("out", ["max_steps=40"]), calls

@@ -345,3 +345,98 @@ def test_elastic_resume_onto_more_loader_workers_reads_every_record_once(tmp_pat
     (name,) = [s.name for s in cfg.sources]
     s0, s1 = (stream["consumed"][name]["samples"] for stream in new.state_dict()["streams"])
     assert s0 - 75 + s1 == len(ids) - 75 and abs((s0 - 75) - s1) <= 1, (s0, s1)
+
+
+# ---------------------------------------------------------------------------------------------- a fresh N-rank start
+
+
+def _three_unequal_files(tmp_path, kind="jsonl", counts=(97, 143, 66), pack_buffer=1):
+    """Three files of 97 / 143 / 66 equal-size records (ids r000..r305; one record per pack at seq_len 40)."""
+    from data_helpers import qa, write_jsonl, write_tar
+
+    paths, n = [], 0
+    for f, count in enumerate(counts):
+        recs = [qa(f"question {n + i:03d}", f"id r{n + i:03d} end") for i in range(count)]
+        if kind == "tar":
+            paths.append(str(write_tar(tmp_path / f"p{f}.tar", [(f"k{n + i:03d}", {"json": json.dumps(r).encode()})
+                                                                 for i, r in enumerate(recs)])))
+        else:
+            paths.append(str(write_jsonl(tmp_path / f"p{f}.jsonl", recs)))
+        n += count
+    cfg = DataConfig.from_dict({"sources": [{"paths": paths}], "seq_len": 40, "pack_buffer": pack_buffer,
+                                "default_system": None})
+    return cfg, {f"r{i:03d}" for i in range(n)}
+
+
+@pytest.mark.parametrize("kind,world", [("jsonl", 2), ("jsonl", 3), ("tar", 2), ("tar", 3)])
+def test_fresh_run_of_one_epochs_steps_trains_every_record_once(tmp_path, tok, kind, world):
+    """A fresh run on `world` ranks (each rank's loader, as the trainer builds it), in the steps of one epoch
+    (306 records, one per pack, so 306 / world steps): every record exactly once (the ids decoded from the packs).
+    Before the byte-stretch deal, whole files went to ranks: 2 ranks trained 250 distinct records (56 twice)."""
+    import collections
+    import math
+
+    cfg, ids = _three_unequal_files(tmp_path, kind)
+    steps = math.ceil(len(ids) / world)
+    seen = _lockstep([iter(PackLoader(cfg, tok, r, world)) for r in range(world)], steps, tok)
+    counts = collections.Counter(seen)
+    assert len(seen) == len(ids) and set(counts) == ids and set(counts.values()) == {1}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_fresh_run_with_loader_workers_reads_even_shares_once(tmp_path, tok):
+    """2 ranks x 2 worker processes, a one-epoch budget, packs of several records (pack_buffer 8): every record once,
+    and the four reading slots' shares (records of equal size) differ by at most one."""
+    import collections
+    import dataclasses
+
+    cfg, ids = _three_unequal_files(tmp_path, pack_buffer=8)
+    cfg = dataclasses.replace(cfg, num_workers=2)
+    seen, shares = [], []
+    for rank in range(2):
+        ld = PackLoader(cfg, tok, rank, 2, max_epochs=1)
+        seen += [i for pack in ld for i in _record_ids(tok, pack)]
+        (name,) = [s.name for s in cfg.sources]
+        shares += [stream["consumed"][name]["samples"] for stream in ld.state_dict()["streams"]]
+    counts = collections.Counter(seen)
+    assert set(counts) == ids and set(counts.values()) == {1}
+    assert sum(shares) == len(ids) and max(shares) - min(shares) <= 1, shares
+
+
+def test_a_state_of_the_whole_file_deal_continues_through_the_elastic_path(tmp_path, tok):
+    """A checkpoint written before the byte-stretch deal (stream state version 1, whole files dealt round-robin) is
+    refused as is, and continues exactly through reshard_loader_states on the same layout: the whole epoch once."""
+    import collections
+    import re
+
+    from mindvl.data.elastic import reshard_loader_states
+    from mindvl.data.sources import legacy_slot_units
+
+    cfg, ids = _three_unequal_files(tmp_path)
+    files = PackLoader(cfg, tok, 0, 2).files
+    # What a version-1 run read in 30 steps on 2 ranks: its first 30 records of its first legacy unit(s).
+    old_states, seen = [], []
+    for rank in range(2):
+        (unit, *_) = legacy_slot_units(3, 2, rank, cfg.seed, 0, 0)
+        path = files[0][unit.file][0]
+        lines = open(path, "rb").read().splitlines(keepends=True)
+        offset = sum(len(x) for x in lines[:30])
+        seen += [i for x in lines[:30] for i in re.findall(r"id (r\d+) end", x.decode())]
+        state = PackLoader(cfg, tok, rank, 2).state_dict()
+        state["streams"] = [{"version": 1, "slot": [rank, 2],
+                             "readers": [{"epoch": 0, "unit": 0, "offset": offset, "line": 31}],
+                             "mixture": {"draws": 30}, "packer": {"packs_made": 30, "order": 30, "buffer": []},
+                             "skipped": {}, "consumed": {}, "truncated": 0, "exhausted": [False],
+                             "epoch_valid": [[0, 30, 0, 0]]}]
+        old_states.append(state)
+    as_is = PackLoader(cfg, tok, 0, 2)
+    as_is.load_state_dict(old_states[0])
+    with pytest.raises(ValueError, match="version 1 deals whole files"):
+        next(iter(as_is))
+    new = reshard_loader_states(old_states, cfg, files, 2, max_epochs=1)
+    for rank, state in enumerate(new):
+        ld = PackLoader(cfg, tok, rank, 2, max_epochs=1)
+        ld.load_state_dict(state)
+        seen += [i for pack in ld for i in _record_ids(tok, pack)]
+    counts = collections.Counter(seen)
+    assert set(counts) == ids and set(counts.values()) == {1}

@@ -114,6 +114,57 @@ def test_no_starvation():
     assert waited is not None and waited <= 6
 
 
+@pytest.mark.parametrize("buffer_size,max_wait,older", [(8, 16, 6), (8, 5, 3), (4, 8, 2), (16, 32, 0)])
+def test_a_small_samples_wait_is_max_wait_plus_the_older_samples_at_most_and_that_is_reached(buffer_size, max_wait,
+                                                                                            older):
+    """The bound the module states: a sample that arrives behind `older` buffered samples is packed within
+    max_wait + older packs. Worst case built by hand: the older samples (60 tokens) and the small one (45) never fit
+    together, and a 100-token sample (a whole pack, always the largest) arrives after every pack, so nothing of
+    them is packed until they are forced, oldest first, one per pack: the small one waits exactly max_wait + older."""
+    packer = Packer(seq_len=100, buffer_size=buffer_size, max_wait=max_wait)
+    for i in range(older):
+        packer.add(fake_sample(i, 60))
+    packer.add(fake_sample(99, 45))  # the small one
+    n = older + 1
+    while not packer.full:
+        packer.add(fake_sample(n, 100))
+        n += 1
+    arrival, packed_at = 0, None
+    while packed_at is None:
+        chosen = {s.where for s in packer.select()}
+        if "s99" in chosen:
+            packed_at = packer.packs_made - 1  # this pack's index (packs_made counts it already)
+        packer.add(fake_sample(n, 100))
+        n += 1
+    assert packed_at - arrival == max_wait + older
+
+
+def test_no_sample_waits_longer_than_the_stated_bound_on_a_realistic_mix():
+    """Random long-tailed lengths (every sample's arrival, its older companions and the pack it lands in
+    recorded): each wait <= max_wait + older <= max_wait + buffer_size - 1, and the bound is approached."""
+    lengths = realistic_lengths(3000, seed=4)
+    packer = Packer(seq_len=2048, buffer_size=16)  # default max_wait: 32
+    arrived: dict[str, tuple[int, int]] = {}
+    worst = 0
+
+    def pack() -> None:
+        nonlocal worst
+        index = packer.packs_made
+        for s in packer.select():
+            arrival, older = arrived.pop(s.where)
+            assert index - arrival <= packer.max_wait + older <= packer.max_wait + packer.buffer_size - 1
+            worst = max(worst, index - arrival)
+
+    for i, n in enumerate(lengths):
+        arrived[f"s{i}"] = (packer.packs_made, len(packer.buffer))
+        packer.add(fake_sample(i, min(n, 2048)))
+        if packer.full:
+            pack()
+    while packer.buffer:
+        pack()
+    assert not arrived and worst >= packer.max_wait  # small samples really are held back that long
+
+
 @pytest.mark.parametrize("seq_len,minimum", [(2048, 0.99), (4096, 0.99), (8192, 0.99)])
 def test_packing_efficiency_on_a_realistic_mix(seq_len, minimum):
     lengths = [min(n, seq_len) for n in realistic_lengths(4000, seed=seq_len)]

@@ -15,9 +15,9 @@ from mindvl.data.config import DataConfig, SourceConfig
 from mindvl.data.schema import BadSample, SampleRef
 from mindvl.data.sources import (
     SourceReader,
-    epoch_units,
     item_to_conversation,
     resolve_files,
+    slot_units,
 )
 from mindvl.data.stream import PackStream
 
@@ -244,12 +244,26 @@ def test_tar_parts_partition_keys(tmp_path):
     assert all(keys)
 
 
-def test_epoch_shuffle_is_deterministic_and_changes_per_epoch():
-    a0 = epoch_units(50, 4, seed=7, source=0, epoch=0)
-    assert a0 == epoch_units(50, 4, seed=7, source=0, epoch=0)
-    assert a0 != epoch_units(50, 4, seed=7, source=0, epoch=1)
-    assert a0 != epoch_units(50, 4, seed=8, source=0, epoch=0)
-    assert sorted(u.file for u in a0) == list(range(50))
+def test_epoch_deal_is_deterministic_changes_per_epoch_and_covers_every_byte_once():
+    weights = [97 * 3 + f for f in range(50)]
+    a0 = [slot_units(weights, 4, s, seed=7, source=0, epoch=0) for s in range(4)]
+    assert a0 == [slot_units(weights, 4, s, seed=7, source=0, epoch=0) for s in range(4)]
+    assert a0 != [slot_units(weights, 4, s, seed=7, source=0, epoch=1) for s in range(4)]
+    assert a0 != [slot_units(weights, 4, s, seed=8, source=0, epoch=0) for s in range(4)]
+    covered = sorted((u.file, u.lo, u.hi) for units in a0 for u in units)
+    for f in range(50):  # every file's bytes, each once, in ranges that meet end to end
+        mine = [(lo, hi) for g, lo, hi in covered if g == f]
+        assert mine[0][0] == 0 and mine[-1][1] == weights[f]
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
+    shares = [sum(u.hi - u.lo for u in units) for units in a0]
+    assert max(shares) - min(shares) <= 1 and sum(shares) == sum(weights)
+
+
+def test_the_rotation_gives_a_one_record_file_to_every_slot():
+    """A stretch's bytes go to each slot in turn across epochs (the first byte of a file is not always slot 0's)."""
+    holders = {next(s for s in range(3) if any(u.lo == 0 for u in slot_units([10], 3, s, 0, 0, e)))
+               for e in range(40)}
+    assert holders == {0, 1, 2}
 
 
 def test_two_epochs_each_record_once_per_epoch(tmp_path):

@@ -1,8 +1,8 @@
 """Context parallelism (parallel.context_parallel): the Ulysses all-to-all attention equals plain attention; CP=2
 training over 2 gloo processes (packed multi-sample rows with images and M-RoPE) equals the 1-process run step by
-step (losses within 1e-5 relative, final weights within 1e-5), and so does CP=2 x FSDP 2 over 4 processes (KV
-heads replicated at CP=4 too); a checkpoint written at CP=2 resumes at CP=1 in one process (DCP resharding); bad
-sizes get one-line errors naming the key."""
+step (losses and gradient norms within 1e-5 relative, final weights within 1e-5 at AdamW eps 1e-5), and so does
+CP=2 x FSDP 2 over 4 processes (KV heads replicated at CP=4 too); a checkpoint written at CP=2 resumes at CP=1 in
+one process (DCP resharding); bad sizes get one-line errors naming the key."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import CLI, assert_same_run, raw_recipe, run, run_ranks, write_recipe
+from train_helpers import CLI, ODD_VOCAB, PARALLEL_EPS, assert_same_run, raw_recipe, run, run_ranks, write_recipe
 
 from mindvl.config import load_recipe
 
@@ -21,9 +21,12 @@ TOL = 1e-5  # float32
 
 def cp_raw(out: Path, cache: Path, cp: int, batch: dict | None = None, **parallel) -> dict:
     """The tiny test recipe (4 heads, 2 KV heads, M-RoPE, a 2-block ViT, 192-token packs of several samples with
-    images), 3 steps of 2 packs each unless `batch` says otherwise."""
+    images, an odd vocabulary of 701, AdamW eps 1e-5: train_helpers.PARALLEL_EPS), 3 steps of 2 packs each unless
+    `batch` says otherwise."""
     raw = raw_recipe(out, cache, budget={"max_steps": 3}, batch=batch or {"global_batch_size": 2},
                      checkpoint={"every": 1, "keep": 3})
+    raw["model"]["arch"]["text"]["vocab_size"] = ODD_VOCAB
+    raw["optim"]["eps"] = PARALLEL_EPS
     raw["parallel"] = {"context_parallel": cp, **parallel}
     return raw
 

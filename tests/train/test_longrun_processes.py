@@ -117,11 +117,11 @@ def malformed_lines_read(path: Path, pos: ReaderState, slot: int, n_slots: int, 
     bad_starts = [st for st in starts if data[st:].startswith(b'{"messages": [oops')]
     count = 0
     for epoch in range(pos.epoch + 1):
-        units = slot_units(1, n_slots, slot, seed, 0, epoch)
+        units = slot_units([len(data)], n_slots, slot, seed, 0, epoch)
         for k, unit in enumerate(units):
             if epoch == pos.epoch and k > pos.unit:
                 break
-            lo, hi = len(data) * unit.part // unit.parts, len(data) * (unit.part + 1) // unit.parts
+            lo, hi = unit.lo, unit.hi
             if epoch == pos.epoch and k == pos.unit:
                 hi = lo if pos.offset is None else pos.offset  # read up to its current offset
             count += sum(lo <= st < hi for st in bad_starts)
@@ -227,3 +227,38 @@ def test_a_second_signal_exits_at_once(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
     assert "SIGINT received" in err and "second signal (SIGINT): exiting now" in err
     assert "KeyboardInterrupt" not in err and not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_fresh_multi_process_run_of_one_epochs_steps_trains_every_record_once(tmp_path, world):
+    """Issue 42: a fresh run on 2 or 3 processes over 3 files of 13 / 23 / 6 records (one record a pack, 6 packs a
+    step): in 7 steps, the epoch's, every record is trained exactly once (the loader's trace: source, file, byte
+    offset of every trained record, against every line start of the files). Before, whole files were dealt to
+    ranks, and the rank with the smaller files began the next epoch while the other was still in this one."""
+    files = []
+    n = 0
+    for f, count in enumerate((13, 23, 6)):
+        path = tmp_path / f"part{f}.jsonl"
+        with open(path, "w") as out:  # all records the same length (~157 tokens, seq_len 256: one a pack)
+            for _ in range(count):
+                out.write(json.dumps({"messages": [
+                    {"role": "user", "content": f"Record {n:03d}: " + "alpha beta gamma delta " * 14},
+                    {"role": "assistant", "content": f"id {n:03d} end"}]}) + "\n")
+                n += 1
+        files.append(path)
+    expected = collections.Counter()
+    for f, path in enumerate(files):
+        data = path.read_bytes()
+        starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")][:-1]
+        expected.update(f"0 {f} {s}" for s in starts)
+    raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 7}, batch={"global_batch_size": 6},
+                     checkpoint={"every": 7, "keep": 1})
+    raw["data"].update(sources=[{"paths": [str(p) for p in files]}], seq_len=256)
+    raw["model"]["arch"].pop("vision")  # text-only corpus, text-only model
+    raw["phase"]["trainable"] = ["language_model"]
+    recipe = write_recipe(tmp_path / "run.yaml", raw)
+    done = finish(launch(tmp_path, ["train", str(recipe)], world=world,
+                         extra_env={"MINDVL_DATA_TRACE": str(tmp_path / "trace")}))
+    assert all(r[0] == 0 for r in done), done[0][2][-3000:]
+    assert _traced_records(tmp_path / "trace") == expected  # 42 records, each once

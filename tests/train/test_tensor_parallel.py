@@ -1,6 +1,7 @@
 """Tensor + sequence parallelism (parallel.tensor_parallel) on gloo, with the tiny recipe's packed multi-sample rows,
 images and M-RoPE: one forward/backward at TP=2 (2 processes) and TP=2 x FSDP=2 (4 processes) gives the one-process
-loss and gradients; training at TP=2 and at TP=2 x FSDP=2 gives the one-process losses and final weights; a DCP
+loss and gradients; training at TP=2 and at TP=2 x FSDP=2 gives the one-process losses, gradient norms and final
+weights; a DCP
 checkpoint written at TP=2 resumes at TP=1; bad sizes get one-line errors naming the key."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import CLI, assert_same_run, raw_recipe, run, run_ranks, write_recipe
+from train_helpers import CLI, ODD_VOCAB, PARALLEL_EPS, assert_same_run, raw_recipe, run, run_ranks, write_recipe
 
 from mindvl.config import load_recipe
 
@@ -28,8 +29,12 @@ def test_tp_forward_backward_equals_one_process(tmp_path, procs, family, checkpo
 
 
 def tp_raw(out: Path, cache: Path, tp: int) -> dict:
+    """The tiny test recipe with an odd vocabulary (701: a split that floors V / N loses a row) and AdamW eps 1e-5
+    (at which weights agree within 1e-5: train_helpers.PARALLEL_EPS), 3 steps."""
     raw = raw_recipe(out, cache, budget={"max_steps": 3}, batch={"global_batch_size": 2, "data_shards": 2},
                      checkpoint={"every": 2, "keep": 2})
+    raw["model"]["arch"]["text"]["vocab_size"] = ODD_VOCAB
+    raw["optim"]["eps"] = PARALLEL_EPS
     raw["parallel"] = {"tensor_parallel": tp}
     return raw
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from train_helpers import recipe_and_packs
+from train_helpers import ODD_VOCAB, recipe_and_packs
 
 from mindvl.config import ParallelSection
 from mindvl.train.materialize import build_model, canonical_name
@@ -27,6 +27,7 @@ def main() -> None:
     layout = ParallelLayout.from_config(cfg, world, rank)
     env = ParallelEnv(rank, world, 0, torch.device("cpu"), "gloo", layout)
     recipe, tok, packs = recipe_and_packs(tmp / f"r{rank}", n=2 * layout.dp_size)
+    recipe.model.arch["text"]["vocab_size"] = ODD_VOCAB  # 701 rows: a vocabulary split that floors V / N fails
     if family == "qwen2":  # Qwen2.5-VL's LLM: qkv bias, no q/k norm
         recipe.model.arch["text"]["family"] = "qwen2"
     assert all(len(p["cu_seqlens"]) > 2 and p["pixel_values"].shape[0] > 0 for p in packs), "want packed rows"
