@@ -1,7 +1,8 @@
 """Every published planner verdict, before and after issue 40 (per-device measured reserve, time only from a measured
 efficiency), from the recorded traces: arithmetic only, no re-trace.
 
-    PYTHONPATH=. python benchmarks/bench_plan_verdicts.py            # the markdown table (README / RESULTS)
+    PYTHONPATH=. python benchmarks/bench_plan_verdicts.py            # the markdown table (RESULTS)
+    PYTHONPATH=. python benchmarks/bench_plan_verdicts.py --short    # without the time columns (README)
 
 Why no re-trace is needed for the memory: every recorded trace below was made under torch 2.13, whose FSDP2 memory
 tracker skips DTensor's sharding propagation, and holds 8 bytes of AdamW state per trainable parameter (checked
@@ -75,7 +76,7 @@ def before_reserve(row: dict) -> int:
     return stated_reserve_bytes(get_device(row["device"]).memory_bytes)
 
 
-def verdict_row(row: dict) -> str:
+def verdict_row(row: dict, short: bool = False) -> str:
     from mindvl.plan import get_device, preset_config
     from mindvl.plan.estimate import model_family
     from mindvl.plan.margin import efficiency_for, load_margin
@@ -109,18 +110,20 @@ def verdict_row(row: dict) -> str:
     old_time = f"roofline MFU <= {row['old_mfu']:.0%}" if row["old_mfu"] else "roofline"
     new_time = eff.describe()[:40] if eff else f"no time (no efficiency measured on {row['device']})"
     fits = lambda h: "fits" if h >= 0 else "**does not fit**"  # noqa: E731
+    times = "" if short else f" {old_time} | {new_time} |"
     return (f"| {row['name']} | {row['world']} x {row['device']} | {row['peak'] / GIB:.1f}"
             + (f" + {skew.extra_bytes / GIB:.2f} skew" if skew.extra_bytes else "")
             + f" | {old_reserve / GIB:.1f}: {fits(old_head)} ({old_head:.0%}) | {new_reserve / GIB:.1f}: "
-            f"{fits(new_head)} ({new_head:.0%}) | {where} | {old_time} | {new_time} |")
+            f"{fits(new_head)} ({new_head:.0%}) | {where} |{times}")
 
 
 def main() -> int:
+    short = "--short" in sys.argv[1:]
     print("| recipe | ranks x device | traced peak GiB | before: reserve GiB, verdict (headroom) | after: reserve GiB, "
-          "verdict (headroom) | reserve from | time before | time after |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "verdict (headroom) | reserve from |" + ("" if short else " time before | time after |"))
+    print("| --- | --- | --- | --- | --- | --- |" + ("" if short else " --- | --- |"))
     for row in recorded():
-        print(verdict_row(row))
+        print(verdict_row(row, short))
     return 0
 
 
