@@ -77,7 +77,7 @@ class Margin:
         fixed = self.fixed_bytes if peers else self.runtime_context_bytes
         return int(fixed + (self.growth - 1.0) * planned_bytes)
 
-    def describe(self) -> str:
+    def describe(self, peers: bool = True) -> str:
         where = self.sources.get("measured_on", "?")
         if not self.measured_on:
             origin = f"no reserve measured on {self.device or 'this device kind'}: CPU stand-ins"
@@ -85,8 +85,9 @@ class Margin:
             origin = f"{self.device} not measured: {self.measured_on}'s measurement ({self.sources.get('like', '')})"
         else:
             origin = f"measured on {where}"
-        return (f"{self.fixed_bytes / GIB:.1f} GiB runtime + comm buffers + {self.growth - 1:.1%} of the peak "
-                f"(allocator growth; {origin}; mindvl/plan/margin.json)")
+        fixed = (f"{self.fixed_bytes / GIB:.1f} GiB runtime + comm buffers" if peers else
+                 f"{self.runtime_context_bytes / GIB:.1f} GiB runtime (one rank: no comm buffers)")
+        return f"{fixed} + {self.growth - 1:.1%} of the peak (allocator growth; {origin}; mindvl/plan/margin.json)"
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,7 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
         trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew,
-        reserve_growth=margin.growth, reserve_source=margin.describe(),
+        reserve_growth=margin.growth, reserve_source=margin.describe(peers=world_size > 1),
         context_parallel=layout.cp, attention_heads=config.text.num_attention_heads, tensor_parallel=layout.tp,
         time_source=time_source, torch_version=torch.__version__, reserve_measured_on=margin.measured_on)
 
