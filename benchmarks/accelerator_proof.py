@@ -465,7 +465,7 @@ def sec_plan(args, work: Path) -> dict:
     d = r.to_dict()
     return {k: d[k] for k in ("fits", "headroom", "peak_bytes_per_rank", "reserve_bytes", "capacity_bytes",
                               "breakdown", "flops_per_step", "est_step_time_s", "est_mfu", "params", "packs",
-                              "trace_s", "notes")}
+                              "trace_s", "notes", "torch", "time_source")}
 
 
 def sec_mindvl(args, work: Path) -> dict:

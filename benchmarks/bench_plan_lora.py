@@ -48,7 +48,7 @@ def main() -> None:
         row = {"recipe": name, "peak_gib": r.peak_bytes_per_rank / GIB,
                "breakdown_gib": {k: v / GIB for k, v in r.breakdown.items()},
                "params": r.params, "verdicts": verdicts, "trace_s": r.trace_s, "notes": r.notes,
-               "est_step_s_h100": r.timing["step_s"], "tokens_per_step": r.tokens_per_step}
+               "est_step_s_h100": r.timing["step_s"] if r.timing else None, "tokens_per_step": r.tokens_per_step}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("| recipe | peak GiB | params | owned grads | AdamW | activations | trainable | "

@@ -9,10 +9,12 @@ parallelism (N = EP size) a rank gathers and reduces only its EP slice of the ro
 W/N ranks holding the same slice, and everything else over all W ranks. Under context parallelism FSDP shards over
 data shards x context, and each decoder layer adds Ulysses' all-to-alls (`context_all_to_all_bytes`).
 
-Step time (an estimate, not a measurement): compute at the device's peak bf16 FLOP/s, collectives at the
-interconnect bandwidth (intra-node when the world fits one node, else the inter-node NIC bandwidth), the optimizer
-as a memory-bound pass over its fp32 state at HBM bandwidth; compute and collectives are assumed to overlap
-perfectly, so it is a lower bound (MFU an upper bound).
+Step time comes from a measured efficiency or not at all (`measured_step_time`): the rank's FLOPs at the model FLOPs
+utilisation measured on that device kind for that model family (mindvl.plan.margin: margin.json's `efficiency`),
+collectives at the interconnect bandwidth (intra-node when the world fits one node, else the inter-node NIC
+bandwidth), assumed hidden behind compute unless they take longer, tensor-parallel collectives on top. `step_time` is
+the old roofline (compute at the datasheet's peak): a lower bound nobody measured (it planned 94% MFU where the H200
+ran 3.2%); the planner no longer prints it.
 """
 
 from __future__ import annotations
@@ -168,6 +170,30 @@ def context_all_to_all_bytes(config: MindVLConfig, mean_tokens: float, cp: int, 
     per_token = heads * qk + kv_heads * qk + kv_heads * v_dim + heads * v_dim  # q, k, v, output
     rows = mean_tokens / cp * (cp - 1) / cp
     return micro * t.num_hidden_layers * (3 if recompute else 2) * rows * per_token * element_bytes
+
+
+def model_family(config: MindVLConfig) -> str:
+    """The family a measured efficiency is recorded for: ViT + dense / MoE language model, or the LLM alone."""
+    llm = "moe-llm" if config.text.has_experts else "dense-llm"
+    return f"vit+{llm}" if config.vision is not None else llm
+
+
+def measured_step_time(device: Device, world: int, flops_per_rank: float, comm: dict[str, float],
+                       efficiency) -> dict[str, float]:
+    """Seconds per step at a measured efficiency (mindvl.plan.margin.Efficiency: mfu, low, high): the rank's FLOPs at
+    mfu x the device's peak (the measured steps include their forward, backward and optimizer), or the collectives
+    at bandwidth when they take longer, plus the tensor-parallel collectives; `step_s_low` / `step_s_high` at the
+    measured range's best / worst step."""
+    bw = device.intra_bytes_s if world <= device.per_node else device.inter_bytes_s
+    tensor = sum(v for k, v in comm.items() if k.startswith("tp_")) / device.intra_bytes_s
+    communication = sum(v for k, v in comm.items() if not k.startswith("tp_")) / bw
+
+    def step(mfu: float) -> float:
+        return max(flops_per_rank / (mfu * device.peak_flops), communication) + tensor
+
+    return {"compute_s": flops_per_rank / (efficiency.mfu * device.peak_flops), "communication_s": communication,
+            "tensor_parallel_s": tensor, "step_s": step(efficiency.mfu), "step_s_low": step(efficiency.high),
+            "step_s_high": step(efficiency.low)}
 
 
 def step_time(device: Device, world: int, flops_per_rank: float, comm: dict[str, float],

@@ -36,14 +36,29 @@ from .presets import known_presets, preset_config
 from .simulate import PARTS, trace_step
 from .skew import SENSITIVITY, Skew, routing_skew
 
+# The torch versions the planner's memory accounting is known for: 2.13 traced here; 2.10-2.12 let DTensor's sharding
+# propagation reach FSDP2's memory tracker (torch 2.11 planned 24 B/parameter of AdamW state on the H200 proof),
+# which simulate.device_optimizer_memory keeps out. Outside the range the report says so.
+TESTED_TORCH = ((2, 10), (2, 13))
 
-def reserve_bytes(device: Device, planned_bytes: int, margin=None) -> int:
-    """What a rank needs beyond `planned_bytes` (traced peak + routing-skew term) on `device`: margin.json's
-    measured reserve (mindvl.plan.margin.Margin; the same on every device kind until a device records its own)."""
+
+def torch_note() -> str | None:
+    """A note when this torch is outside TESTED_TORCH (None inside it)."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    low, high = TESTED_TORCH
+    if low <= version <= high:
+        return None
+    return (f"torch {torch.__version__} is outside the planner's known range ({low[0]}.{low[1]}-{high[0]}.{high[1]}): "
+            "its memory tracker and fake kernels may count differently")
+
+
+def reserve_bytes(device: Device, planned_bytes: int, margin=None, world_size: int = 2) -> int:
+    """What a rank needs beyond `planned_bytes` (traced peak + routing-skew term) on `device`: margin.json's reserve
+    for that device kind (mindvl.plan.margin.Margin: measured, borrowed from a measured kind, or CPU stand-ins);
+    communication buffers only where the rank has peers (`world_size` > 1)."""
     from .margin import load_margin  # lazily: `python -m mindvl.plan.margin` runs that module as __main__
 
-    del device  # one measured margin for every device today; the argument keeps callers naming theirs
-    return (margin or load_margin()).reserve_bytes(planned_bytes)
+    return (margin or load_margin(device=device.name)).reserve_bytes(planned_bytes, peers=world_size > 1)
 
 
 def model_config(recipe: Recipe, preset: str | None = None) -> tuple[MindVLConfig, str]:
@@ -93,7 +108,7 @@ class PlanResult:
     flops_per_step: float
     flops_by_part: dict[str, float]
     comm_bytes_per_step: dict[str, float]
-    timing: dict[str, float]
+    timing: dict[str, float] | None  # None: no efficiency was measured for this device kind and model family
     tokens_per_step: int
     params: dict[str, int]
     packs: list[dict]
@@ -107,6 +122,9 @@ class PlanResult:
     context_parallel: int = 1  # ranks splitting each pack (parallel.context_parallel)
     attention_heads: int = 0  # the language model's query heads (context parallelism must divide them)
     tensor_parallel: int = 1  # the layout's tp: ranks splitting each LLM layer (the data-parallel size is W / tp)
+    time_source: str = ""  # the measured efficiency the time comes from, or why there is no time
+    reserve_measured_on: str = ""  # the device kind whose measurement the reserve is ("": none, CPU stand-ins)
+    torch_version: str = ""  # the torch the step was traced with
 
     @property
     def skew_bytes(self) -> int:
@@ -134,8 +152,14 @@ class PlanResult:
                 "break_even_factor": k.break_even(*args)}
 
     @property
-    def est_mfu(self) -> float:
+    def est_mfu(self) -> float | None:
+        if self.timing is None:
+            return None
         return self.flops_per_step / (self.timing["step_s"] * self.device.peak_flops * self.world_size)
+
+    @property
+    def est_tokens_per_s(self) -> float | None:
+        return None if self.timing is None else self.tokens_per_step / self.timing["step_s"]
 
     def to_dict(self) -> dict:
         return {
@@ -143,13 +167,15 @@ class PlanResult:
             "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
             "data_parallel": self.world_size // self.tensor_parallel, "device": self.device.to_dict(),
             "peak_bytes_per_rank": self.peak_bytes_per_rank, "capacity_bytes": self.capacity_bytes,
-            "reserve_bytes": self.reserve_bytes, "reserve_source": self.reserve_source, "breakdown": self.breakdown,
+            "reserve_bytes": self.reserve_bytes, "reserve_source": self.reserve_source,
+            "reserve_measured_on": self.reserve_measured_on or None, "breakdown": self.breakdown,
             "micro_batches_per_rank": self.accumulation, "grad_accumulation": self.grad_accumulation,
             "activation_checkpointing": self.activation_checkpointing,
             "flops_per_step": self.flops_per_step, "flops_by_part": self.flops_by_part,
-            "comm_bytes_per_step": self.comm_bytes_per_step, "est_step_time_s": self.timing["step_s"],
-            "est_timing": self.timing, "est_tokens_per_s": self.tokens_per_step / self.timing["step_s"],
-            "est_mfu": self.est_mfu, "context_parallel": self.context_parallel,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "est_step_time_s": None if self.timing is None else self.timing["step_s"],
+            "est_timing": self.timing, "est_tokens_per_s": self.est_tokens_per_s, "est_mfu": self.est_mfu,
+            "time_source": self.time_source, "torch": self.torch_version, "context_parallel": self.context_parallel,
             "params": self.params, "packs": self.packs, "vision_load": self.vision_load,
             "sharded_bytes_at_peak": self.sharded_bytes, "trace_s": self.trace_s, "notes": self.notes, "estimated": [
                 "flops_per_step", "comm_bytes_per_step", "est_step_time_s", "est_mfu", "reserve_bytes",
@@ -212,17 +238,30 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
     # per rank: the LLM's FLOPs split over the world; the vision tower runs whole on every rank of a CP group (all of
     # its packs' images) and of a TP group (replicated), so it splits over the data shards only
     flops_rank = ((mean_flops - mean_vit) * gb + mean_vit * gb * layout.cp * layout.tp) / world_size
-    timing = estimate.step_time(device, world_size, flops_rank, comm,
-                                counts.trainable_params / world_size)
+    from .margin import efficiency_for, load_efficiencies
+
+    family = estimate.model_family(config)
+    efficiency = efficiency_for(device.name, family)
+    if efficiency is not None:
+        timing = estimate.measured_step_time(device, world_size, flops_rank, comm, efficiency)
+        time_source = efficiency.describe()
+    else:
+        timing = None
+        known = "; ".join(f"{e.device} / {e.family}" for e in load_efficiencies()) or "none"
+        time_source = (f"no time: no efficiency measured on {device.name} for {family} (measured: {known}; "
+                       "mindvl/plan/margin.json)")
     tokens = int(sum(p.tokens for p in packs) / len(packs) * gb)
     vload = estimate.vision_load(config, packs, layout.dp_size, accum, trainable) if config.vision else None
 
     from .margin import load_margin
 
-    margin = load_margin()
+    margin = load_margin(device=device.name)
     factor = margin.skew_factor if routing_skew_factor is None else routing_skew_factor
     skew = routing_skew(config, max(p.tokens for p in packs), layout.ep, traced.prepared.checkpointing, factor)
     peak, breakdown = traced.peak_bytes, dict(traced.breakdown)
+    notes += traced.notes
+    if torch_note():
+        notes.append(torch_note())
     lora = lora_config(recipe)
     if lora is not None:
         notes.append(f"LoRA r={lora.r} on {traced.prepared.lora_layers} linear layers of {', '.join(lora.modules)}"
@@ -243,15 +282,16 @@ def plan(recipe: Recipe, world_size: int, device: Device, preset: str | None = N
         recipe=recipe_name, model_source=source, device=device, world_size=world_size, accumulation=accum,
         grad_accumulation=grad_acc, activation_checkpointing=traced.prepared.checkpointing,
         peak_bytes_per_rank=peak, breakdown=breakdown, capacity_bytes=device.memory_bytes,
-        reserve_bytes=reserve_bytes(device, peak + skew.extra_bytes, margin), flops_per_step=flops_step,
+        reserve_bytes=reserve_bytes(device, peak + skew.extra_bytes, margin, world_size), flops_per_step=flops_step,
         flops_by_part={"vit": mean_vit * gb, "projector_and_llm": (mean_flops - mean_vit) * gb},
         comm_bytes_per_step=comm, timing=timing, tokens_per_step=tokens,
         params={"total": counts.total_params, "trainable": counts.trainable_params},
         packs=[{"tokens": p.tokens, "samples": len(p.sample_tokens), "images": len(p.images),
                 "patches": p.patches} for p in packs[:4]],
         trace_s=traced.wall_s, sharded_bytes=traced.sharded_bytes, vision_load=vload, notes=notes, skew=skew,
-        reserve_growth=margin.growth, reserve_source=margin.describe(),
-        context_parallel=layout.cp, attention_heads=config.text.num_attention_heads, tensor_parallel=layout.tp)
+        reserve_growth=margin.growth, reserve_source=margin.describe(peers=world_size > 1),
+        context_parallel=layout.cp, attention_heads=config.text.num_attention_heads, tensor_parallel=layout.tp,
+        time_source=time_source, torch_version=torch.__version__, reserve_measured_on=margin.measured_on)
 
 
 # ------------------------------------------------------------------------------------------------------ text
@@ -284,13 +324,34 @@ def skew_lines(r: PlanResult) -> list[str]:
             + (f"; planned at {k['factor']}: +{_gib(k['extra_bytes'])}" if k["factor"] > 1 else "")]
 
 
+def time_line(r: PlanResult) -> str:
+    """The step time at a measured efficiency with its range and source, or why there is none."""
+    t = r.timing
+    if t is None:
+        return f"time: {r.time_source}"
+    return (f"time (estimate from a measured efficiency): step {t['step_s']:.2f} s ({t['step_s_low']:.2f}-"
+            f"{t['step_s_high']:.2f}; compute {t['compute_s']:.2f} s, collectives {t['communication_s']:.2f} s"
+            + (f", tensor-parallel collectives {t['tensor_parallel_s']:.2f} s" if r.tensor_parallel > 1 else "")
+            + f"), {r.est_tokens_per_s:,.0f} tokens/s, MFU {r.est_mfu:.1%}; efficiency: {r.time_source}")
+
+
+def reserve_note(r: PlanResult) -> str:
+    """Where the verdict's reserve comes from, when it was not measured on this device kind ("" when it was)."""
+    if not r.reserve_measured_on:
+        return f"; reserve not measured on {r.device.name} (CPU stand-ins)"
+    if r.reserve_measured_on != r.device.name:
+        return f"; reserve measured on {r.reserve_measured_on}, not on {r.device.name}"
+    return ""
+
+
 def verdict(r: PlanResult) -> str:
-    """One line: fits (with headroom) or not, naming the largest part and the knobs that would help."""
+    """One line: fits (with headroom) or not, naming the largest part and the knobs that would help, and where the
+    reserve comes from when this device kind has no measurement of its own."""
     skew = f" + {_gib(r.skew_bytes)} routing skew (factor {r.skew.factor})" if r.skew_bytes else ""
     total = r.peak_bytes_per_rank + r.skew_bytes + r.reserve_bytes
     if r.fits:
         return (f"fits: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve of "
-                f"{_gib(r.capacity_bytes)} per {r.device.name} ({r.headroom:.0%} headroom)")
+                f"{_gib(r.capacity_bytes)} per {r.device.name} ({r.headroom:.0%} headroom){reserve_note(r)}")
     part = max(r.breakdown, key=r.breakdown.get)
     knobs = [f"--world-size {2 * r.world_size}"]
     cp = 2 * r.context_parallel  # activations of one pack split over twice the ranks
@@ -306,11 +367,10 @@ def verdict(r: PlanResult) -> str:
     return (f"does not fit: {_gib(r.peak_bytes_per_rank)} peak{skew} + {_gib(r.reserve_bytes)} reserve = "
             f"{_gib(total)} > "
             f"{_gib(r.capacity_bytes)} per {r.device.name}; largest part: {part} ({_gib(r.breakdown[part])}); "
-            f"try {', '.join(knobs)}")
+            f"try {', '.join(knobs)}{reserve_note(r)}")
 
 
 def format_report(r: PlanResult) -> str:
-    d = r.to_dict()
     tp = r.tensor_parallel
     layout = f", {r.world_size // tp} data shards x TP {tp}" if tp > 1 else ""
     lines = [f"plan: {r.recipe or 'recipe'} on {r.world_size} x {r.device.name}{layout} "
@@ -318,14 +378,13 @@ def format_report(r: PlanResult) -> str:
              f"activation checkpointing {r.activation_checkpointing})",
              f"model: {_count(r.params['total'])} parameters ({_count(r.params['trainable'])} trainable), "
              f"from {r.model_source}; {'; '.join(r.notes)}",
-             "memory per rank (traced):"]
+             f"memory per rank (traced with torch {r.torch_version or torch.__version__}):"]
     for part in PARTS:
         lines.append(f"  {part:<21} {_gib(r.breakdown[part]):>10}")
     lines.append(f"  {'peak':<21} {_gib(r.peak_bytes_per_rank):>10}   capacity {_gib(r.capacity_bytes)}, reserve "
                  f"{_gib(r.reserve_bytes)} (not traced: {r.reserve_source or 'runtime, comm buffers, allocator'})")
     lines += skew_lines(r)
     c = r.comm_bytes_per_step
-    t = r.timing
     lines += [
         f"FLOPs per step: {r.flops_per_step:.3e} (ViT {r.flops_by_part['vit']:.3e}, projector + LLM "
         f"{r.flops_by_part['projector_and_llm']:.3e})",
@@ -335,15 +394,8 @@ def format_report(r: PlanResult) -> str:
         + (f"; tensor parallel (inside each group of {r.tensor_parallel}): all-gather {_gib(c['tp_all_gather'])}, "
            f"reduce-scatter {_gib(c['tp_reduce_scatter'])}, all-reduce {_gib(c['tp_all_reduce'])}"
            if "tp_all_gather" in c else ""),
-        f"estimate (roofline, perfect overlap): step {t['step_s']:.2f} s (compute {t['compute_s']:.2f} s, "
-        f"collectives {t['communication_s']:.2f} s, "
-        + (f"tensor-parallel collectives {t['tensor_parallel_s']:.2f} s (not overlapped), "
-           if r.tensor_parallel > 1 else "")
-        + f"optimizer {t['optimizer_s']:.3f} s), "
-        f"{d['est_tokens_per_s']:,.0f} tokens/s, MFU <= {r.est_mfu:.0%}"
-        + (" (compute-bound: the datasheet peak is the roofline's ceiling, not a prediction of real MFU)"
-           if r.est_mfu >= 0.995 else ""),
     ]
+    lines.append(time_line(r))
     if r.vision_load:
         v = r.vision_load
         lines.append(f"vision load per rank per step: max {v['vit_flops_max']:.3e} / mean {v['vit_flops_mean']:.3e} "

@@ -69,13 +69,30 @@ class Traced:
 
 
 class PlanTracker(FSDPMemTracker):
-    """FSDPMemTracker that also notes whether its peak fell inside the loss head, and how much the head added."""
+    """FSDPMemTracker that also notes whether its peak fell inside the loss head, and how much the head added, and
+    that counts nothing allocated inside an `untracked()` region (device_optimizer_memory)."""
 
     def __init__(self, mod, optm=None):
         super().__init__(mod, optm)
         self.in_loss = False
         self.loss_base = 0
         self.peak_loss_bytes = 0
+        self.untracked_depth = 0
+        self.fused_kernel_calls = 0
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        self.untracked_depth += 1
+        try:
+            yield
+        finally:
+            self.untracked_depth -= 1
+
+    def _track(self, reftype, t) -> None:
+        # every op's outputs come through here (torch's __torch_dispatch__); parameters, gradients, optimizer
+        # state and inputs are registered through _update_and_maybe_create_winfos, which this does not skip
+        if not self.untracked_depth:
+            super()._track(reftype, t)
 
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
         # Under tensor parallelism FSDP's post-backward may hold a gradient the tracker never saw allocated (made
@@ -130,6 +147,55 @@ def loss_region(tracker: PlanTracker) -> Iterator[None]:
     finally:
         for fn, (fwd, bwd) in zip(fns, saved, strict=True):
             fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
+
+
+# The optimizer kernels the trainer's AdamW calls on an accelerator (optim.build_optimizer: fused where the device
+# has it; CUDA's and the NPU's are in place): torch.optim looks them up on `torch` at every step.
+FUSED_OPTIMIZER_KERNELS = ("_fused_adamw_", "_fused_adam_")
+
+
+@contextlib.contextmanager
+def device_optimizer_memory(tracker: PlanTracker) -> Iterator[None]:
+    """The optimizer step with the memory of the device's fused kernel, whatever torch's fake kernels do.
+
+    On the device, fused AdamW updates parameters and its two fp32 moments in place: its step holds the state AdamW
+    creates (exp_avg, exp_avg_sq: zeros_like of each parameter shard, and a step counter), allocated before the
+    kernel and tracked as optimizer state, and nothing more. Under fake tensors the kernel's call can allocate what no
+    device allocates: DTensor's sharding propagation builds fake copies of every argument (parameters, gradients,
+    both moments) at their global shape, and a torch whose fake or decomposed kernel works out of place allocates
+    copies too. Torch 2.11's planner counted those as optimizer state: 24 bytes per parameter instead of 8 (the H200
+    proof, ../shared/measurements/2026-11-28-h200; tests/plan/test_plan_torch_independent.py plants both). So
+    nothing allocated inside a fused optimizer kernel's call, nor inside DTensor's sharding propagation anywhere in
+    the step (it derives shapes; the local op on the shards is what runs), is counted."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    kernels = {name: getattr(torch, name) for name in FUSED_OPTIMIZER_KERNELS if hasattr(torch, name)}
+
+    def guarded(kernel):
+        def run(*args, **kwargs):
+            tracker.fused_kernel_calls += 1
+            with tracker.untracked():
+                return kernel(*args, **kwargs)
+        return run
+
+    # torch >= 2.6 splits the cached and uncached propagation; the uncached one is what runs under fake tensors
+    name = next(n for n in ("_propagate_tensor_meta_non_cached", "_propagate_tensor_meta")
+                if hasattr(ShardingPropagator, n))
+    propagate = getattr(ShardingPropagator, name)
+
+    def propagate_untracked(self, *args, **kwargs):
+        with tracker.untracked():
+            return propagate(self, *args, **kwargs)
+
+    for kernel_name, kernel in kernels.items():
+        setattr(torch, kernel_name, guarded(kernel))
+    setattr(ShardingPropagator, name, propagate_untracked)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, propagate)
+        for kernel_name, kernel in kernels.items():
+            setattr(torch, kernel_name, kernel)
 
 
 @contextlib.contextmanager
@@ -215,7 +281,8 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
             tracker.track_inputs((batch["pixel_values"],))
             return batch
 
-        with world.mode, tracker, loss_region(tracker), fused_attention_memory(), MetadataGateway():
+        with world.mode, tracker, loss_region(tracker), fused_attention_memory(), device_optimizer_memory(tracker), \
+                MetadataGateway():
             tracker.track_plain_params()
             for step, n in enumerate(micro_batches, start=1):
                 bar.step = f"plan: step {step}/{len(micro_batches)}"
@@ -227,9 +294,14 @@ def trace_step(recipe: Recipe, config: MindVLConfig, world_size: int, packs: lis
             h.remove()
     bar.close()
     peak, breakdown = peak_breakdown(tracker)
+    notes = []
+    if any(g.get("fused") for g in optimizer.param_groups) and not tracker.fused_kernel_calls:
+        notes.append(f"optimizer state as torch {torch.__version__}'s fake kernels allocate it: its fused AdamW never "
+                     f"called torch.{'/'.join(FUSED_OPTIMIZER_KERNELS)} (the device kernel's accounting, "
+                     f"plan.simulate.device_optimizer_memory, does not know this torch)")
     sharded = sum(v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()
                   if k in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT))
-    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded, counts=counts,
+    return Traced(peak, breakdown, time.perf_counter() - t0, sum(micro_batches), sharded, notes, counts=counts,
                   prepared=prepared)
 
 

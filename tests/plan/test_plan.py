@@ -53,7 +53,8 @@ def check_traced_step(d: dict, config, world: int) -> None:
     assert b["data_buffers"] == pytest.approx(2 * d["packs"][0]["patches"] * 1176 * 4, rel=0.01)
     # all-gathers per micro-batch: blocks twice (forward + backward), the root once; bf16; a ring sends (N-1)/N
     assert d["comm_bytes_per_step"]["all_gather"] > 0
-    assert 0 < d["est_mfu"] <= 1
+    # no efficiency was measured on an H100 for this family: no time, and the report says why
+    assert d["est_mfu"] is None and d["est_step_time_s"] is None and d["time_source"].startswith("no time")
 
 
 def test_planner_at_64_ranks_and_verdicts(tmp_path):

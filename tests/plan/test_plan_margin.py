@@ -110,9 +110,15 @@ def test_a_gpu_proof_records_the_reserve(tmp_path, capsys):
     shutil.copy(MARGIN_FILE, path)
     (tmp_path / "proof.json").write_text(json.dumps(proof()))
     assert main(["--from-proof", str(tmp_path / "proof.json"), "--file", str(path)]) == 0
-    m = load_margin(path)
+    m = load_margin(path, "h100-80g")  # recorded for the proof's device kind; the others keep theirs
     assert m.growth == pytest.approx(round(20 / 19, 4) * 1.15) and m.fixed_bytes == int(1.5 * GIB)
+    assert m.measured_on == "h100-80g" and load_margin(path, "910b2-64g") == load_margin(None, "910b2-64g")
     assert m.skew_factor == load_margin().skew_factor and "H100" in capsys.readouterr().out
+    # a re-plan of the proof's packs replaces the proof's own planned peak
+    assert main(["--from-proof", str(tmp_path / "proof.json"), "--file", str(path), "--planned-bytes",
+                 str(20 * GIB), "--planned-how", "re-planned"]) == 0
+    assert load_margin(path, "h100-80g").allocated_over_planned == 1.0
+    assert "re-planned" in load_margin(path, "h100-80g").sources["allocated_over_planned_source"]
     assert main(["--from-proof", str(tmp_path / "missing.json"), "--file", str(path)]) == 2
 
 
@@ -132,7 +138,7 @@ def test_allocator_high_water_by_hand():
 
 def test_a_traced_plan_uses_the_margin(tmp_path, monkeypatch):
     m = margin(alloc=1.02, reserved=1.1, factor=1.5, context=0.5)
-    monkeypatch.setattr(margin_module, "load_margin", lambda path=None: m)
+    monkeypatch.setattr(margin_module, "load_margin", lambda path=None, device=None: m)
     raw = reduced_recipe(tmp_path, 4).to_dict()
     raw["model"] = {"arch": MOE}
     raw["parallel"]["expert_parallel"] = 2
