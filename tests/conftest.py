@@ -22,7 +22,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # test; then the rest. xdist (`--dist loadfile --no-loadscope-reorder`) hands files to the workers in this order, so
 # the long multi-process files start first rather than leaving one worker busy alone at the end.
 HEAVIEST = ("train/test_longrun_processes.py", "train/test_requeue.py", "test_readme_commands.py",
-            "train/test_expert_parallel.py", "test_accelerator_proof.py", "ablate/test_ablate_smoke.py")
+            "plan/test_plan_vs_proof.py", "train/test_expert_parallel.py", "test_accelerator_proof.py",
+            "plan/test_plan_torch_independent.py", "ablate/test_ablate_smoke.py", "test_lora_peft_layouts.py")
 
 
 def pytest_collection_modifyitems(config, items):
