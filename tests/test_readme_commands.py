@@ -61,7 +61,6 @@ INTERRUPT: dict[str, str] = {
 EXCLUDED: dict[str, str] = {
     "./quickstart": "creates .venv and pip-installs (network); the `mindvl quickstart` it runs is checked here, and "
                     "benchmarks/quickstart-fast-transcript.txt shows a whole `./quickstart --fast`",
-    "./quickstart --fast": "as ./quickstart; its transcript is benchmarks/quickstart-fast-transcript.txt",
     ".ci/run": "CI itself (a fresh venv and the whole suite)",
     "#!/bin/bash": "the SLURM batch script (needs SLURM); tests/train/test_requeue.py runs its loop, with `scontrol "
                    "requeue` as a rerun, on 2 torchrun processes",
