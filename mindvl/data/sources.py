@@ -157,6 +157,9 @@ class RawItem:
     members: dict[str, bytes] | None = None
     base_dir: str = ""
     key: str = ""
+    # Its source trusts images named by absolute path (SourceConfig.absolute_image_paths); else only paths inside
+    # the records' folder are read (a received corpus must not make mindvl read ~/.netrc into a training sample).
+    absolute_paths: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------- JSONL
@@ -439,12 +442,17 @@ def item_to_conversation(item: RawItem) -> Conversation:
 
         def resolve(name: str) -> ImageRef:
             if os.path.isabs(name):
-                return ImageRef(name)
+                if item.absolute_paths:
+                    return ImageRef(name)
+                raise BadSample("image_absolute", item.where, f"image {name!r} is an absolute path; records are read "
+                                "with images inside their folder unless their source is trusted (a training recipe: "
+                                f"absolute_image_paths: true on data source {item.ref.source})")
             base = os.path.normpath(item.base_dir)
             path = os.path.normpath(os.path.join(base, name))
             if os.path.commonpath([base, path]) != base:  # `../../home/.netrc`: outside the records' folder
                 raise BadSample("image_outside", item.where, f"image {name!r} resolves outside the record's folder "
-                                f"{base}; give a path inside it (or an absolute path)")
+                                f"{base}; give a path inside it (or an absolute path in a source with "
+                                "absolute_image_paths: true)")
             return ImageRef(path)
 
         return parse_record(record, item.where, resolve)
@@ -542,6 +550,15 @@ class SourceReader:
         return self._units  # type: ignore[return-value]
 
     def next(self) -> RawItem | BadSample | None:
+        return self._with_source_rules(self._read())
+
+    def _with_source_rules(self, item):
+        """What the source's config says about reading its records travels with each raw item."""
+        if isinstance(item, RawItem) and self.cfg.absolute_image_paths:
+            return replace(item, absolute_paths=True)
+        return item
+
+    def _read(self) -> RawItem | BadSample | None:
         while self.state.carry:
             item = self._next_carried()
             if item is not None:
@@ -616,5 +633,5 @@ class SourceReader:
     def read_ref(self, ref: SampleRef) -> RawItem | BadSample:
         path, kind = self.files[ref.file]
         if kind == "tar":
-            return read_tar_key(path, ref, self.max_record_bytes, self.max_media_bytes)
-        return read_jsonl_line(path, ref, self.max_record_bytes)
+            return self._with_source_rules(read_tar_key(path, ref, self.max_record_bytes, self.max_media_bytes))
+        return self._with_source_rules(read_jsonl_line(path, ref, self.max_record_bytes))
