@@ -36,6 +36,7 @@ import torch
 
 from mindvl.models import MindVLConfig
 from mindvl.models.lora import LoRAConfig, inject_lora, is_adapter_name, merge_lora
+from mindvl.untrusted import load_json_file, regular_inside
 
 from .conv import conv3d_to_matmul, matmul_to_conv3d
 from .hf import CONFIG_NAME, read_config, save_pretrained
@@ -184,10 +185,12 @@ def read_adapter(folder: str | os.PathLike, config: MindVLConfig
 
     folder = Path(folder)
     where = folder / ADAPTER_CONFIG
-    try:
-        raw = json.loads(where.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    try:  # a received folder: a small regular JSON file, bounded in depth and numbers (mindvl.untrusted)
+        raw = load_json_file(where, max_bytes=16 << 20)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: not a readable adapter config ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: not a readable adapter config (a JSON object is expected)")
     if raw.get("peft_type") != "LORA":
         raise ValueError(f"{where}: peft_type {raw.get('peft_type')!r}; mindvl reads LORA adapters only")
     for key, ok in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("rank_pattern", {}),
@@ -197,7 +200,11 @@ def read_adapter(folder: str | os.PathLike, config: MindVLConfig
     family = family_of(config)
     adapters: dict[str, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
-    for key, value in load_file(str(folder / ADAPTER_WEIGHTS)).items():
+    try:  # the weights must be a regular file inside the folder (not a link elsewhere, a FIFO or a device)
+        weights = regular_inside(folder, ADAPTER_WEIGHTS, what="adapter weights")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder / ADAPTER_WEIGHTS}: not readable adapter weights ({exc})") from None
+    for key, value in load_file(weights).items():
         name = key.removeprefix(PREFIX)
         m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
         if m:
@@ -248,8 +255,12 @@ def adapter_base(folder: str | os.PathLike, base: str | os.PathLike | None = Non
     paths are read from the adapter folder)."""
     if base is not None:
         return Path(base)
-    raw = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
-    given = raw.get("base_model_name_or_path")
+    where = Path(folder) / ADAPTER_CONFIG
+    try:
+        raw = load_json_file(where, max_bytes=16 << 20)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: not a readable adapter config ({exc})") from None
+    given = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
     if not given:
         raise ValueError(f"{folder}/{ADAPTER_CONFIG}: base_model_name_or_path is empty; give the base model folder")
     path = Path(given)
