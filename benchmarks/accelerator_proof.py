@@ -65,8 +65,6 @@ import time
 import traceback
 from pathlib import Path
 
-from proof_generate import generate_summary, sec_generate  # the generate section (benchmarks/, beside this file)
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GIB = 2**30
@@ -453,6 +451,14 @@ def sec_prepare(args, work: Path) -> dict:
             "folder_bytes": sum(f.stat().st_size for f in (work / "mindvl").iterdir())}
 
 
+def stream_of(packs: list, dev, config):
+    """The trainer's stream over host packs: each described on the host (`batch_layout`) before its copy to the
+    device, as the trainer does, so the step reads nothing back in forward/backward."""
+    from mindvl.train.step import MicroBatchStream, batch_layout
+
+    return MicroBatchStream(iter(packs).__next__, len(packs), dev, layout=batch_layout(config))
+
+
 def sec_plan(args, work: Path) -> dict:
     import torch
 
@@ -478,7 +484,7 @@ def sec_mindvl(args, work: Path) -> dict:
     from mindvl.train.metrics import device_peak_flops
     from mindvl.train.optim import build_optimizer
     from mindvl.train.parallel import ParallelEnv, Prepared, destroy, parallelize
-    from mindvl.train.step import MicroBatchStream, optimizer_step
+    from mindvl.train.step import optimizer_step
 
     s = shapes(args.dry_run)
     dev = the_device()
@@ -507,7 +513,7 @@ def sec_mindvl(args, work: Path) -> dict:
             sync(dev)
             ta = time.perf_counter()
             try:
-                stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config,
                                        grad_clip=1.0)
             except Exception as exc:  # a compile failure costs the compiled figures, not the section
                 if i > 0 or not prepared.compiled:
@@ -518,7 +524,7 @@ def sec_mindvl(args, work: Path) -> dict:
                 torch._dynamo.reset()
                 model, opt, prepared = build("off")
                 ta = time.perf_counter()
-                stats = optimizer_step(model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config,
+                stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config,
                                        grad_clip=1.0)
             losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
             sync(dev)
@@ -535,7 +541,7 @@ def sec_mindvl(args, work: Path) -> dict:
         if args.profile:  # the last timed step's pack once more, profiled
             batch = batches[-1]
             out["profile"] = profiled_step(lambda: optimizer_step(
-                model, opt, MicroBatchStream(iter([batch]).__next__, 1, dev), env, config, grad_clip=1.0),
+                model, opt, stream_of([batch], dev, config), env, config, grad_clip=1.0),
                 model, opt, dev)
         # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2. An
         # out-of-memory here is a finding, recorded beside the throughput figures above (not instead of them).
@@ -551,7 +557,7 @@ def sec_mindvl(args, work: Path) -> dict:
             for n in (1, 2):
                 made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
                         for i in range(n)]
-                optimizer_step(model, opt, MicroBatchStream(iter(made).__next__, n, dev), env, config,
+                optimizer_step(model, opt, stream_of(made, dev, config), env, config,
                                grad_clip=1.0)
             sync(dev)
             out["memory_planner_packs"] = memory(dev)
@@ -666,7 +672,7 @@ def sec_moe(args, work: Path) -> dict:
     from mindvl.train.metrics import device_peak_flops
     from mindvl.train.optim import build_optimizer
     from mindvl.train.parallel import ParallelEnv, destroy, parallelize
-    from mindvl.train.step import MicroBatchStream, optimizer_step
+    from mindvl.train.step import optimizer_step
 
     dry = args.dry_run
     text = TextConfig(family="deepseek_v3", vocab_size=2048 if dry else 32000, hidden_size=128 if dry else 1024,
@@ -715,7 +721,7 @@ def sec_moe(args, work: Path) -> dict:
             for p in packs:
                 sync(dev)
                 ta = time.perf_counter()
-                stats = optimizer_step(model, opt, MicroBatchStream(iter([p]).__next__, 1, dev), env, config,
+                stats = optimizer_step(model, opt, stream_of([p], dev, config), env, config,
                                        grad_clip=1.0)
                 losses.append(stats.loss_sum / float(stats.counts[0]))
                 sync(dev)
@@ -730,7 +736,7 @@ def sec_moe(args, work: Path) -> dict:
             if args.profile:  # one more step of the last pack, profiled, per expert path
                 pk = packs[-1]
                 out["grouped_mm" if grouped else "unbind_fallback"]["profile"] = profiled_step(
-                    lambda pk=pk: optimizer_step(model, opt, MicroBatchStream(iter([pk]).__next__, 1, dev), env,
+                    lambda pk=pk: optimizer_step(model, opt, stream_of([pk], dev, config), env,
                                                  config, grad_clip=1.0), model, opt, dev)
         out["bf16_loss0_rel_diff_vs_cpu_fp32"] = abs(out["grouped_mm"]["losses"][0] - out["cpu_fp32_loss0"]) / abs(
             out["cpu_fp32_loss0"])
@@ -773,6 +779,23 @@ def sec_tiny(args, work: Path) -> dict:
 WORKERS = {"environment": sec_environment, "tests": sec_tests, "prepare": sec_prepare, "plan": sec_plan,
            "mindvl": sec_mindvl, "hf_packed": sec_hf_packed, "hf_padded": sec_hf_padded, "moe": sec_moe,
            "tiny": sec_tiny}
+
+
+def _proof_generate():
+    """benchmarks/proof_generate.py, the generate section, loaded by path: this file runs as a script and is also
+    loaded by path (tests), so `benchmarks/` is not always on sys.path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("proof_generate", HERE / "proof_generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sec_generate(args, work: Path) -> dict:
+    return _proof_generate().sec_generate(args, work)
+
+
 WORKERS["generate"] = sec_generate
 
 
@@ -867,7 +890,7 @@ def report(res: dict) -> str:
         elif name == "tiny":
             what = f"{fmt(data.get('tokens_per_s_median'), ',.0f')} tokens/s, MFU {fmt(data.get('mfu_median'), '.2%')}"
         elif name == "generate":
-            what = generate_summary(data)
+            what = _proof_generate().generate_summary(data)
         elif name == "plan":
             what = f"planned peak {fmt(data.get('peak_bytes_per_rank', 0) / GIB, '.2f')} GiB"
         elif name == "prepare":

@@ -204,7 +204,9 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
         real_tokens = getattr(micro, "real_tokens", counted_tokens) / cp
     counts = torch.tensor([labelled, real_tokens, flops], dtype=torch.float64)
     # The ranks of a tensor-parallel group hold the same packs (and the same loss): counted once.
-    counts = all_reduce_sum(counts.to(env.device), env).cpu() / env.layout.tp
+    if env.distributed:  # host counts of every rank summed on the device; one process keeps them on the host
+        counts = all_reduce_sum(counts.to(env.device), env).cpu()
+    counts = counts / env.layout.tp
     scale = 1.0 / max(1.0, float(counts[0]))
     with torch.no_grad():
         for p in model.parameters():
