@@ -165,6 +165,9 @@ def test_cli_convert_and_one_line_errors(hf_folders, tmp_path, capsys):
     assert load_model(tmp_path / "a").visual is not None
     assert cli_main(["convert", "--vision-from", str(hf_folders / "vl"), "--language-from",
                      str(hf_folders / "q3"), "--out", str(tmp_path / "b"), "--seed", "3"]) == 0
+    # these folders carry no tokenizer: each conversion says so in one warning line (issue 43 item 4)
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert warnings and all(w.startswith("mindvl convert: warning:") and "no tokenizer.json" in w for w in warnings)
     assert cli_main(["convert", "--from-hf", str(hf_folders / "vl"), "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already exists" in err[0] and "--overwrite" in err[0]

@@ -129,7 +129,7 @@ def test_planner_traces_a_tensor_parallel_step(tmp_path):
     def held(name: str, p: torch.Tensor) -> int:
         shape = list(p.shape)
         if name.startswith("language_model.") and any(f".{c}." in name for c in col):
-            shape[0] //= 2
+            shape[0] = -(-shape[0] // 2)  # rank 0's rows: torch.chunk's ceil (the odd vocabulary: 351 of 701)
         elif name.startswith("language_model.") and (".o_proj." in name or ".down_proj." in name):
             shape[1] //= 2
         return math.ceil(shape[0] / 2) * math.prod(shape[1:])
