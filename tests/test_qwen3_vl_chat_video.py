@@ -158,7 +158,8 @@ def test_a_training_pack_with_the_video_gives_transformers_logits(setup, tmp_pat
     (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [
         {"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "Noise."}],
         "videos": [str(video)]}) + "\n")
-    cfg = DataConfig.from_dict({"sources": [str(tmp_path / "d.jsonl")], "seq_len": 256, "pack_buffer": 1,
+    source = {"path": str(tmp_path / "d.jsonl"), "absolute_paths": True}  # the video lives in another folder
+    cfg = DataConfig.from_dict({"sources": [source], "seq_len": 256, "pack_buffer": 1,
                                 "processor": processing_from_folder(folder)})
     pack = next(iter(build_loader(cfg, tok, max_epochs=1)))
     assert pack.image_grid_thw.tolist() == [[1, 4, 6], [1, 4, 6]]

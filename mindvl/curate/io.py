@@ -18,7 +18,7 @@ import json
 import os
 import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -84,7 +84,9 @@ def _strip_image_names(record: dict) -> dict:
 
 
 def _jsonl_item(task: ShardTask, ordinal: int, raw: RawItem) -> Item:
-    conv = item_to_conversation(raw)  # validation exactly as the trainer does it (BadSample on any problem)
+    # validation exactly as the trainer does it (BadSample on any problem); every image path, absolute or not, is
+    # then checked below to be a regular file inside the record's folder before its bytes are copied
+    conv = item_to_conversation(replace(raw, absolute_paths=True))
     if getattr(conv, "videos", None):
         raise BadSample("video_unsupported", raw.where, "records with videos are not curated (image stages only); "
                         "curate them apart")

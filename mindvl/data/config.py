@@ -113,9 +113,9 @@ class SourceConfig:
     max_pixels: int | None = None
     category: str = ""
     caption_prompts: list[str] | str = "default"
-    # Records may name images by absolute path (a corpus you wrote yourself, images kept elsewhere). Off by default:
-    # then only paths inside the records' folder are read, and an absolute one is an `image_absolute` skip.
-    absolute_image_paths: bool = False
+    # Records may name images and videos by absolute path (a corpus you wrote yourself, media kept elsewhere). Off
+    # by default: then only paths inside the records' folder are read, and an absolute one is an `image_absolute` skip.
+    absolute_paths: bool = False
 
     @classmethod
     def _prepare_mapping(cls, d: Any, where: str) -> Any:

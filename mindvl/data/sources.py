@@ -157,7 +157,7 @@ class RawItem:
     members: dict[str, bytes] | None = None
     base_dir: str = ""
     key: str = ""
-    # Its source trusts images named by absolute path (SourceConfig.absolute_image_paths); else only paths inside
+    # Its source trusts images named by absolute path (SourceConfig.absolute_paths); else only paths inside
     # the records' folder are read (a received corpus must not make mindvl read ~/.netrc into a training sample).
     absolute_paths: bool = False
 
@@ -446,13 +446,13 @@ def item_to_conversation(item: RawItem) -> Conversation:
                     return ImageRef(name)
                 raise BadSample("image_absolute", item.where, f"image {name!r} is an absolute path; records are read "
                                 "with images inside their folder unless their source is trusted (a training recipe: "
-                                f"absolute_image_paths: true on data source {item.ref.source})")
+                                f"absolute_paths: true on data source {item.ref.source})")
             base = os.path.normpath(item.base_dir)
             path = os.path.normpath(os.path.join(base, name))
             if os.path.commonpath([base, path]) != base:  # `../../home/.netrc`: outside the records' folder
                 raise BadSample("image_outside", item.where, f"image {name!r} resolves outside the record's folder "
                                 f"{base}; give a path inside it (or an absolute path in a source with "
-                                "absolute_image_paths: true)")
+                                "absolute_paths: true)")
             return ImageRef(path)
 
         return parse_record(record, item.where, resolve)
@@ -554,7 +554,7 @@ class SourceReader:
 
     def _with_source_rules(self, item):
         """What the source's config says about reading its records travels with each raw item."""
-        if isinstance(item, RawItem) and self.cfg.absolute_image_paths:
+        if isinstance(item, RawItem) and self.cfg.absolute_paths:
             return replace(item, absolute_paths=True)
         return item
 

@@ -46,6 +46,6 @@ def test_images_outside_the_data_folder_devices_and_fifos_are_not_copied(tmp_pat
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
     report, items = run([str(d / "in.jsonl")], str(tmp_path / "out"), [{"text_filter": {"min_words": 1}}])
     assert sorted(it.record["id"] for it in items) == [0, 5]
-    assert dropped(report, "read") == {"image_outside": 1, "image_absolute": 1, "missing_image": 2}
+    assert dropped(report, "read") == {"image_outside": 1, "missing_image": 3}
     for shard in (tmp_path / "out" / "shards").iterdir():
         assert b"SECRET-TOKEN" not in shard.read_bytes()

@@ -22,9 +22,9 @@ from mindvl.data.sources import (
 from mindvl.data.stream import PackStream
 
 
-def read_all(paths, n_slots=1, slot=0, seed=0, epochs=1, fmt="auto", absolute_image_paths=False):
+def read_all(paths, n_slots=1, slot=0, seed=0, epochs=1, fmt="auto", absolute_paths=False):
     """Every item (RawItem or BadSample) a slot reads in `epochs` epochs."""
-    cfg = SourceConfig(name="s", paths=[str(p) for p in paths], format=fmt, absolute_image_paths=absolute_image_paths)
+    cfg = SourceConfig(name="s", paths=[str(p) for p in paths], format=fmt, absolute_paths=absolute_paths)
     files = resolve_files(cfg.paths, fmt, "test")
     reader = SourceReader(cfg, 0, files, slot, n_slots, seed, max_epochs=epochs)
     out = []
@@ -54,7 +54,7 @@ def test_messages_sharegpt_and_list_content_parse_alike(tmp_path):
                       {"role": "assistant", "content": [{"type": "text", "text": "A"}]}],
          "images": [str(tmp_path / "a.png")]},  # absolute paths work too, in a source that trusts them
     ]
-    items = read_all([write_jsonl(tmp_path / "d.jsonl", recs)], absolute_image_paths=True)
+    items = read_all([write_jsonl(tmp_path / "d.jsonl", recs)], absolute_paths=True)
     convs = [item_to_conversation(i) for i in items]
     for c in convs:
         assert [(m.role, m.content) for m in c.messages] == [("system", "S"), ("user", "<image>Q"), ("assistant", "A")]
@@ -288,7 +288,7 @@ def test_read_ref_returns_the_same_record(tmp_path):
 
 
 def test_an_absolute_image_path_is_read_only_where_the_source_trusts_it(tmp_path):
-    """A received corpus names `/home/user/.netrc`: without `absolute_image_paths` it is a counted skip naming the
+    """A received corpus names `/home/user/.netrc`: without `absolute_paths` it is a counted skip naming the
     setting (issue 41 item 5); with it, the same record reads the image."""
     (tmp_path / "a.png").write_bytes(png_bytes(40, 60))
     rec = {"messages": [{"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": "A"}],
@@ -297,6 +297,6 @@ def test_an_absolute_image_path_is_read_only_where_the_source_trusts_it(tmp_path
     (untrusted,) = read_all([path])
     with pytest.raises(BadSample) as err:
         item_to_conversation(untrusted)
-    assert err.value.reason == "image_absolute" and "absolute_image_paths: true" in str(err.value)
-    (trusted,) = read_all([path], absolute_image_paths=True)
+    assert err.value.reason == "image_absolute" and "absolute_paths: true" in str(err.value)
+    (trusted,) = read_all([path], absolute_paths=True)
     assert os.path.samefile(item_to_conversation(trusted).images[0].name, tmp_path / "a.png")

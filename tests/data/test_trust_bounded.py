@@ -100,7 +100,7 @@ def test_a_record_naming_a_device_fifo_or_outside_file_is_a_counted_skip(tmp_pat
     expected = {"outside": "image_outside", "device": "image_absolute"}.get(kind, "missing_image")
     assert loader.report()["skipped"] == {expected: 1}
     if kind == "device":  # a source that trusts absolute paths still reads only regular files
-        cfg.sources[0].absolute_image_paths = True
+        cfg.sources[0].absolute_paths = True
         loader = build_loader(cfg, tok, max_epochs=1)
         assert sum(p.num_samples for p in loader) == 3
         assert loader.report()["skipped"] == {"missing_image": 1}
