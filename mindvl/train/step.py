@@ -187,8 +187,7 @@ def accumulate_gradients(model, micro: Iterable[dict], env: ParallelEnv, config:
             batch = shard_labels(batch, cp, env.layout.cp_rank)
             if batch.get("layout") is not None:  # it counts the whole pack's targets; this rank keeps its share
                 batch = {**batch, "layout": dataclasses.replace(batch["layout"], num_targets=None)}
-            # this rank's share of the pack's targets, counted on its labels (the layout counts the whole pack's)
-            n = int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+            n = labelled_targets(batch)  # this rank's share, counted on its labels (the layout no longer counts)
         labelled += n
         counted_tokens += int(batch["input_ids"].numel())
         if env.distributed and hasattr(model, "set_requires_gradient_sync"):
