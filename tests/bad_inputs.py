@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import prefork
+
 CLI = "import sys; from mindvl.cli import main; sys.exit(main())"
 # transformers made unimportable, as on an install without it (`import transformers` raises ImportError).
 CLI_WITHOUT_TRANSFORMERS = "import sys; sys.modules['transformers'] = None; " + CLI
@@ -372,6 +374,8 @@ def run_case(case: Case, tmp: Path, model: Path, timeout: float = 300) -> tuple[
     argv, names = case.build(tmp, model)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("MINDVL_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-c", case.code, *argv], env=env, cwd=tmp, capture_output=True,
-                          text=True, timeout=timeout)
+    cmd = [sys.executable, "-c", case.code, *argv]
+    if case.code == CLI:  # forked with torch and mindvl imported (tests/prefork.py); the others change imports
+        cmd = prefork.command(cmd[1:], env)
+    proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
     return proc, names

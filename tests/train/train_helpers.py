@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import prefork
 import torch
 import yaml
 
@@ -143,7 +144,15 @@ def env() -> dict:
     return e
 
 
+def python(argv: list[str]) -> list[str]:
+    """`python ARGV` (a script or `-c CODE`, then its arguments), forked from the tests' fork server when it runs
+    (tests/prefork.py: torch and mindvl already imported; MINDVL_TEST_PREFORK=0 turns it off)."""
+    return prefork.command(argv, env())
+
+
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    if cmd[0] == sys.executable and len(cmd) > 1 and (cmd[1] == "-c" or cmd[1].endswith(".py")):
+        cmd = python(cmd[1:])
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, **kw)
 
 
@@ -172,7 +181,7 @@ def launch(tmp_path: Path, args: list[str], world: int = 2, extra_env: dict | No
         else:
             logs.mkdir(parents=True, exist_ok=True)
             out, err = open(logs / f"rank_{rank}.out", "w"), open(logs / f"rank_{rank}.err", "w")  # noqa: SIM115
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=e | (extra_env or {}), stdout=out,
+        procs.append(subprocess.Popen(python([str(script), *args]), env=e | (extra_env or {}), stdout=out,
                                       stderr=err, text=True))
         if logs is not None:
             out.close()
