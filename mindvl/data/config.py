@@ -114,7 +114,8 @@ class SourceConfig:
     category: str = ""
     caption_prompts: list[str] | str = "default"
     # Records may name images and videos by absolute path (a corpus you wrote yourself, media kept elsewhere). Off
-    # by default: then only paths inside the records' folder are read, and an absolute one is an `image_absolute` skip.
+    # by default: then only paths inside the records' folder are read (symlinks resolved: one pointing out of it is
+    # an `image_outside` skip), and an absolute one is an `image_absolute` skip. On, symlinks may point anywhere.
     absolute_paths: bool = False
 
     @classmethod
