@@ -21,7 +21,9 @@ tail) and the next section runs:
   Qwen2_5_VLForConditionalGeneration (its decoder is Qwen2's: q/k/v biases, no q/k norms, untied head; transformers
   has no Qwen2.5-VL ViT + Qwen3 class) and imported with `mindvl.checkpoint.convert_from_hf`, so both sides hold the
   same weights.
-- plan: `mindvl.plan.plan` for that recipe on one h100-80g (CPU, fake tensors; runs beside the GPU sections).
+- plan: `mindvl.plan.plan` for that recipe on one of the card the proof runs on (CPU, fake tensors; runs beside the
+  GPU sections): the planner's preset for the detected GPU (H200 -> h200, H100 -> h100-80g, ...), a `custom:` spec
+  from its memory when mindvl has none, h100-80g without a GPU (the dry run); proof.json's `plan.device` says which.
 - mindvl: the mid model through the trainer's pieces (load_model, parallelize as on one GPU: plain tensors, bf16
   autocast, full activation checkpointing, blocks compiled where `parallel.compile: auto` compiles them,
   build_optimizer, step.optimizer_step on one 8K pack per step); tokens/s and MFU as the trainer logs them (real
@@ -459,6 +461,57 @@ def stream_of(packs: list, dev, config):
     return MicroBatchStream(iter(packs).__next__, len(packs), dev, layout=batch_layout(config))
 
 
+NO_GPU_PRESET = "h100-80g"  # what the planner plans for where no GPU is seen (the CPU dry run)
+MEMORY_MATCH = 0.05  # a preset whose memory is further than this from the card's is not the card (H100 NVL: 94 GB)
+
+
+def plan_device(gpu: str | None, memory_bytes: int | None) -> tuple[str, dict]:
+    """The planner's device spec for the card the proof runs on, and what proof.json records about the choice.
+
+    `gpu`, `memory_bytes`: the runtime's name and total memory (None: no GPU). The preset of the planner's table
+    that the name matches (mindvl.plan.devices.device_for_name: H200 -> h200, H100/H800 -> h100-80g, ...) when its
+    memory is the card's; else a `custom:` spec with the card's memory and the matched preset's (or, for a card
+    the table does not know, h100-80g's) FLOP/s and bandwidths, which the one-rank plan uses only for its time
+    estimate. Without a GPU: h100-80g."""
+    from mindvl.plan.devices import GB, get_device
+    from mindvl.plan.devices import device_for_name as preset_for
+
+    if not gpu:
+        return NO_GPU_PRESET, {"card": None, "memory_bytes": None, "preset": NO_GPU_PRESET, "spec": NO_GPU_PRESET,
+                               "why": "no GPU seen (CPU dry run): the planner's h100-80g"}
+    preset = preset_for(gpu)
+    info = {"card": gpu, "memory_bytes": memory_bytes, "preset": preset.name if preset else None}
+    if preset is not None and (not memory_bytes or abs(preset.memory_bytes - memory_bytes)
+                               <= MEMORY_MATCH * memory_bytes):
+        return preset.name, {**info, "spec": preset.name, "why": f"{gpu} is the planner's {preset.name}"}
+    if not memory_bytes:
+        raise ValueError(f"{gpu}: no planner preset matches it and its memory is unknown; run the environment "
+                         "section (it records the card) or add the card to mindvl/plan/devices.py")
+    like = preset or get_device(NO_GPU_PRESET)
+    spec = (f"custom:mem_gb={memory_bytes / GB:.3f},tflops={like.peak_flops / 1e12:g},"
+            f"hbm_gbs={like.hbm_bytes_s / GB:g},intra_gbs={like.intra_bytes_s / GB:g},"
+            f"inter_gbs={like.inter_bytes_s / GB:g},per_node={like.per_node}")
+    why = (f"{gpu}: {'its preset ' + preset.name + ' has another memory' if preset else 'no planner preset'}; "
+           f"the card's memory with {like.name}'s FLOP/s and bandwidths")
+    return spec, {**info, "spec": spec, "why": why}
+
+
+def detected_gpu(work: Path) -> tuple[str | None, int | None]:
+    """The card's name and memory as the environment section recorded them (that child has exited, so the planner
+    beside the GPU sections never opens a CUDA context of its own); read from torch only when it did not run."""
+    env = work / "environment.result.json"
+    if env.exists():
+        data = json.loads(env.read_text())
+        if data.get("ok"):
+            return data.get("gpu"), data.get("gpu_memory_bytes")
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, None
+    p = torch.cuda.get_device_properties(0)
+    return p.name, p.total_memory
+
+
 def sec_plan(args, work: Path) -> dict:
     import torch
 
@@ -466,12 +519,13 @@ def sec_plan(args, work: Path) -> dict:
     from mindvl.plan import get_device, plan
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))  # leave the cores to the GPU sections beside it
+    spec, device = plan_device(*detected_gpu(work))
     recipe = load_recipe(raw=plan_recipe(work, shapes(args.dry_run)))
-    r = plan(recipe, 1, get_device("h100-80g"), recipe_name="proof mid-size SFT 8K")
+    r = plan(recipe, 1, get_device(spec), recipe_name="proof mid-size SFT 8K")
     d = r.to_dict()
-    return {k: d[k] for k in ("fits", "headroom", "peak_bytes_per_rank", "reserve_bytes", "capacity_bytes",
-                              "breakdown", "flops_per_step", "est_step_time_s", "est_mfu", "params", "packs",
-                              "trace_s", "notes", "torch", "time_source")}
+    return {"device": device, **{k: d[k] for k in (
+        "fits", "headroom", "peak_bytes_per_rank", "reserve_bytes", "capacity_bytes", "breakdown", "flops_per_step",
+        "est_step_time_s", "est_mfu", "params", "packs", "trace_s", "notes", "torch", "time_source")}}
 
 
 def sec_mindvl(args, work: Path) -> dict:
@@ -892,7 +946,8 @@ def report(res: dict) -> str:
         elif name == "generate":
             what = _proof_generate().generate_summary(data)
         elif name == "plan":
-            what = f"planned peak {fmt(data.get('peak_bytes_per_rank', 0) / GIB, '.2f')} GiB"
+            what = (f"planned peak {fmt(data.get('peak_bytes_per_rank', 0) / GIB, '.2f')} GiB on "
+                    f"{(data.get('device') or {}).get('spec', '?')}")
         elif name == "prepare":
             what = f"{data.get('parameters', 0) / 1e6:,.1f}M parameters"
         else:

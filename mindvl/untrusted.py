@@ -16,6 +16,7 @@ from typing import Any
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a record or config (real ones nest a handful deep)
 MAX_INT_DIGITS = 64  # digits of one JSON integer (int("9" * 5000) is slow, and over 4300 digits a ValueError)
 MAX_IMAGE_BYTES = 256 << 20  # default limit on one image file or member read whole (data.max_image_bytes)
+MAX_VIDEO_BYTES = 4 << 30  # default limit on one video file handed to the decoder (data.video.max_video_bytes)
 
 
 class UntrustedInputError(ValueError):

@@ -41,6 +41,7 @@ def test_dry_run_every_section_succeeds(tmp_path):
     for arm in ("hf_packed", "hf_padded"):
         assert sections[arm]["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-3), arm
     assert sections["plan"]["peak_bytes_per_rank"] > 0
+    assert sections["plan"]["device"]["card"] is None and sections["plan"]["device"]["spec"] == "h100-80g"
     assert sections["moe"]["bf16_loss0_rel_diff_vs_cpu_fp32"] < 1e-2
     for part in (mid, sections["moe"]["grouped_mm"], sections["moe"]["unbind_fallback"]):  # the profiled steps
         assert part["profile"]["split_ms"]["backward"] > 0 and part["profile"]["aten_ops"] > 0
@@ -68,6 +69,33 @@ def load_proof_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("card, mib, spec", [
+    ("NVIDIA H200", 143771, "h200"),
+    ("NVIDIA H100 80GB HBM3", 81559, "h100-80g"),
+    ("NVIDIA A100-SXM4-80GB", 81920, "a100-80g"),
+    ("NVIDIA H100 NVL", 95830, "custom"),  # an H100 whose memory is not the preset's
+    ("NVIDIA L40S", 46068, "custom"),  # a card the planner's table does not know
+    (None, None, "h100-80g"),  # no GPU (the dry run)
+])
+def test_the_plan_section_plans_for_the_card_it_runs_on(tmp_path, card, mib, spec):
+    """The card the environment section recorded decides the planner's device: its preset, else a custom spec whose
+    memory is the card's (not the h100-80g the section once planned for on every card)."""
+    from mindvl.plan import get_device
+
+    proof = load_proof_module()
+    memory = mib * 2**20 if mib else None
+    (tmp_path / "environment.result.json").write_text(json.dumps({"ok": True, "gpu": card,
+                                                                  "gpu_memory_bytes": memory}))
+    got, info = proof.plan_device(*proof.detected_gpu(tmp_path))
+    assert got.split(":")[0] == spec and info["spec"] == got and info["card"] == card
+    device = get_device(got)
+    if memory:
+        assert abs(device.memory_bytes - memory) < 1e-4 * memory
+        assert device.peak_flops == get_device("a100-80g" if "A100" in card else "h100-80g").peak_flops
+    if card == "NVIDIA H100 NVL":
+        assert info["preset"] == "h100-80g" and "another memory" in info["why"]
 
 
 def test_profiled_step_splits_the_step_on_cpu():

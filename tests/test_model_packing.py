@@ -197,3 +197,19 @@ def test_next_token_targets_never_cross_samples():
     labels = torch.tensor([10, 11, 12, 20, 21, -100, 30])
     cu = torch.tensor([0, 3, 6, 7], dtype=torch.int32)
     assert next_token_targets(labels, cu).tolist() == [11, 12, -100, 21, -100, -100, -100]
+
+
+@pytest.mark.parametrize("form", ["tuple", "list", "int32", "int64"])
+def test_next_token_targets_host_and_tensor_offsets_agree_by_hand(form):
+    """One rule for both forms of the offsets (host ints from a PackLayout, a tensor from a batch). Samples [0, 3),
+    an empty one, a 1-token sample [3, 4), [4, 7) whose second label is ignored, [7, 9): a rule that misses the
+    1-token sample, shifts the ends by one or marks the ignored label's neighbour shows."""
+    labels = torch.tensor([10, 11, 12, 30, 40, -100, 42, 50, 51])
+    offsets = (0, 3, 3, 4, 7, 9)
+    cu = {"tuple": offsets, "list": list(offsets), "int32": torch.tensor(offsets, dtype=torch.int32),
+          "int64": torch.tensor(offsets)}[form]
+    assert next_token_targets(labels, cu).tolist() == [11, 12, -100, -100, -100, 42, -100, 51, -100]
+    # offsets that stop short of T: the tail keeps its shifted labels; an offset of 0 (a leading empty sample)
+    # marks no token
+    cu = (0, 0, 2) if form in ("tuple", "list") else torch.tensor((0, 0, 2), dtype=torch.int32)
+    assert next_token_targets(labels[:4], cu).tolist() == [11, -100, 30, -100]

@@ -35,7 +35,6 @@ from mindvl.conventions import IGNORE_INDEX
 from mindvl.models import attention
 from mindvl.models.host import PackLayout
 from mindvl.models.loss import next_token_targets
-from mindvl.models.mllm import next_token_targets_from_offsets
 from mindvl.train.step import MicroBatchStream, accumulate_gradients, batch_layout, labelled_targets
 
 META = torch.device("meta")
@@ -187,8 +186,21 @@ def test_targets_from_host_offsets_equal_the_tensor_rule():
     gen = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 50, (40,), generator=gen)
     for offsets in [(0, 40), (0, 0, 7, 7, 19, 40), (0, 1, 2, 40)]:
-        assert torch.equal(next_token_targets_from_offsets(labels, offsets),
+        assert torch.equal(next_token_targets(labels, offsets),
                            next_token_targets(labels, torch.tensor(offsets, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("form", ["host", "tensor"])
+def test_next_token_targets_read_nothing_from_the_device(form):
+    """Both forms of the offsets mark the sample ends without a data-dependent shape or a blocking copy (the rule
+    once filtered tensor offsets with a boolean mask: a read on every accelerator)."""
+    offsets = (0, 0, 3, 4, 9)
+    cu = offsets if form == "host" else torch.tensor(offsets, dtype=torch.int32, device=META)
+    labels = torch.arange(9, device=META)
+    with DeviceReads() as reads:
+        targets = next_token_targets(labels, cu)
+    assert (reads.reads, reads.blocking_copies) == ([], [])
+    assert targets.shape == (9,) and targets.device == META
 
 
 def test_layout_rejects_offsets_that_do_not_start_at_zero():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindvl.typed import build
-from mindvl.untrusted import MAX_IMAGE_BYTES
+from mindvl.untrusted import MAX_IMAGE_BYTES, MAX_VIDEO_BYTES
 
 from .image import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, RESIZE_METHODS
 from .processors import QWEN2_VL, VisionProcessing, as_processing
@@ -76,6 +76,7 @@ class VideoConfig:
     cap_pixels_per_frame: bool = True  # the per-video total-pixel budget (qwen-vl-utils' rule)
     max_video_tokens: int = 128_000
     max_decoded_frames: int = 100_000  # longer videos are skipped (video_too_long) before decoding
+    max_video_bytes: int = MAX_VIDEO_BYTES  # larger video files are skipped (video_too_large) before decoding
     # M-RoPE time scale; None: the model's own (the trainer fills it in). Set, it must equal the model's.
     tokens_per_second: int | None = None
 
@@ -83,7 +84,7 @@ class VideoConfig:
         if not self.fps > 0:
             raise ValueError(f"{where}.fps: must be > 0, got {self.fps}")
         for key in ("min_frames", "max_frames", "min_pixels", "max_pixels", "max_video_tokens", "max_decoded_frames",
-                    "tokens_per_second"):
+                    "max_video_bytes", "tokens_per_second"):
             _positive(getattr(self, key), f"{where}.{key}")
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"{where}: min_pixels {self.min_pixels} is larger than max_pixels {self.max_pixels}")
@@ -114,7 +115,8 @@ class SourceConfig:
     category: str = ""
     caption_prompts: list[str] | str = "default"
     # Records may name images and videos by absolute path (a corpus you wrote yourself, media kept elsewhere). Off
-    # by default: then only paths inside the records' folder are read, and an absolute one is an `image_absolute` skip.
+    # by default: then only paths inside the records' folder are read (symlinks resolved: one pointing out of it is
+    # an `image_outside` skip), and an absolute one is an `image_absolute` skip. On, symlinks may point anywhere.
     absolute_paths: bool = False
 
     @classmethod

@@ -157,7 +157,8 @@ def _probe(files: list[str], cfg: DataConfig, source: int, probe: int, tok) -> t
             try:
                 if qwen3:
                     layouts = [video_layout_qwen3(v.data if v.data is not None else v.name, processing,
-                                                  cfg.video.fps, cfg.video.max_decoded_frames) for v in conv.videos]
+                                                  cfg.video.fps, cfg.video.max_decoded_frames,
+                                                  cfg.video.max_video_bytes) for v in conv.videos]
                     vgrids, stamps = [g for g, _ in layouts], [t for _, t in layouts]
                 else:
                     vgrids = [video_grid(v.data if v.data is not None else v.name, settings) for v in conv.videos]

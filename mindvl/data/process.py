@@ -95,7 +95,8 @@ def _videos(conv: Conversation, cfg: ProcessConfig) -> tuple[list[tuple[np.ndarr
         source = vid.data if vid.data is not None else vid.name
         try:
             if qwen3:
-                q = process_video_qwen3(source, cfg.processing, cfg.video.fps, cfg.video.max_decoded_frames)
+                q = process_video_qwen3(source, cfg.processing, cfg.video.fps, cfg.video.max_decoded_frames,
+                                        cfg.video.max_video_bytes)
             else:
                 v = preprocess_video(source, cfg.video)
         except ImageError as exc:  # VideoError is one

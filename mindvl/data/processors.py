@@ -352,25 +352,28 @@ class Qwen3Video:
         return [(self.patches[k * h * w:(k + 1) * h * w], (1, h, w)) for k in range(t)]
 
 
-def _video_settings(p: VisionProcessing, fps: float | None, max_decoded_frames: int | None):
+def _video_settings(p: VisionProcessing, fps: float | None, max_decoded_frames: int | None,
+                    max_video_bytes: int | None = None):
     from .video import VideoSettings
 
     s = VideoSettings(fps=fps if fps is not None else p.fps, min_frames=p.min_frames, max_frames=p.max_frames,
                       min_pixels=p.video_min_pixels, max_pixels=p.video_max_pixels)
     if max_decoded_frames is not None:
         s = replace(s, max_decoded_frames=max_decoded_frames)
+    if max_video_bytes is not None:
+        s = replace(s, max_video_bytes=max_video_bytes)
     return s
 
 
 def process_video_qwen3(source, p: VisionProcessing, fps: float | None = None,
-                        max_decoded_frames: int | None = None) -> Qwen3Video:
+                        max_decoded_frames: int | None = None, max_video_bytes: int | None = None) -> Qwen3Video:
     """Decode a video file (or bytes) and lay it out as Qwen3VLVideoProcessor + Qwen3VLProcessor do: frames by
     `sample_frame_indices` at `fps` (default the processor's), resized to `video_frame_size` with torchvision's
     antialiased bicubic on uint8 (mindvl.data.video.resize_frames), rows kept uint8, timestamps from the sampled
     indices and the container's fps."""
     from .video import decode_video, patchify_video_uint8, resize_frames
 
-    s = _video_settings(p, fps, max_decoded_frames)
+    s = _video_settings(p, fps, max_decoded_frames, max_video_bytes)
     decoded = decode_video(source, s, pick=lambda total, vfps: sample_frame_indices(total, vfps, p, s.fps))
     n, height, width, _ = decoded.frames.shape
     rh, rw = video_frame_size(n, height, width, p)
@@ -379,12 +382,12 @@ def process_video_qwen3(source, p: VisionProcessing, fps: float | None = None,
     return Qwen3Video(patches, grid, frame_timestamps(decoded.indices, decoded.video_fps, p.temporal_patch_size))
 
 
-def video_layout_qwen3(source, p: VisionProcessing, fps: float | None = None,
-                       max_decoded_frames: int | None = None) -> tuple[tuple[int, int, int], list[float]]:
+def video_layout_qwen3(source, p: VisionProcessing, fps: float | None = None, max_decoded_frames: int | None = None,
+                       max_video_bytes: int | None = None) -> tuple[tuple[int, int, int], list[float]]:
     """The grid and timestamps `process_video_qwen3` gives, from the headers only (no frame decoded)."""
     from .video import video_header
 
-    s = _video_settings(p, fps, max_decoded_frames)
+    s = _video_settings(p, fps, max_decoded_frames, max_video_bytes)
     total, video_fps, height, width = video_header(source, s)
     indices = sample_frame_indices(total, video_fps, p, s.fps)
     rh, rw = video_frame_size(len(indices), height, width, p)

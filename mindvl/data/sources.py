@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from mindvl.untrusted import MAX_IMAGE_BYTES, loads_json
+from mindvl.untrusted import MAX_IMAGE_BYTES, UntrustedInputError, inside, loads_json
 
 from .config import SourceConfig
 from .records import parse_record
@@ -448,12 +448,18 @@ def item_to_conversation(item: RawItem) -> Conversation:
                                 "with images inside their folder unless their source is trusted (a training recipe: "
                                 f"absolute_paths: true on data source {item.ref.source})")
             base = os.path.normpath(item.base_dir)
-            path = os.path.normpath(os.path.join(base, name))
-            if os.path.commonpath([base, path]) != base:  # `../../home/.netrc`: outside the records' folder
-                raise BadSample("image_outside", item.where, f"image {name!r} resolves outside the record's folder "
-                                f"{base}; give a path inside it (or an absolute path in a source with "
-                                "absolute_paths: true)")
-            return ImageRef(path)
+            if item.absolute_paths:  # a trusted source may link its folder to an image store elsewhere
+                path = os.path.normpath(os.path.join(base, name))
+                if os.path.commonpath([base, path]) == base:
+                    return ImageRef(path)
+            else:  # `../../home/.netrc`, or `img.png -> /home/user/.netrc`: symlinks resolved, as curate checks
+                try:
+                    return ImageRef(inside(base, name, "image"))
+                except UntrustedInputError:
+                    pass
+            raise BadSample("image_outside", item.where, f"image {name!r} resolves outside the record's folder "
+                            f"{base} (through `..` or a symlink); give a path to a file inside it (or an absolute "
+                            f"path, with absolute_paths: true on data source {item.ref.source} if you trust it)")
 
         return parse_record(record, item.where, resolve)
 

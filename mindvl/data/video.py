@@ -28,14 +28,18 @@ float32 rows when a pack is built.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
+
+from mindvl.untrusted import MAX_VIDEO_BYTES, TooLargeError, UntrustedInputError, open_regular
 
 from .image import (
     CHANNELS,
@@ -133,12 +137,13 @@ class VideoSettings:
     cap_pixels_per_frame: bool = True  # the per-video total-pixel budget
     max_video_tokens: int = MAX_VIDEO_TOKENS
     max_decoded_frames: int = 100_000  # a longer video is refused before decoding (`video_too_long`)
+    max_video_bytes: int = MAX_VIDEO_BYTES  # a larger file is refused before the decoder reads it (`video_too_large`)
 
 
 def video_settings(cfg) -> VideoSettings:
     """VideoSettings from a DataConfig's `video` section (mindvl.data.config.VideoConfig)."""
     return VideoSettings(cfg.fps, cfg.min_frames, cfg.max_frames, cfg.min_pixels, cfg.max_pixels,
-                         cfg.cap_pixels_per_frame, cfg.max_video_tokens, cfg.max_decoded_frames)
+                         cfg.cap_pixels_per_frame, cfg.max_video_tokens, cfg.max_decoded_frames, cfg.max_video_bytes)
 
 
 VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
@@ -236,14 +241,34 @@ def frame_size(height: int, width: int, n_frames: int, s: VideoSettings) -> tupl
     return smart_resize(height, width, FACTOR, s.min_pixels, max_pixels)
 
 
-def _name(source: str | os.PathLike | bytes) -> str:
-    """The source's name for messages; a missing file is a `missing_video` bad sample."""
+LIMIT_KEY = "data.video.max_video_bytes"
+
+
+@contextlib.contextmanager
+def _video_file(source: str | os.PathLike | bytes, s: VideoSettings) -> Iterator[tuple[str, BinaryIO]]:
+    """(the source's name for messages, a file object the decoder reads): a named file must be a regular file of at
+    most `s.max_video_bytes`, measured with fstat on the descriptor the decoder then reads (no window between the
+    check and the read, a FIFO or device refused without blocking), as images are; bytes (a tar member) likewise.
+    A missing file is a `missing_video` bad sample, a larger one `video_too_large`."""
     if isinstance(source, bytes):
-        return "<bytes>"
+        if len(source) > s.max_video_bytes:
+            raise VideoError("video_too_large", f"a video member of {len(source)} bytes is over the limit of "
+                             f"{s.max_video_bytes} ({LIMIT_KEY}); raise the limit if the file is genuine, or cut it "
+                             "into shorter clips")
+        yield "<bytes>", io.BytesIO(source)
+        return
     name = os.fspath(source)
     if not os.path.isfile(name):
         raise VideoError("missing_video", f"video file not found: {name}")
-    return name
+    try:
+        f = open_regular(name, s.max_video_bytes, "video", LIMIT_KEY)
+    except TooLargeError as exc:
+        raise VideoError("video_too_large", f"{exc}; raise the limit if the file is genuine, or cut it into shorter "
+                         "clips") from exc
+    except (UntrustedInputError, OSError) as exc:  # replaced by something else since the check, or unreadable
+        raise VideoError("missing_video", f"video {name} cannot be read: {exc}") from exc
+    with f:
+        yield name, f
 
 
 def _stream_info(container, name: str, s: VideoSettings) -> tuple[object, int, float]:
@@ -269,15 +294,15 @@ def video_header(source: str | os.PathLike | bytes, s: VideoSettings = VideoSett
     require_decoder()
     import av
 
-    name = _name(source)
-    try:
-        with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
-            stream, total, video_fps = _stream_info(container, name, s)
-            return total, video_fps, stream.codec_context.height, stream.codec_context.width
-    except VideoError:
-        raise
-    except (av.error.FFmpegError, OSError, ValueError) as exc:
-        raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
+    with _video_file(source, s) as (name, f):
+        try:
+            with av.open(f) as container:
+                stream, total, video_fps = _stream_info(container, name, s)
+                return total, video_fps, stream.codec_context.height, stream.codec_context.width
+        except VideoError:
+            raise
+        except (av.error.FFmpegError, OSError, ValueError) as exc:
+            raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
 
 
 def video_grid(source: str | os.PathLike | bytes, s: VideoSettings = VideoSettings()) -> tuple[int, int, int]:
@@ -292,27 +317,27 @@ def decode_video(source: str | os.PathLike | bytes, s: VideoSettings = VideoSett
                  pick: Callable[[int, float], list[int]] | None = None) -> DecodedVideo:
     """Decode the frames `sample_frame_indices` picks (RGB, uint8), or those `pick(total_frames, video_fps)` names
     (another family's sampling rule, e.g. Qwen3-VL's in mindvl.data.processors). Raises VideoError:
-    `missing_video`, `corrupt_video`, `video_no_frames`, `video_too_long`."""
+    `missing_video`, `video_too_large`, `corrupt_video`, `video_no_frames`, `video_too_long`."""
     require_decoder()
     import av
 
-    name = _name(source)
-    try:
-        with av.open(io.BytesIO(source) if isinstance(source, bytes) else name) as container:
-            stream, total, video_fps = _stream_info(container, name, s)
-            indices = pick(total, video_fps) if pick is not None else \
-                sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames)
-            wanted, frames, k = set(indices), {}, 0
-            for frame in container.decode(stream):
-                if k in wanted:
-                    frames[k] = frame.to_ndarray(format="rgb24")
-                k += 1
-                if k > indices[-1]:
-                    break
-    except VideoError:
-        raise
-    except (av.error.FFmpegError, OSError, ValueError) as exc:
-        raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
+    with _video_file(source, s) as (name, f):
+        try:
+            with av.open(f) as container:
+                stream, total, video_fps = _stream_info(container, name, s)
+                indices = pick(total, video_fps) if pick is not None else \
+                    sample_frame_indices(total, video_fps, s.fps, s.min_frames, s.max_frames)
+                wanted, frames, k = set(indices), {}, 0
+                for frame in container.decode(stream):
+                    if k in wanted:
+                        frames[k] = frame.to_ndarray(format="rgb24")
+                    k += 1
+                    if k > indices[-1]:
+                        break
+        except VideoError:
+            raise
+        except (av.error.FFmpegError, OSError, ValueError) as exc:
+            raise VideoError("corrupt_video", f"video {name} is corrupt or truncated: {exc}") from exc
     if len(frames) != len(indices):
         raise VideoError("corrupt_video", f"video {name} declares {total} frames but only {k} decode; re-encode it")
     return DecodedVideo(np.stack([frames[i] for i in indices]), indices, total, video_fps)

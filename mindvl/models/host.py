@@ -6,6 +6,8 @@ training step reads nothing back from the device (every `.tolist()`, `.item()` o
 accelerator stalls the host until the device catches up). Callers that hold only tensors (tests, evaluation,
 transformers-style calls) get the same layout from `PackLayout.read`, which reads those tensors once.
 
+`next_token_targets` is the one next-token rule (the loss's targets), for host offsets and offset tensors alike.
+
 `to_device` is how a host-built tensor (an index table, positions, a block mask) reaches an accelerator: through
 pinned memory with a non-blocking copy; a plain `.to("cuda")` of pageable memory synchronises the stream.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss import IGNORE_INDEX, next_token_targets
+from mindvl.conventions import IGNORE_INDEX
 
 Grid = tuple[int, int, int]
 
@@ -46,6 +48,28 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_available():
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """labels [T] aligned with input_ids -> targets [T]: token t is trained to predict labels[t + 1] of its OWN sample;
+    every sample's last token gets IGNORE_INDEX, so nothing is predicted across a packing boundary.
+
+    The one rule for both forms of the sample offsets `cu_seqlens` [n+1]: host ints (a `PackLayout`'s, copied to
+    the labels' device without a sync) or a tensor (on any device; FakeTensors and meta too). Neither form reads the
+    device: the sample ends are marked with `index_fill` on a [T+1] flag row (offset b marks token b-1; a 0 marks
+    flag 0, which no token reads, so empty samples need no filter), never with a boolean mask's data-dependent shape.
+    """
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = labels[1:]
+    if isinstance(cu_seqlens, torch.Tensor):
+        offsets = cu_seqlens
+        if offsets.device != labels.device:  # a host tensor goes up without a sync; a device one moves as it is
+            offsets = to_device(offsets, labels.device) if offsets.device.type == "cpu" else offsets.to(labels.device)
+    else:
+        offsets = to_device(torch.tensor([int(b) for b in cu_seqlens], dtype=torch.long), labels.device)
+    ends = torch.zeros(labels.shape[0] + 1, dtype=torch.bool, device=labels.device)
+    ends.index_fill_(0, offsets[1:].long(), True)
+    return targets.masked_fill(ends[1:], IGNORE_INDEX)
 
 
 @dataclass(frozen=True)
@@ -89,6 +113,5 @@ class PackLayout:
             ids = torch.as_tensor(input_ids)
             pads = int(torch.isin(ids, torch.tensor(vision_token_ids, device=ids.device)).sum())
         if labels is not None:
-            cu = torch.tensor(offsets, dtype=torch.long, device=labels.device)
-            targets = int((next_token_targets(labels, cu) != IGNORE_INDEX).sum())
+            targets = int((next_token_targets(labels, offsets) != IGNORE_INDEX).sum())
         return cls(offsets, host_grids(image_grid_thw), pads, targets)

@@ -32,18 +32,7 @@ from torch import nn
 
 from mindvl.conventions import IGNORE_INDEX
 
-
-def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """labels [T] aligned with input_ids -> targets [T]: token t is trained to predict labels[t + 1] of its OWN sample.
-
-    The last token of every sample gets IGNORE_INDEX, so nothing is ever predicted across a packing boundary.
-    """
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:-1] = labels[1:]
-    ends = cu_seqlens[1:].long() - 1
-    targets[ends[ends >= 0]] = IGNORE_INDEX
-    return targets
-
+from .host import next_token_targets  # noqa: F401  (re-exported: the loss's callers name the rule here)
 
 SLICE_ALIGN = 256  # vocabulary rows per slice: a multiple of this (16-byte aligned strides, whole GEMM tiles)
 

@@ -31,11 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from mindvl.conventions import IGNORE_INDEX
-
 from .attention import check_backend_name
 from .config import MindVLConfig
-from .host import PackLayout, host_grids, host_offsets, to_device
+from .host import PackLayout, host_grids, host_offsets, next_token_targets, to_device
 from .kv_cache import KVCache
 from .loss import chunked_cross_entropy
 from .projector import Projector
@@ -145,18 +143,6 @@ def pack_layout(config: MindVLConfig, input_ids: torch.Tensor, cu_seqlens: torch
     trainer calls it on the host copy of each pack, before the copy to the device."""
     pad_ids = (config.image_token_id, config.video_token_id) if config.vision is not None else ()
     return PackLayout.read(cu_seqlens, image_grid_thw, input_ids if pad_ids else None, pad_ids, labels)
-
-
-def next_token_targets_from_offsets(labels: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
-    """loss.next_token_targets with the sample ends from host offsets: labels [T] -> targets [T], where token t
-    predicts labels[t + 1] of its own sample and every sample's last token gets IGNORE_INDEX. No device read (the
-    tensor form filters its ends with a boolean mask, a data-dependent shape)."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:-1] = labels[1:]
-    ends = sorted({b - 1 for b in offsets[1:] if b > 0})
-    if not ends:
-        return targets
-    return targets.index_fill(0, to_device(torch.tensor(ends), labels.device), IGNORE_INDEX)
 
 
 def _deepstack_kw(deepstack) -> dict:
@@ -377,7 +363,7 @@ class MindVL(nn.Module):
             position_ids = self.default_position_ids(input_ids, cu_seqlens, None)
         hidden = self.language_model(embeds, position_ids, cu_seqlens, layout.max_seqlen, **_deepstack_kw(deepstack))
         if labels is not None:
-            targets = next_token_targets_from_offsets(labels, cu_seqlens)
+            targets = next_token_targets(labels, cu_seqlens)
             # the layout's host count of targets lets the loss gather its rows without reading the mask back
             loss_sum, count = self.cross_entropy(hidden, self.language_model.output_weight, targets, loss_chunk_size,
                                                  n_labelled=layout.num_targets)

@@ -115,3 +115,28 @@ def test_loader_workers_and_rank_shards_carry_16px_rows(tmp_path, tok):
             assert np.array_equal(np.asarray(p.pixel_values), np.asarray(single[tuple(p.input_ids.tolist())]))
             seen.append(tuple(p.input_ids.tolist()))
     assert sorted(seen) == sorted(single)
+
+
+def test_qwen3_video_byte_limit_is_the_data_setting(tmp_path, tok):
+    """The Qwen3-VL processor path honours data.video.max_video_bytes as the Qwen2.5-VL one does: the loader
+    skips the larger file as `video_too_large`, and both the decoder and the header-only layout refuse it."""
+    pytest.importorskip("av")
+    from mindvl.data.processors import process_video_qwen3, video_layout_qwen3
+    from mindvl.data.video import VideoError, write_test_video
+
+    frames = np.random.default_rng(0).integers(0, 256, (9, 64, 96, 3), dtype=np.uint8)
+    write_test_video(tmp_path / "v.mp4", frames, fps=4)
+    size = (tmp_path / "v.mp4").stat().st_size
+    p = as_processing(QWEN3_VL)
+    for fn in (process_video_qwen3, video_layout_qwen3):
+        with pytest.raises(VideoError) as err:
+            fn(tmp_path / "v.mp4", p, max_video_bytes=size - 1)
+        assert err.value.reason == "video_too_large"
+        fn(tmp_path / "v.mp4", p, max_video_bytes=size)
+    write_jsonl(tmp_path / "d.jsonl", [{**qa("<video>What happens?", "B."), "videos": ["v.mp4"]}, qa("Hi", "Yes.")])
+    cfg = DataConfig.from_dict({"sources": [str(tmp_path / "d.jsonl")], "seq_len": 1024, "pack_buffer": 2,
+                                "processor": {"family": "qwen3_vl", "video_min_pixels": 4096,
+                                              "video_max_pixels": 65536}, "video": {"max_video_bytes": size - 1}})
+    loader = build_loader(cfg, tok, max_epochs=1)
+    assert sum(pk.num_samples for pk in loader) == 1
+    assert loader.report()["skipped"] == {"video_too_large": 1}

@@ -5,6 +5,7 @@ decoding of tiny videos written with PyAV, and bad videos skipped and counted by
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -158,6 +159,37 @@ def test_bad_videos_are_skipped_and_counted(tmp_path, tok):
     skipped = loader.report()["skipped"]
     assert skipped == {"video_no_frames": 1, "video_too_long": 1, "corrupt_video": 2, "missing_video": 1,
                        "video_count_mismatch": 1}, skipped
+
+
+def test_a_video_over_the_byte_limit_is_skipped_before_decoding(tmp_path, tok, caplog):
+    """`data.video.max_video_bytes` bounds a video file as `data.max_image_bytes` bounds an image: measured on the
+    descriptor before the decoder reads a byte, a larger file is a `video_too_large` skip (counted, logged with its
+    file:line, the message naming the file and the setting); a file at the limit decodes."""
+    _ramp_video(tmp_path / "small.mp4", 8)
+    rng = np.random.default_rng(0)
+    write_test_video(tmp_path / "big.mp4", rng.integers(0, 255, (8, 56, 56, 3), dtype=np.uint8), fps=4)
+    limit = (tmp_path / "small.mp4").stat().st_size
+    assert (tmp_path / "big.mp4").stat().st_size > limit
+    s = VideoSettings(max_video_bytes=limit)
+    assert decode_video(tmp_path / "small.mp4", s).total_frames == 8
+    for source in (tmp_path / "big.mp4", (tmp_path / "big.mp4").read_bytes()):
+        with pytest.raises(VideoError) as err:
+            decode_video(source, s)
+        assert err.value.reason == "video_too_large" and "data.video.max_video_bytes" in str(err.value)
+    with pytest.raises(VideoError, match=rf"^{tmp_path / 'big.mp4'}: the video has \d+ bytes, over the limit of "
+                                         rf"{limit} \(data\.video\.max_video_bytes\); raise the limit"):
+        decode_video(tmp_path / "big.mp4", s)
+    path = write_jsonl(tmp_path / "v.jsonl", [{**qa("<video>What happens?", "Grey."), "videos": [n]}
+                                              for n in ("small.mp4", "big.mp4", "small.mp4")])
+    cfg = DataConfig.from_dict({"sources": [{"path": str(path)}], "seq_len": 2048, "pack_buffer": 4,
+                                "video": {"min_pixels": 56 * 56, "max_pixels": 56 * 84, "max_video_bytes": limit}})
+    with caplog.at_level(logging.WARNING, logger="mindvl.data"):
+        loader = build_loader(cfg, tok, max_epochs=1)
+        assert sum(p.num_samples for p in loader) == 2
+    assert loader.report()["skipped"] == {"video_too_large": 1}
+    assert any("video_too_large" in r.getMessage() and f"{path}:2" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="max_video_bytes"):
+        DataConfig.from_dict({"sources": [{"path": str(path)}], "video": {"max_video_bytes": 0}})
 
 
 def test_missing_decoder_names_the_extra(monkeypatch, tmp_path, tok):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import resource
 import shutil
@@ -104,6 +105,34 @@ def test_a_record_naming_a_device_fifo_or_outside_file_is_a_counted_skip(tmp_pat
         loader = build_loader(cfg, tok, max_epochs=1)
         assert sum(p.num_samples for p in loader) == 3
         assert loader.report()["skipped"] == {"missing_image": 1}
+
+
+def test_a_symlink_out_of_the_records_folder_is_a_counted_skip(tmp_path, tok, caplog):
+    """`img.png -> ../elsewhere/img.png` inside a received records folder is refused as `image_outside` (counted and
+    logged with its file:line), as curate refuses it; `in.png -> sub/real.png`, which stays inside, is read; a
+    source with `absolute_paths: true` is trusted to link out."""
+    d, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    (d / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "img.png").write_bytes(png_bytes(28, 28, seed=1))
+    (d / "sub" / "real.png").write_bytes(png_bytes(28, 28, seed=2))
+    (d / "img.png").symlink_to(elsewhere / "img.png")
+    (d / "in.png").symlink_to(Path("sub") / "real.png")
+    recs = [qa("<image>What?", f"A{i}.", images=["in.png"]) for i in range(4)]
+    recs[2] = qa("<image>What?", "Out.", images=["img.png"])
+    path = write_jsonl(d / "c.jsonl", recs)
+    cfg = DataConfig.from_dict({"sources": [str(path)], "seq_len": 512, "pack_buffer": 2, "min_pixels": 784,
+                                "max_pixels": 784})
+    with caplog.at_level(logging.WARNING, logger="mindvl.data"):
+        loader = build_loader(cfg, tok, max_epochs=1)
+        assert sum(p.num_samples for p in loader) == 3
+    assert loader.report()["skipped"] == {"image_outside": 1}
+    assert any("image_outside" in r.getMessage() and f"{path}:3" in r.getMessage() and "'img.png'" in r.getMessage()
+               for r in caplog.records)
+    cfg.sources[0].absolute_paths = True
+    loader = build_loader(cfg, tok, max_epochs=1)
+    assert sum(p.num_samples for p in loader) == 4
+    assert loader.report()["skipped"] == {}
 
 
 def test_the_image_byte_limit_is_a_setting(tmp_path, tok):
