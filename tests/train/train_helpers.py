@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import prefork
 import torch
 import yaml
 
@@ -147,6 +146,8 @@ def env() -> dict:
 def python(argv: list[str]) -> list[str]:
     """`python ARGV` (a script or `-c CODE`, then its arguments), forked from the tests' fork server when it runs
     (tests/prefork.py: torch and mindvl already imported; MINDVL_TEST_PREFORK=0 turns it off)."""
+    import prefork  # tests/prefork.py: on the path in the test process (conftest), not in the worker scripts
+
     return prefork.command(argv, env())
 
 
