@@ -27,7 +27,17 @@ import torch
 from mindvl.config import load_recipe
 from mindvl.eval.runner import EvalSettings
 from mindvl.progress import format_duration
-from mindvl.quickstart_plan import QUICKSTART_COST, Stage, StagePlan, step_probe, synth_probe
+from mindvl.quickstart_plan import (
+    QUICKSTART_COST,
+    Speeds,
+    Stage,
+    StagePlan,
+    host_probe,
+    phase_seconds,
+    search_seconds,
+    step_probe,
+    synth_probe,
+)
 from mindvl.train.trainer import train
 
 PX = 28 * 28
@@ -188,37 +198,39 @@ def synth_sets(out: Path, recipes: Path, overrides: list[str], extra_for) -> lis
 
 
 def build_plan(out: Path, recipes: Path, overrides: list[str], extra_for, bench_items: int, n_settings: int,
-               probe_s: float, log) -> StagePlan:
-    """The stages with their work and cost (QUICKSTART_COST); finished phases and cached data cost nothing."""
+               probe_s: float, log, host_s: float | None = None) -> StagePlan:
+    """The stages with their work and estimated seconds (quickstart_plan: QUICKSTART_COST priced in the step probe
+    `probe_s` and the host probe `host_s`, measured now when not given); finished phases and cached data cost
+    nothing."""
     from mindvl.data import DataConfig
     from mindvl.data.synth import synth_path
 
-    cost = QUICKSTART_COST
     missing = [k for k in synth_sets(out, recipes, overrides, extra_for)
                if not synth_path(out / "synth", *k).is_file()]
     samples = sum(n for _, n, _ in missing)
-    rate = synth_probe(sorted({t for tasks, _, _ in missing for t in tasks}))  # seconds per sample, measured now
-    data_cost = sum(n * statistics.mean(rate[t] for t in tasks) for tasks, n, _ in missing) / probe_s
+    speeds = Speeds(probe_s, host_probe() if host_s is None else host_s,
+                    synth_probe(sorted({t for tasks, _, _ in missing for t in tasks})))  # seconds per sample, now
     stages = [Stage("data", f"{samples:,} synthetic samples in {len(missing)} sets" if missing
-                    else "synthetic sets already generated", data_cost, "" if missing else "cached")]
+                    else "synthetic sets already generated", speeds.data_seconds(missing), "" if missing else "cached")]
+    first = True  # the first phase this process trains also measures the trainer's matmul peak
     for name, recipe, _, extra in phase_specs(recipes):
         cfg = load_recipe(recipe, [*extra_for(recipe), *extra, *overrides])
         seq_len = DataConfig.from_dict(cfg.data).seq_len
         steps = cfg.budget.max_steps
-        per_step = cost["step"][name] if name in cost["step"] else cost["step"]["default"] * seq_len / 1024
         reused = (out / name / PHASE_SUMMARY).is_file()
         detail = f"{steps} steps of {seq_len} tokens, trains {', '.join(cfg.trainable_modules)}" if steps else \
             f"{cfg.budget.max_tokens:,} tokens of {seq_len}"
-        work = 0.0 if reused else cost["phase_start"] + per_step * (steps or 0)
-        stages.append(Stage(name, detail, work, "reused" if reused else ""))
+        seconds = 0.0 if reused else phase_seconds(speeds, name, steps or 0, seq_len, first)
+        first = first and reused
+        stages.append(Stage(name, detail, seconds, "reused" if reused else ""))
     n_ckpt = 2 + len(SFT_VARIANTS)  # the untrained floor, the SFT models and the merged one
     evals = n_ckpt * 3 * n_settings
     stages.append(Stage("merge", f"average of the {len(SFT_VARIANTS)} SFT models, benchmark files, untrained floor",
-                        cost["merge"]))
+                        speeds.seconds(host_units=QUICKSTART_COST["merge"])))
     stages.append(Stage("search", f"{n_ckpt} checkpoints x 3 benchmarks x {n_settings} resolution settings x "
                                   f"{bench_items} items ({evals} evaluations)",
-                        n_ckpt * cost["checkpoint_load"] + evals * bench_items * cost["eval_item"]))
-    return StagePlan(stages, probe_s, log)
+                        search_seconds(speeds, n_ckpt, evals * bench_items)))
+    return StagePlan(stages, probe_s, log, speeds=speeds)
 
 
 def generate_data(out: Path, sets, log) -> None:
@@ -265,6 +277,28 @@ def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Pa
     plan.end("search")
     summary["search_seconds"] = round(time.perf_counter() - t0, 1)
     return search
+
+
+def stage_timings(out: Path, plan: StagePlan) -> dict[str, Any]:
+    """What the estimates are calibrated from (QUICKSTART_COST): the probes, and per stage its estimate and wall
+    seconds; for a training phase also the seconds of its steps (metrics.jsonl's step_time_s), the rest being its
+    fixed start-up, checkpoint and export."""
+    speeds = plan.speeds
+    timing: dict[str, Any] = {"probe_s": round(plan.probe_s, 4),
+                              "host_s": round(speeds.host_s, 5) if speeds else None,
+                              "synth_s": {t: round(v, 5) for t, v in speeds.synth_s.items()} if speeds else {},
+                              "stages": {}}
+    for s in plan.stages:
+        row: dict[str, Any] = {"estimate": round(s.seconds, 1), "seconds": plan.seconds.get(s.name)}
+        metrics = out / s.name / "metrics.jsonl"
+        if s.seconds > 0 and metrics.is_file():
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            times = [r["step_time_s"] for r in records if "step_time_s" in r]
+            if times:
+                row.update(steps_s=round(sum(times), 1), first_step_s=round(times[0], 2),
+                           median_step_s=round(statistics.median(times), 3))
+        timing["stages"][s.name] = row
+    return timing
 
 
 def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,
@@ -317,17 +351,15 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     summary["merge_vs_sft"] = merge_vs_sft(out / "search", list(summary["evaluation"]["merged"]))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     summary["fast"] = fast
-    # What the estimates are calibrated from (QUICKSTART_COST): each stage's work in probe units and its seconds.
-    summary["timing"] = {"probe_s": round(probe_s, 4),
-                         "stages": {s.name: {"cost": round(s.cost, 1), "seconds": plan.seconds.get(s.name)}
-                                    for s in plan.stages}}
+    summary["timing"] = stage_timings(out, plan)
     write_json(out / "quickstart.json", summary)
     report = write_report(out, summary)
     ocr = summary["evaluation"]["merged"]["ocrbench"]["exact_match"]
     floor = summary["evaluation"]["untrained"]["ocrbench"]["exact_match"]
     log(f"OCR exact match on {bench_items} held-out images: merged model {ocr:.1%} (untrained {floor:.1%})")
     log(f"quickstart done in {format_duration(summary['seconds'])} (estimated at start: "
-        f"{format_duration(plan.total_cost * probe_s)}); report: {report}")
+        f"{format_duration(plan.total)}); report: {report}")
+    log(f"per stage, estimated -> took: {plan.comparison()}")
     return summary
 
 
