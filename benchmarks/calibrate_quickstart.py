@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mindvl.quickstart as qs
 from mindvl.config import load_recipe
-from mindvl.quickstart_plan import StagePlan, host_probe, step_probe
+from mindvl.quickstart_plan import StagePlan, cpu_share, host_probe, step_probe
 
 
 def main() -> None:
@@ -42,12 +42,13 @@ def main() -> None:
     begin, end = StagePlan.begin, StagePlan.end
 
     def probed_begin(self, name):
-        probes[name] = {"step_before": step_probe(probe_recipe), "host_before": host_probe()}
+        probes[name] = {"step_before": step_probe(probe_recipe), "host_before": host_probe(share=cpu_share())}
         begin(self, name)
 
     def probed_end(self, name):
         end(self, name)
-        probes[name].update(step_after=step_probe(probe_recipe), host_after=host_probe(), wall=time.time())
+        probes[name].update(step_after=step_probe(probe_recipe), host_after=host_probe(share=cpu_share()),
+                            wall=time.time())
 
     StagePlan.begin, StagePlan.end = probed_begin, probed_end
     fast = {"bench_items": qs.FAST["bench_items"], "grid": qs.FAST["grid"]} if args.fast else {}

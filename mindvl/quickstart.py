@@ -32,6 +32,8 @@ from mindvl.quickstart_plan import (
     Speeds,
     Stage,
     StagePlan,
+    busy_threads,
+    cpu_share,
     host_probe,
     phase_seconds,
     search_seconds,
@@ -198,18 +200,20 @@ def synth_sets(out: Path, recipes: Path, overrides: list[str], extra_for) -> lis
 
 
 def build_plan(out: Path, recipes: Path, overrides: list[str], extra_for, bench_items: int, n_settings: int,
-               probe_s: float, log, host_s: float | None = None) -> StagePlan:
+               probe_s: float, log, host_s: float | None = None, share: float | None = None) -> StagePlan:
     """The stages with their work and estimated seconds (quickstart_plan: QUICKSTART_COST priced in the step probe
-    `probe_s` and the host probe `host_s`, measured now when not given); finished phases and cached data cost
-    nothing."""
+    `probe_s` and the host probe `host_s`, measured now with the CPU `share` when not given); finished phases and
+    cached data cost nothing."""
     from mindvl.data import DataConfig
     from mindvl.data.synth import synth_path
 
     missing = [k for k in synth_sets(out, recipes, overrides, extra_for)
                if not synth_path(out / "synth", *k).is_file()]
     samples = sum(n for _, n, _ in missing)
-    speeds = Speeds(probe_s, host_probe() if host_s is None else host_s,
-                    synth_probe(sorted({t for tasks, _, _ in missing for t in tasks})))  # seconds per sample, now
+    share = cpu_share() if share is None else share
+    speeds = Speeds(probe_s, host_probe(share=share) if host_s is None else host_s,
+                    synth_probe(sorted({t for tasks, _, _ in missing for t in tasks}), share=share),  # s per sample
+                    share, torch.get_num_threads())
     stages = [Stage("data", f"{samples:,} synthetic samples in {len(missing)} sets" if missing
                     else "synthetic sets already generated", speeds.data_seconds(missing), "" if missing else "cached")]
     first = True  # the first phase this process trains also measures the trainer's matmul peak
@@ -279,6 +283,22 @@ def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Pa
     return search
 
 
+def pick_threads(log) -> None:
+    """On a busy CPU machine, fewer torch threads (quickstart_plan.busy_threads), unless the user chose them
+    (OMP_NUM_THREADS / MKL_NUM_THREADS) or the run is on an accelerator."""
+    import os
+
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or torch.cuda.is_available():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = busy_threads(torch.get_num_threads(), cores, load)
+    if threads < torch.get_num_threads():
+        log(f"this machine is busy (load {load:.1f} on {cores} cores): training on {threads} torch thread"
+            f"{'s' if threads > 1 else ''} instead of {torch.get_num_threads()} (set OMP_NUM_THREADS to choose)")
+        torch.set_num_threads(threads)
+
+
 def stage_timings(out: Path, plan: StagePlan) -> dict[str, Any]:
     """What the estimates are calibrated from (QUICKSTART_COST): the probes, and per stage its estimate and wall
     seconds; for a training phase also the seconds of its steps (metrics.jsonl's step_time_s), the rest being its
@@ -286,6 +306,8 @@ def stage_timings(out: Path, plan: StagePlan) -> dict[str, Any]:
     speeds = plan.speeds
     timing: dict[str, Any] = {"probe_s": round(plan.probe_s, 4),
                               "host_s": round(speeds.host_s, 5) if speeds else None,
+                              "share": round(speeds.share, 3) if speeds else None,
+                              "threads": speeds.threads if speeds else None,
                               "synth_s": {t: round(v, 5) for t, v in speeds.synth_s.items()} if speeds else {},
                               "stages": {}}
     for s in plan.stages:
@@ -330,6 +352,7 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
         return cached_caps[recipe]
 
     pairs = parse_grid(grid)
+    pick_threads(log)
     probe_s = step_probe(load_recipe(recipes / "multitask.yaml", [*extra_for(recipes / "multitask.yaml"), *items]))
     plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
     plan.print_plan(f"quickstart into {out}")

@@ -32,20 +32,32 @@ from mindvl.progress import format_duration
 # step_time_s, divided by the step probe) and the rest (divided by the host probe).
 QUICKSTART_COST = {
     # step-probe units per steady training step of the phase (other phases scale "default" with data.seq_len/1024)
-    "step": {"warmup": 1.0, "multitask": 1.0, "sft-512": 0.6, "sft-1024": 1.0, "sft-2048": 1.8, "default": 1.0},
-    "first_step": 1.0,  # step-probe units: a phase's first step over its steady one (allocations, AdamW's state)
-    "phase_fixed": 120.0,  # host units per phase: preflight, model build, the first packs, checkpoint, export
-    "first_phase": 12.0,  # step-probe units, once: the trainer measures its matmul peak (MFU) in the first phase
-    "search_fixed": 200.0,  # host units: the search's start-up and benchmark loading
+    "step": {"warmup": 0.9, "multitask": 1.15, "sft-512": 0.6, "sft-1024": 1.05, "sft-2048": 2.0, "default": 1.05},
+    "first_step": 0.3,  # step-probe units: a phase's first step over its steady one (allocations, AdamW's state)
+    "phase_fixed": 360.0,  # host units per phase: preflight, model build, the first packs, checkpoint, export
+    "first_phase": 25.0,  # step-probe units, once: the trainer's matmul peak (MFU) and the process's first step
+    "search_fixed": 350.0,  # host units: the search's start-up and benchmark loading
     "checkpoint_load": 40.0,  # host units per checkpoint the search evaluates
-    "eval_item": 0.05,  # step-probe units per benchmark item at one resolution setting (up to 16 new tokens)
-    "merge": 150.0,  # host units: the merge, the benchmark files, the untrained floor
+    "eval_item": 0.045,  # step-probe units per benchmark item at one resolution setting (up to 16 new tokens)
+    "merge": 280.0,  # host units: the merge, the benchmark files, the untrained floor
 }
 PROBE_LABELS = 64  # labelled targets of the probe's pack: a real 1,024-token pack of the tiny recipes has 50-100
 
 
-def synth_probe(tasks, samples: int = 3) -> dict[str, float]:
-    """Seconds per synthetic sample of each task (drawn and PNG-encoded in memory; the median of `samples`)."""
+def cpu_share(seconds: float = 0.3) -> float:
+    """The share of one core a single-threaded process gets now (0-1]: CPU time over wall time of a busy loop of
+    `seconds`. A probe of a few milliseconds runs inside one scheduler slice and so sees an idle core even at load 6
+    on 2 cores, where sustained work gets about a third of one: the data stage then took 3x its estimate."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    x = 0
+    while time.perf_counter() - wall0 < seconds:
+        x += 1
+    return max(0.05, min(1.0, (time.process_time() - cpu0) / (time.perf_counter() - wall0)))
+
+
+def synth_probe(tasks, samples: int = 3, share: float = 1.0) -> dict[str, float]:
+    """Seconds per synthetic sample of each task, sustained: the CPU seconds of one drawn and PNG-encoded in memory
+    (the median of `samples`) over `share` (cpu_share)."""
     import io
 
     from mindvl.data.synth import make_record
@@ -54,19 +66,27 @@ def synth_probe(tasks, samples: int = 3) -> dict[str, float]:
     for task in tasks:
         times = []
         for i in range(samples):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             _, img, _ = make_record(i, 0, [task])
             if img is not None:
                 img.save(io.BytesIO(), format="PNG")
-            times.append(time.perf_counter() - t0)
-        rates[task] = statistics.median(times)
+            times.append(time.process_time() - t0)
+        rates[task] = statistics.median(times) / share
     return rates
 
 
-def host_probe(samples: int = 7) -> float:
-    """Seconds of one unit of single-threaded host work: a small synthetic form (`minidoc`) drawn and PNG-encoded,
-    the median of `samples` (about 3 ms on an idle core). Fixed costs are priced in it."""
-    return synth_probe(["minidoc"], samples)["minidoc"]
+def host_probe(samples: int = 7, share: float = 1.0) -> float:
+    """Seconds of one unit of single-threaded host work, sustained: a small synthetic form (`minidoc`) drawn and
+    PNG-encoded (about 3 ms of CPU) over `share`. Fixed costs are priced in it."""
+    return synth_probe(["minidoc"], samples, share)["minidoc"]
+
+
+def busy_threads(current: int, cores: int, load: float) -> int:
+    """torch threads for a CPU run now: `current` unless the other processes (the 1-minute `load`) leave fewer
+    cores free. On a 2-core machine at load 6 a training step took 1.3 s on one thread and 6-15 s on two (torch's
+    threads wait on each other whenever one is descheduled), and the estimate could not follow such swings."""
+    free = cores - load
+    return max(1, min(current, int(free + 0.5)))
 
 
 def step_probe(recipe, steps: int = 3, budget_s: float = 3.0) -> float:
@@ -113,6 +133,8 @@ class Speeds:
     step_s: float
     host_s: float
     synth_s: dict[str, float] = field(default_factory=dict)
+    share: float = 1.0  # cpu_share at the probe (already in host_s and synth_s)
+    threads: int = 0  # torch threads the run uses (0: not recorded)
 
     def seconds(self, step_units: float = 0.0, host_units: float = 0.0) -> float:
         return step_units * self.step_s + host_units * self.host_s

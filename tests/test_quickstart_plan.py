@@ -80,7 +80,7 @@ def test_the_estimate_prices_steps_fixed_costs_and_uncached_data_each_in_its_own
     times the samples the cache does not hold; a cached set and a reused phase cost nothing."""
     monkeypatch.setattr(qs, "QUICKSTART_COST", COSTS)
     monkeypatch.setattr("mindvl.quickstart_plan.QUICKSTART_COST", COSTS)
-    monkeypatch.setattr(qs, "synth_probe", lambda tasks: {t: RATES[t] for t in tasks})
+    monkeypatch.setattr(qs, "synth_probe", lambda tasks, share: {t: RATES[t] for t in tasks})
     recipes = qs.recipe_dir()
     items = ["max_steps=4"]
 
@@ -89,7 +89,7 @@ def test_the_estimate_prices_steps_fixed_costs_and_uncached_data_each_in_its_own
 
     step_s, host_s = 0.5, 0.01
     plan = qs.build_plan(tmp_path, recipes, items, extra_for, bench_items=3, n_settings=2, probe_s=step_s,
-                         log=lambda line: None, host_s=host_s)
+                         log=lambda line: None, host_s=host_s, share=1.0)
     est = {s.name: s.seconds for s in plan.stages}
     sets = qs.synth_sets(tmp_path, recipes, items, extra_for)
     # warm-up: digits_sized / minichart / minidoc; multitask and SFT: digits / minichart / minidoc / reverse
@@ -114,10 +114,30 @@ def test_the_estimate_prices_steps_fixed_costs_and_uncached_data_each_in_its_own
     (tmp_path / "warmup").mkdir()
     (tmp_path / "warmup" / qs.PHASE_SUMMARY).write_text(json.dumps({}))
     again = {s.name: s.seconds for s in qs.build_plan(tmp_path, recipes, items, extra_for, 3, 2, step_s,
-                                                      log=lambda line: None, host_s=host_s).stages}
+                                                      log=lambda line: None, host_s=host_s, share=1.0).stages}
     assert again["data"] == pytest.approx(est["data"] - 30 * RATES["minidoc"])
     assert again["warmup"] == 0.0
     assert again["multitask"] == pytest.approx(est["multitask"] + 11.0 * step_s)
+
+
+def test_a_busy_machine_trains_on_the_cores_the_others_leave_free():
+    from mindvl.quickstart_plan import busy_threads
+
+    assert busy_threads(2, 2, 0.1) == 2  # idle: torch's own choice
+    assert busy_threads(2, 2, 0.7) == 1  # one core mostly taken
+    assert busy_threads(2, 2, 5.8) == 1  # never fewer than one
+    assert busy_threads(8, 16, 4.0) == 8  # never more than torch's own choice
+    assert busy_threads(16, 16, 9.4) == 7
+
+
+def test_synth_and_host_probes_are_sustained_seconds_not_one_scheduler_slice(monkeypatch):
+    """A sample's CPU time over the share of a core a busy machine leaves: at a third of a core a 3 ms form takes
+    9 ms of wall time, however fast the probe's own few milliseconds ran."""
+    import mindvl.quickstart_plan as plan
+
+    clock = iter([0.0, 0.003, 1.0, 1.003, 2.0, 2.003])
+    monkeypatch.setattr(plan.time, "process_time", lambda: next(clock))
+    assert plan.synth_probe(["reverse"], samples=3, share=1 / 3)["reverse"] == pytest.approx(0.009)
 
 
 def test_interrupted_quickstart_says_to_rerun_the_same_command(tmp_path, monkeypatch):
