@@ -283,20 +283,22 @@ def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Pa
     return search
 
 
-def pick_threads(log) -> None:
+def pick_threads(log) -> int:
     """On a busy CPU machine, fewer torch threads (quickstart_plan.busy_threads), unless the user chose them
-    (OMP_NUM_THREADS / MKL_NUM_THREADS) or the run is on an accelerator."""
+    (OMP_NUM_THREADS / MKL_NUM_THREADS) or the run is on an accelerator. Returns the count before, to restore."""
     import os
 
+    before = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or torch.cuda.is_available():
-        return
+        return before
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    threads = busy_threads(torch.get_num_threads(), cores, load)
-    if threads < torch.get_num_threads():
+    threads = busy_threads(before, cores, load)
+    if threads < before:
         log(f"this machine is busy (load {load:.1f} on {cores} cores): training on {threads} torch thread"
-            f"{'s' if threads > 1 else ''} instead of {torch.get_num_threads()} (set OMP_NUM_THREADS to choose)")
+            f"{'s' if threads > 1 else ''} instead of {before} (set OMP_NUM_THREADS to choose)")
         torch.set_num_threads(threads)
+    return before
 
 
 def stage_timings(out: Path, plan: StagePlan) -> dict[str, Any]:
@@ -352,19 +354,24 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
         return cached_caps[recipe]
 
     pairs = parse_grid(grid)
-    pick_threads(log)
-    probe_s = step_probe(load_recipe(recipes / "multitask.yaml", [*extra_for(recipes / "multitask.yaml"), *items]))
-    plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
-    plan.print_plan(f"quickstart into {out}")
-    summary: dict[str, Any] = {}
-    try:  # Ctrl-C (or a stop signal) anywhere: say how to continue, which is the same command again
-        with rerun_command(rerun) if rerun else nullcontext():
-            search = _run_stages(plan, summary, out, recipes, items, extra_for, bench_items, pairs, log)
-    except (KeyboardInterrupt, Preempted):
-        stage = plan.stages[plan.current].name if plan.current >= 0 else "start-up"
-        again = rerun or "the same quickstart command"
-        raise Preempted(f"quickstart interrupted in stage {stage}; to continue, run it again: {again}   (finished "
-                        "stages are reused, a stopped training phase resumes from its checkpoint)") from None
+    threads = pick_threads(log)
+    try:
+        probe_s = step_probe(load_recipe(recipes / "multitask.yaml",
+                                         [*extra_for(recipes / "multitask.yaml"), *items]))
+        plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
+        plan.print_plan(f"quickstart into {out}")
+        summary: dict[str, Any] = {}
+        try:  # Ctrl-C (or a stop signal) anywhere: say how to continue, which is the same command again
+            with rerun_command(rerun) if rerun else nullcontext():
+                search = _run_stages(plan, summary, out, recipes, items, extra_for, bench_items, pairs, log)
+        except (KeyboardInterrupt, Preempted):
+            stage = plan.stages[plan.current].name if plan.current >= 0 else "start-up"
+            again = rerun or "the same quickstart command"
+            raise Preempted(f"quickstart interrupted in stage {stage}; to continue, run it again: {again}   "
+                            "(finished stages are reused, a stopped training phase resumes from its checkpoint)"
+                            ) from None
+    finally:
+        torch.set_num_threads(threads)  # an in-process caller (a test, a notebook) keeps its own
     summary["evaluation"] = {label: {bench: {"score": per[DEFAULT_SETTING],
                                              "exact_match": search["exact_match"][label][bench][DEFAULT_SETTING]}
                                      for bench, per in benches_scores.items()}

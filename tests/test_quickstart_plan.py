@@ -153,6 +153,37 @@ def test_interrupted_quickstart_says_to_rerun_the_same_command(tmp_path, monkeyp
     assert exc.value.exit_code == 75
 
 
+def test_a_busy_machine_trains_on_one_thread_and_the_caller_keeps_its_own(tmp_path, monkeypatch):
+    """At load 5.8 on 2 cores the run trains on 1 thread and says so; an in-process caller gets its thread count
+    back, also when the run is interrupted; OMP_NUM_THREADS set by the user is left alone."""
+    import os
+
+    import torch
+
+    seen = []
+    monkeypatch.setattr(qs, "step_probe", lambda recipe: seen.append(torch.get_num_threads()) or 0.01)
+    monkeypatch.setattr(qs, "generate_data", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.8, 5.0, 4.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    lines = []
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(Preempted):
+            qs.quickstart(tmp_path / "q", fast=True, log=lines.append)
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert lines[0] == ("this machine is busy (load 5.8 on 2 cores): training on 1 torch thread instead of 2 "
+                            "(set OMP_NUM_THREADS to choose)")
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        with pytest.raises(Preempted):
+            qs.quickstart(tmp_path / "q", fast=True, log=lambda line: None)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_step_probe_times_steady_steps_not_start_up(monkeypatch):
     """Issue 43 item 6: start-up slows the first steps of a fresh process (here the first two: 3.3 s against 0.3 s)
     and the 3 s budget is spent by then; the probe still times a step after them and reports the steady 0.3 s (it
