@@ -1,21 +1,25 @@
 """The quickstart's plan and its progress across stages: what it will run (stages, their work, an estimated time)
 printed before anything starts, then at every stage boundary how far the whole is, with an ETA.
 
-A stage's time has parts that scale differently on a busy machine, so the estimate measures two speeds at start
-(about a second together on an idle machine) and prices each part in its own:
+A stage's time has parts that scale differently on a busy machine, so the estimate measures its speeds at start
+(a second or two on an idle machine) and prices each part in its own:
 
-- training and evaluation steps: torch's multi-threaded small kernels, which collapse under contention (a 2-core
-  machine at load 4 runs them 3-10x slower). Unit: one steady training step of the multitask model on a random
-  1,024-token pack labelled like a real one (`step_probe`).
+- training and evaluation steps: torch's small kernels. Unit: one steady training step of the multitask model on a
+  random 1,024-token pack labelled like a real one (`step_probe`), on the torch threads the run will use (on a busy
+  CPU machine fewer, `busy_threads`: two threads on a 2-core machine at load 6 collapsed to 6-15 s a step, 1.3 s
+  on one).
 - fixed costs that do not scale with the step: a phase's start-up (preflight, model build, the loader's first
-  packs), its checkpoint and export, the first phase's matmul peak measurement, the search's checkpoint loads, the
-  merge. Mostly single-threaded Python; unit: one synthetic form drawn with Pillow (`host_probe`).
-- synthetic data: each task's own Pillow rate measured now (a doc ~26 ms, a digit strip ~1.4 ms, a text sample
-  0.05 ms), times the samples of the sets the cache does not hold yet; cached sets cost nothing.
+  packs), its checkpoint and export, the search's start-up and checkpoint loads, the merge. Mostly single-threaded
+  Python; unit: the CPU seconds of one small synthetic form drawn with Pillow over the share of a core a sustained
+  process gets now (`host_probe`, `cpu_share`). The first phase's matmul-peak measurement is priced in steps.
+- synthetic data: each task's own CPU seconds per sample over that share (a doc ~26 ms, a digit strip ~1.4 ms, a
+  text sample 0.05 ms on an idle core), times the samples of the sets the cache does not hold yet; cached sets
+  cost nothing.
 
-The costs in those units (`QUICKSTART_COST`) are the quickstart's own per-stage times divided by the probes of the
-same run (its quickstart.json records both). Once stages have finished, the ETA scales what is left by how the
-finished stages compared with their estimates.
+The costs in those units (`QUICKSTART_COST`) are the quickstart's own per-stage times divided by the probes taken
+around each stage (benchmarks/calibrate_quickstart.py; quickstart.json records the probes and, per stage, the
+estimate and the seconds). Once stages have finished, the ETA scales what is left by how the finished stages
+compared with their estimates.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from dataclasses import dataclass, field
 
 from mindvl.progress import format_duration
 
-# Costs, calibrated from --fast and full quickstart runs on the shared 2-core machine (benchmarks/RESULTS.md,
-# "The plan, its estimate and the progress lines"): a stage's seconds split into its steps (metrics.jsonl's
+# Costs, calibrated with benchmarks/calibrate_quickstart.py on the shared 2-core machine (benchmarks/RESULTS.md,
+# "The plan, its estimate and the progress lines"): a phase's seconds split into its steps (metrics.jsonl's
 # step_time_s, divided by the step probe) and the rest (divided by the host probe).
 QUICKSTART_COST = {
     # step-probe units per steady training step of the phase (other phases scale "default" with data.seq_len/1024)
