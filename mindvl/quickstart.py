@@ -233,7 +233,7 @@ def build_plan(out: Path, recipes: Path, overrides: list[str], extra_for, bench_
                         speeds.seconds(host_units=QUICKSTART_COST["merge"])))
     stages.append(Stage("search", f"{n_ckpt} checkpoints x 3 benchmarks x {n_settings} resolution settings x "
                                   f"{bench_items} items ({evals} evaluations)",
-                        search_seconds(speeds, n_ckpt, evals * bench_items)))
+                        search_seconds(speeds, n_ckpt, evals, bench_items, eval_settings().batch_size)))
     return StagePlan(stages, probe_s, log, speeds=speeds)
 
 

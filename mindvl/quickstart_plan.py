@@ -42,7 +42,7 @@ QUICKSTART_COST = {
     "first_phase": 25.0,  # step-probe units, once: the trainer's matmul peak (MFU) and the process's first step
     "search_fixed": 350.0,  # host units: the search's start-up and benchmark loading
     "checkpoint_load": 40.0,  # host units per checkpoint the search evaluates
-    "eval_item": 0.045,  # step-probe units per benchmark item at one resolution setting (up to 16 new tokens)
+    "eval_batch": 0.3,  # step-probe units per generation batch (up to 16 items, 16 new tokens) of an evaluation
     "merge": 280.0,  # host units: the merge, the benchmark files, the untrained floor
 }
 PROBE_LABELS = 64  # labelled targets of the probe's pack: a real 1,024-token pack of the tiny recipes has 50-100
@@ -158,12 +158,13 @@ def phase_seconds(speeds: Speeds, name: str, steps: int, seq_len: int, first: bo
     return speeds.seconds(step_units, cost["phase_fixed"])
 
 
-def search_seconds(speeds: Speeds, checkpoints: int, item_evaluations: int) -> float:
-    """Estimated seconds of the resolution search: its start-up, each checkpoint's load, each item evaluated at
-    one setting."""
+def search_seconds(speeds: Speeds, checkpoints: int, evaluations: int, items: int, batch_size: int) -> float:
+    """Estimated seconds of the resolution search: its start-up, each checkpoint's load, and each evaluation's
+    generation batches. Priced per batch, not per item: a batch of 16 costs little more than one of 10 (the full
+    run's 100-item evaluations took 11 ms an item, the --fast run's 10-item ones 31 ms)."""
     cost = QUICKSTART_COST
-    return speeds.seconds(item_evaluations * cost["eval_item"],
-                          cost["search_fixed"] + checkpoints * cost["checkpoint_load"])
+    batches = evaluations * -(-items // batch_size)
+    return speeds.seconds(batches * cost["eval_batch"], cost["search_fixed"] + checkpoints * cost["checkpoint_load"])
 
 
 @dataclass

@@ -69,7 +69,7 @@ def test_build_plan_counts_work_and_reuses_what_is_done(tmp_path):
 
 COSTS = {"step": {"warmup": 2.0, "multitask": 3.0, "sft-512": 1.0, "sft-1024": 5.0, "sft-2048": 7.0, "default": 1.0},
          "first_step": 0.5, "phase_fixed": 100.0, "first_phase": 11.0, "search_fixed": 300.0, "checkpoint_load": 40.0,
-         "eval_item": 0.25, "merge": 150.0}
+         "eval_batch": 0.25, "merge": 150.0}
 RATES = {"digits": 0.002, "digits_sized": 0.004, "minichart": 0.01, "minidoc": 0.02, "reverse": 0.0001}
 
 
@@ -101,8 +101,14 @@ def test_the_estimate_prices_steps_fixed_costs_and_uncached_data_each_in_its_own
     assert est["multitask"] == pytest.approx(3.0 * (4 + 0.5) * step_s + fixed)
     assert est["sft-2048"] == pytest.approx(7.0 * (4 + 0.5) * step_s + fixed)
     assert est["merge"] == pytest.approx(150 * host_s)
-    # 5 checkpoints x 3 benchmarks x 2 settings x 3 items
-    assert est["search"] == pytest.approx(90 * 0.25 * step_s + (300 + 5 * 40) * host_s)
+    # 5 checkpoints x 3 benchmarks x 2 settings = 30 evaluations of one generation batch each (3 items <= 16)
+    assert est["search"] == pytest.approx(30 * 0.25 * step_s + (300 + 5 * 40) * host_s)
+    # 40 items: three batches of at most 16 (eval_settings) per evaluation
+    more = {s.name: s.seconds for s in qs.build_plan(tmp_path, recipes, items, extra_for, bench_items=40, n_settings=2,
+                                                     probe_s=step_s, log=lambda line: None, host_s=host_s,
+                                                     share=1.0).stages}
+    assert qs.eval_settings().batch_size == 16
+    assert more["search"] == pytest.approx(30 * 3 * 0.25 * step_s + (300 + 5 * 40) * host_s)
     assert plan.total == pytest.approx(sum(est.values()))
 
     # The doc-form set generated already, the warm-up finished: the data stage keeps only the other sets' samples,
