@@ -27,7 +27,19 @@ import torch
 from mindvl.config import load_recipe
 from mindvl.eval.runner import EvalSettings
 from mindvl.progress import format_duration
-from mindvl.quickstart_plan import QUICKSTART_COST, Stage, StagePlan, step_probe, synth_probe
+from mindvl.quickstart_plan import (
+    QUICKSTART_COST,
+    Speeds,
+    Stage,
+    StagePlan,
+    busy_threads,
+    cpu_share,
+    host_probe,
+    phase_seconds,
+    search_seconds,
+    step_probe,
+    synth_probe,
+)
 from mindvl.train.trainer import train
 
 PX = 28 * 28
@@ -188,37 +200,41 @@ def synth_sets(out: Path, recipes: Path, overrides: list[str], extra_for) -> lis
 
 
 def build_plan(out: Path, recipes: Path, overrides: list[str], extra_for, bench_items: int, n_settings: int,
-               probe_s: float, log) -> StagePlan:
-    """The stages with their work and cost (QUICKSTART_COST); finished phases and cached data cost nothing."""
+               probe_s: float, log, host_s: float | None = None, share: float | None = None) -> StagePlan:
+    """The stages with their work and estimated seconds (quickstart_plan: QUICKSTART_COST priced in the step probe
+    `probe_s` and the host probe `host_s`, measured now with the CPU `share` when not given); finished phases and
+    cached data cost nothing."""
     from mindvl.data import DataConfig
     from mindvl.data.synth import synth_path
 
-    cost = QUICKSTART_COST
     missing = [k for k in synth_sets(out, recipes, overrides, extra_for)
                if not synth_path(out / "synth", *k).is_file()]
     samples = sum(n for _, n, _ in missing)
-    rate = synth_probe(sorted({t for tasks, _, _ in missing for t in tasks}))  # seconds per sample, measured now
-    data_cost = sum(n * statistics.mean(rate[t] for t in tasks) for tasks, n, _ in missing) / probe_s
+    share = cpu_share() if share is None else share
+    speeds = Speeds(probe_s, host_probe(share=share) if host_s is None else host_s,
+                    synth_probe(sorted({t for tasks, _, _ in missing for t in tasks}), share=share),  # s per sample
+                    share, torch.get_num_threads())
     stages = [Stage("data", f"{samples:,} synthetic samples in {len(missing)} sets" if missing
-                    else "synthetic sets already generated", data_cost, "" if missing else "cached")]
+                    else "synthetic sets already generated", speeds.data_seconds(missing), "" if missing else "cached")]
+    first = True  # the first phase this process trains also measures the trainer's matmul peak
     for name, recipe, _, extra in phase_specs(recipes):
         cfg = load_recipe(recipe, [*extra_for(recipe), *extra, *overrides])
         seq_len = DataConfig.from_dict(cfg.data).seq_len
         steps = cfg.budget.max_steps
-        per_step = cost["step"][name] if name in cost["step"] else cost["step"]["default"] * seq_len / 1024
         reused = (out / name / PHASE_SUMMARY).is_file()
         detail = f"{steps} steps of {seq_len} tokens, trains {', '.join(cfg.trainable_modules)}" if steps else \
             f"{cfg.budget.max_tokens:,} tokens of {seq_len}"
-        work = 0.0 if reused else cost["phase_start"] + per_step * (steps or 0)
-        stages.append(Stage(name, detail, work, "reused" if reused else ""))
+        seconds = 0.0 if reused else phase_seconds(speeds, name, steps or 0, seq_len, first)
+        first = first and reused
+        stages.append(Stage(name, detail, seconds, "reused" if reused else ""))
     n_ckpt = 2 + len(SFT_VARIANTS)  # the untrained floor, the SFT models and the merged one
     evals = n_ckpt * 3 * n_settings
     stages.append(Stage("merge", f"average of the {len(SFT_VARIANTS)} SFT models, benchmark files, untrained floor",
-                        cost["merge"]))
+                        speeds.seconds(host_units=QUICKSTART_COST["merge"])))
     stages.append(Stage("search", f"{n_ckpt} checkpoints x 3 benchmarks x {n_settings} resolution settings x "
                                   f"{bench_items} items ({evals} evaluations)",
-                        n_ckpt * cost["checkpoint_load"] + evals * bench_items * cost["eval_item"]))
-    return StagePlan(stages, probe_s, log)
+                        search_seconds(speeds, n_ckpt, evals, bench_items, eval_settings().batch_size)))
+    return StagePlan(stages, probe_s, log, speeds=speeds)
 
 
 def generate_data(out: Path, sets, log) -> None:
@@ -267,6 +283,48 @@ def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Pa
     return search
 
 
+def pick_threads(log) -> int:
+    """On a busy CPU machine, fewer torch threads (quickstart_plan.busy_threads), unless the user chose them
+    (OMP_NUM_THREADS / MKL_NUM_THREADS) or the run is on an accelerator. Returns the count before, to restore."""
+    import os
+
+    before = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or torch.cuda.is_available():
+        return before
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = busy_threads(before, cores, load)
+    if threads < before:
+        log(f"this machine is busy (load {load:.1f} on {cores} cores): training on {threads} torch thread"
+            f"{'s' if threads > 1 else ''} instead of {before} (set OMP_NUM_THREADS to choose)")
+        torch.set_num_threads(threads)
+    return before
+
+
+def stage_timings(out: Path, plan: StagePlan) -> dict[str, Any]:
+    """What the estimates are calibrated from (QUICKSTART_COST): the probes, and per stage its estimate and wall
+    seconds; for a training phase also the seconds of its steps (metrics.jsonl's step_time_s), the rest being its
+    fixed start-up, checkpoint and export."""
+    speeds = plan.speeds
+    timing: dict[str, Any] = {"probe_s": round(plan.probe_s, 4),
+                              "host_s": round(speeds.host_s, 5) if speeds else None,
+                              "share": round(speeds.share, 3) if speeds else None,
+                              "threads": speeds.threads if speeds else None,
+                              "synth_s": {t: round(v, 5) for t, v in speeds.synth_s.items()} if speeds else {},
+                              "stages": {}}
+    for s in plan.stages:
+        row: dict[str, Any] = {"estimate": round(s.seconds, 1), "seconds": plan.seconds.get(s.name)}
+        metrics = out / s.name / "metrics.jsonl"
+        if s.seconds > 0 and metrics.is_file():
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            times = [r["step_time_s"] for r in records if "step_time_s" in r]
+            if times:
+                row.update(steps_s=round(sum(times), 1), first_step_s=round(times[0], 2),
+                           median_step_s=round(statistics.median(times), 3))
+        timing["stages"][s.name] = row
+    return timing
+
+
 def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: list[str] | None = None,
                bench_items: int = BENCH_ITEMS, grid: str = QUICK_GRID, log=print, steps: int | None = None,
                fast: bool = False, rerun: str | None = None) -> dict[str, Any]:
@@ -296,18 +354,24 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
         return cached_caps[recipe]
 
     pairs = parse_grid(grid)
-    probe_s = step_probe(load_recipe(recipes / "multitask.yaml", [*extra_for(recipes / "multitask.yaml"), *items]))
-    plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
-    plan.print_plan(f"quickstart into {out}")
-    summary: dict[str, Any] = {}
-    try:  # Ctrl-C (or a stop signal) anywhere: say how to continue, which is the same command again
-        with rerun_command(rerun) if rerun else nullcontext():
-            search = _run_stages(plan, summary, out, recipes, items, extra_for, bench_items, pairs, log)
-    except (KeyboardInterrupt, Preempted):
-        stage = plan.stages[plan.current].name if plan.current >= 0 else "start-up"
-        again = rerun or "the same quickstart command"
-        raise Preempted(f"quickstart interrupted in stage {stage}; to continue, run it again: {again}   (finished "
-                        "stages are reused, a stopped training phase resumes from its checkpoint)") from None
+    threads = pick_threads(log)
+    try:
+        probe_s = step_probe(load_recipe(recipes / "multitask.yaml",
+                                         [*extra_for(recipes / "multitask.yaml"), *items]))
+        plan = build_plan(out, recipes, items, extra_for, bench_items, len(pairs), probe_s, log)
+        plan.print_plan(f"quickstart into {out}")
+        summary: dict[str, Any] = {}
+        try:  # Ctrl-C (or a stop signal) anywhere: say how to continue, which is the same command again
+            with rerun_command(rerun) if rerun else nullcontext():
+                search = _run_stages(plan, summary, out, recipes, items, extra_for, bench_items, pairs, log)
+        except (KeyboardInterrupt, Preempted):
+            stage = plan.stages[plan.current].name if plan.current >= 0 else "start-up"
+            again = rerun or "the same quickstart command"
+            raise Preempted(f"quickstart interrupted in stage {stage}; to continue, run it again: {again}   "
+                            "(finished stages are reused, a stopped training phase resumes from its checkpoint)"
+                            ) from None
+    finally:
+        torch.set_num_threads(threads)  # an in-process caller (a test, a notebook) keeps its own
     summary["evaluation"] = {label: {bench: {"score": per[DEFAULT_SETTING],
                                              "exact_match": search["exact_match"][label][bench][DEFAULT_SETTING]}
                                      for bench, per in benches_scores.items()}
@@ -317,17 +381,15 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
     summary["merge_vs_sft"] = merge_vs_sft(out / "search", list(summary["evaluation"]["merged"]))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     summary["fast"] = fast
-    # What the estimates are calibrated from (QUICKSTART_COST): each stage's work in probe units and its seconds.
-    summary["timing"] = {"probe_s": round(probe_s, 4),
-                         "stages": {s.name: {"cost": round(s.cost, 1), "seconds": plan.seconds.get(s.name)}
-                                    for s in plan.stages}}
+    summary["timing"] = stage_timings(out, plan)
     write_json(out / "quickstart.json", summary)
     report = write_report(out, summary)
     ocr = summary["evaluation"]["merged"]["ocrbench"]["exact_match"]
     floor = summary["evaluation"]["untrained"]["ocrbench"]["exact_match"]
     log(f"OCR exact match on {bench_items} held-out images: merged model {ocr:.1%} (untrained {floor:.1%})")
     log(f"quickstart done in {format_duration(summary['seconds'])} (estimated at start: "
-        f"{format_duration(plan.total_cost * probe_s)}); report: {report}")
+        f"{format_duration(plan.total)}); report: {report}")
+    log(f"per stage, estimated -> took: {plan.comparison()}")
     return summary
 
 
