@@ -40,6 +40,7 @@ from mindvl.quickstart_plan import (
     step_probe,
     synth_probe,
 )
+from mindvl.train.parallel import detect_device
 from mindvl.train.trainer import train
 
 PX = 28 * 28
@@ -283,13 +284,14 @@ def _run_stages(plan: StagePlan, summary: dict[str, Any], out: Path, recipes: Pa
     return search
 
 
-def pick_threads(log) -> int:
+def pick_threads(log, device: torch.device) -> int:
     """On a busy CPU machine, fewer torch threads (quickstart_plan.busy_threads), unless the user chose them
-    (OMP_NUM_THREADS / MKL_NUM_THREADS) or the run is on an accelerator. Returns the count before, to restore."""
+    (OMP_NUM_THREADS / MKL_NUM_THREADS) or the run is on an accelerator (`device`, where the phases train). Returns
+    the count before, to restore."""
     import os
 
     before = torch.get_num_threads()
-    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or torch.cuda.is_available():
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or device.type != "cpu":
         return before
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -354,7 +356,7 @@ def quickstart(out: str | Path, recipes: str | Path | None = None, overrides: li
         return cached_caps[recipe]
 
     pairs = parse_grid(grid)
-    threads = pick_threads(log)
+    threads = pick_threads(log, detect_device()[0])  # the device the phases' trainer will pick
     try:
         probe_s = step_probe(load_recipe(recipes / "multitask.yaml",
                                          [*extra_for(recipes / "multitask.yaml"), *items]))
