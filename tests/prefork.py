@@ -27,8 +27,9 @@ import struct
 import sys
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.tensor", "mindvl.cli", "mindvl.train.trainer", "mindvl.data.loader")
+# (torch._dynamo: AdamW's first add_param_group imports it in every training process)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -45,11 +46,9 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 def serve(path: str) -> None:
     import importlib
 
+    # Imports only: no tensor op runs here, so no OpenMP thread pool exists to be lost in the forked children.
     for name in PRELOAD:
         importlib.import_module(name)
-    import torch
-
-    torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())  # imports torch._dynamo (AdamW's first param group)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)

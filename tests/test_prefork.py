@@ -23,6 +23,8 @@ print("path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
 print("name", __name__)
 import torch
 print("threads", torch.get_num_threads())
+x = torch.arange(1 << 22, dtype=torch.float64)  # large enough for an OpenMP parallel region on every thread
+print("sum", float((x * x).sum()), float((torch.ones(512, 512) @ torch.ones(512, 512)).sum()))
 sys.stderr.write("to stderr\\n")
 sys.exit(int(sys.argv[1]))
 """
