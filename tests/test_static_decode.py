@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_replay import EmulatedGraphs, read_or_data_shaped
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mindvl.infer import Prompt, generate
@@ -148,28 +149,20 @@ def test_seeded_sampling_equals_recomputation_and_ignores_sync_and_compaction(na
 
 
 class DeviceReads(TorchDispatchMode):
-    """Counts the ops that read device memory back to the host, or whose output shape depends on the data (a
-    read on an accelerator): `_local_scalar_dense` (item/int/bool), nonzero, masked_select, unique,
-    repeat_interleave by a tensor of counts without output_size, boolean-mask indexing. `Tensor.tolist` does not
-    dispatch, so it is counted by wrapping it (`count_tolist`)."""
-
-    DATA_SHAPED = ("aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique")
+    """Counts the ops that read device memory back to the host, or whose output shape depends on the data (a read on
+    an accelerator; the rule is graph_replay's, which a capture enforces): item/int/bool, equal, allclose, nonzero,
+    masked_select, unique, repeat_interleave by a tensor of counts without output_size, boolean-mask indexing.
+    `Tensor.tolist` does not dispatch, so it is counted by wrapping it (`count_tolist`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
         kwargs = kwargs or {}
-        if "_local_scalar_dense" in name or name.startswith(self.DATA_SHAPED):
-            self.reads.append(name)
-        elif name.startswith("aten.repeat_interleave") and kwargs.get("output_size") is None:
-            if isinstance(args[1] if len(args) > 1 else args[0], torch.Tensor):  # counts, not an int
-                self.reads.append(name)
-        elif name.startswith(("aten.index.", "aten.index_put")) and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
-            self.reads.append(name + " (bool mask)")
+        why = read_or_data_shaped(func, args, kwargs)
+        if why is not None:
+            self.reads.append(why)
         return func(*args, **kwargs)
 
 
@@ -243,21 +236,101 @@ def test_the_static_loop_reads_once_per_sync_interval_and_the_eager_loop_every_s
     assert counts == {"static": 2 + 2, "eager": 12}
 
 
-def test_the_read_counter_sees_reads_and_data_shaped_ops():
-    """The counter itself: each of these is one read (or a data-shaped op), and shape-static ops are none."""
+@pytest.mark.parametrize("inference", [False, True])
+def test_the_read_counter_sees_reads_and_data_shaped_ops(inference):
+    """The counter itself: each of these is one read (or a data-shaped op), and shape-static ops are none; under
+    inference mode (generation's) too, where int/bool/item dispatch under other names."""
     x, mask = torch.arange(6.0), torch.tensor([True, False] * 3)
-    cases = [lambda: int(x[0]), lambda: bool(x.any()), lambda: x[mask], lambda: x.nonzero(),
+    cases = [lambda: int(x[0]), lambda: float(x[1]), lambda: x[2].item(), lambda: bool(x.any()),
+             lambda: torch.equal(x, x), lambda: x[mask], lambda: x.nonzero(),
              lambda: torch.repeat_interleave(x, torch.tensor([1, 2, 0, 1, 1, 1])),
              lambda: x.clone().__setitem__(mask, 0)]
-    for case in cases:
-        with DeviceReads() as reads:
+    for i, case in enumerate(cases):
+        with torch.inference_mode(inference), DeviceReads() as reads:
             case()
-        assert len(reads.reads) >= 1
+        assert len(reads.reads) >= 1, i
     with DeviceReads() as reads:
         torch.where(mask, x, 0).argmax(-1)
         x.repeat_interleave(2)
         torch.repeat_interleave(x, torch.ones(6, dtype=torch.long), output_size=6)
     assert reads.reads == []
+
+
+# ------------------------------------------------------------------- the replayed step (graphs, emulated on CPU)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """DecodeStep's graph backend replaced by the CPU emulation of capture and replay (graph_replay.py)."""
+    from mindvl.infer import decode_graph
+
+    backend = EmulatedGraphs()
+    monkeypatch.setattr(decode_graph, "BACKEND", backend)
+    return backend
+
+
+@pytest.mark.filterwarnings("error")  # a capture that failed would fall back to eager with a warning: a failure here
+def test_the_replayed_step_gives_the_eager_loops_tokens(family, emulated):
+    """Every family, greedy, per-prompt budgets and stop tokens: the step captured once and replayed (rows masked as
+    they finish; compaction to fewer rows captures again at the new batch size) gives the eager loop's tokens."""
+    _, model = family
+    prompts = prompts_for(model)
+    budgets = [14, 3, 9, 2, 12]
+    free = generate(model, prompts, budgets, engine="eager")
+    stops = sorted({free[0][6], free[2][4]})
+    want = generate(model, prompts, budgets, stop_token_ids=stops, engine="eager")
+    got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, graphs=True)
+    assert got == want
+    batches = [g.batch for g in emulated.graphs]
+    assert batches[0] == 5 and batches[-1] < 5  # captured, and captured again after a compaction
+    # Every decode step was a replay: the loop stops at the first sync point (every 3 tokens) after the longest
+    # answer is done, or at the largest budget; the prefill made each answer's first token.
+    steps = min(max(budgets), -(-max(len(t) for t in want) // 3) * 3) - 1
+    assert sum(g.replays for g in emulated.graphs) == steps
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("name", ["moe_mla", "qwen3_5"])
+def test_seeded_sampling_is_the_same_replayed(name, emulated):
+    """Sampling stays outside the graph: a seeded run's tokens with the step replayed equal the run without."""
+    model = build(name)
+    prompts = prompts_for(model, 3)
+    kw = dict(temperature=1.3, top_p=0.9, top_k=40, seed=11)
+    want = generate(model, prompts, [9, 4, 9], sync_every=2, graphs=False, **kw)
+    assert generate(model, prompts, [9, 4, 9], sync_every=2, graphs=True, **kw) == want
+    assert emulated.graphs and all(g.replays for g in emulated.graphs)
+
+
+def test_the_emulation_freezes_host_values_as_a_graph_does(emulated, monkeypatch):
+    """The emulated replay can fail: with the attention window sized on the host (`full_width` ignored), the
+    captured step keeps the width it had at capture, so later tokens never see the newest slots and differ from
+    the eager loop's, as on a GPU."""
+    from mindvl.models.kv_cache import KVCache
+
+    model = build("dense")
+    prompts = prompts_for(model, 3)
+    want = generate(model, prompts, 14, engine="eager")
+    assert generate(model, prompts, 14, graphs=True) == want
+    monkeypatch.setattr(KVCache, "full_width", property(lambda self: False, lambda self, value: None), raising=False)
+    assert generate(model, prompts, 14, graphs=True) != want
+
+
+def test_a_step_that_reads_the_device_is_not_captured_and_runs_eagerly(emulated, monkeypatch):
+    """A read inside the step fails the capture (as on a GPU); the step then runs eagerly with one warning and the
+    tokens are still right."""
+    model = build("dense")
+    prompts = prompts_for(model, 3)
+    want = generate(model, prompts, 6, engine="eager")
+    step = MindVL.decode_step
+
+    def reading_step(self, input_ids, positions, cache):
+        int(input_ids[0])  # a device read
+        return step(self, input_ids, positions, cache)
+
+    monkeypatch.setattr(MindVL, "decode_step", reading_step)
+    with pytest.warns(UserWarning, match="not captured in a graph.*aten.item"):
+        assert generate(model, prompts, 6, graphs=True) == want
+    assert emulated.graphs == []
 
 
 # ------------------------------------------------------------------------------------------ sorted batching

@@ -1,4 +1,4 @@
-"""One decode step of a model over its static cache, run eagerly or replayed from a CUDA graph.
+"""One decode step of a model over its static cache, run eagerly or replayed from a captured graph.
 
     step = DecodeStep(model, cache, graphs)
     logits = step(tokens [B], positions [B])   # -> [B, V]; advances the cache by one token per row
@@ -11,22 +11,65 @@ the whole capacity, masked). Tokens and positions are copied into the graph's ow
 A step that cannot be captured (a kernel that reads the device, e.g. fp32 MoE experts without grouped_mm) falls back
 to eager with a warning; the cache is restored to its state before the capture attempt either way.
 
+What captures and replays is a `GraphBackend` (`BACKEND`: CUDA graphs). A replay runs the kernels the capture
+recorded, on the buffers it recorded, with every host value (a Python int, a shape, a branch taken) frozen at its
+captured value; tests/graph_replay.py emulates exactly that on the CPU, so the replayed step's tokens are checked
+in CI without a GPU.
+
 Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    def usable(self, cache) -> bool:
+        """Whether steps over this cache (its device) can be captured at all."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        """Run `fn` (after any warm-up the backend needs) while recording it -> (graph, fn's output tensor, which
+        every replay rewrites in place)."""
+
+
+class CudaGraphs:
+    """torch.cuda's graphs: one warm-up run on a side stream (lazy initialisation: cuBLAS handles, workspaces),
+    then the capture."""
+
+    def usable(self, cache) -> bool:
+        lengths = cache.lengths_dev
+        return torch.cuda.is_available() and lengths is not None and lengths.device.type == "cuda"
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+
+BACKEND: GraphBackend = CudaGraphs()
+
+
 class DecodeStep:
-    def __init__(self, model, cache, graphs: bool = False) -> None:
+    def __init__(self, model, cache, graphs: bool = False, backend: GraphBackend | None = None) -> None:
         self.model, self.cache = model, cache
-        self.graphs = bool(graphs) and torch.cuda.is_available() and cache.lengths_dev is not None \
-            and cache.lengths_dev.device.type == "cuda"
-        self._graph = None
+        self.backend = BACKEND if backend is None else backend
+        self.graphs = bool(graphs) and self.backend.usable(cache)
+        self._graph: Graph | None = None
         self._batch = -1
         self._tokens = self._positions = self._logits = None
 
@@ -45,23 +88,19 @@ class DecodeStep:
         return self._logits
 
     def _capture(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Capture the step at this batch size. The warm-up and the captured run each advance the cache, so its
+        state is saved first and restored after: the first replay then takes the step these tokens ask for."""
         cache = self.cache
         cache.full_width = True
         self._tokens, self._positions = tokens.clone(), positions.clone()
         saved = [t.clone() for t in cache.step_state()]
         bound = cache.bound
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: lazy initialisation (cuBLAS handles, workspaces) before capture
-                self.model.decode_step(self._tokens, self._positions, cache)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._logits = self.model.decode_step(self._tokens, self._positions, cache)
-            self._graph, self._batch = graph, tokens.shape[0]
+            self._graph, self._logits = self.backend.capture(
+                lambda: self.model.decode_step(self._tokens, self._positions, cache))
+            self._batch = tokens.shape[0]
         except Exception as error:  # noqa: BLE001 - any capture failure means: run this model eagerly
-            warnings.warn(f"decode step not captured in a CUDA graph ({error}); running it eagerly", stacklevel=3)
+            warnings.warn(f"decode step not captured in a graph ({error}); running it eagerly", stacklevel=3)
             self.graphs, self._graph = False, None
             cache.full_width = False
         finally:

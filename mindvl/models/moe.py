@@ -176,7 +176,9 @@ def aligned_groups(counts: torch.Tensor, n_rows: int, align: int = GROUP_ALIGN
     expert = torch.searchsorted(ends, rows, right=True)  # the expert of each (sorted) row
     dest = rows + (pad_ends - padded - (ends - counts)).index_select(0, expert)
     offsets = pad_ends.to(torch.int32)
-    offsets[-1] = size  # the last group takes the slack: no row beyond the last offset
+    # The last group takes the slack: no row beyond the last offset. A scalar fill, not `offsets[-1] = size`:
+    # that assignment copies a host tensor to the device (a stream sync on CUDA, and no graph capture).
+    offsets[-1:].fill_(size)
     return dest, offsets, size
 
 
