@@ -55,10 +55,12 @@ def _reference(q, k, v, g, beta, state=None):
 
 
 @pytest.mark.parametrize("chunk", [4, 16, 64])
-def test_packed_chunked_rule_equals_each_sample_token_by_token(chunk):
+@pytest.mark.parametrize("form", ["tensor", "host"])
+def test_packed_chunked_rule_equals_each_sample_token_by_token(chunk, form):
+    """Offsets as a tensor (read once) or as host ints (a `PackLayout`'s: the chunk plan is made on the host)."""
     q, k, v, g, beta = _inputs()
     cu = _cu(LENGTHS)
-    o, states = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=chunk)
+    o, states = gated_delta_rule(q, k, v, g, beta, cu if form == "tensor" else tuple(cu.tolist()), chunk_size=chunk)
     assert o.shape == v.shape and states.shape == (len(LENGTHS), 4, 8, 6)
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         want, final = _reference(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b])

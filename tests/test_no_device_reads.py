@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from family_models import build
 from tiny_mindvl import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from train.train_helpers import CPU_ENV
@@ -140,6 +141,19 @@ def test_qwen3_vl_step_reads_nothing_from_the_device(tmp_path):
             "image_grid_thw": grids}
     reads = step_reads(model, on_device(host, c))
     assert reads.reads == [] and reads.blocking_copies == []
+
+
+@pytest.mark.parametrize("name", ["moe_mla", "qwen3_5"])
+def test_moe_and_hybrid_steps_read_nothing_from_the_device(name):
+    """DeepSeek-V3's MoE with MLA latents (routing and the grouped experts on the device; bf16, the dtype meta runs
+    grouped_mm in: the per-expert loop, which splits on the host, is the fallback) and Qwen3.5's hybrid linear
+    attention (the delta rule plans its chunks from the layout's host offsets)."""
+    model = build(name).train()
+    if name == "moe_mla":
+        model = model.to(torch.bfloat16)
+    reads = step_reads(model, on_device(packed_batch(model), model.config))
+    assert reads.reads == [] and reads.blocking_copies == []
+    assert all(p.grad is not None and p.grad.device == META for p in model.parameters())
 
 
 def test_without_a_layout_the_model_reads_the_tensors_once_at_the_top():

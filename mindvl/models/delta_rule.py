@@ -33,8 +33,12 @@ honour it there. So packed rows are tested here against each sample run alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+
+from .host import host_offsets, to_device
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -108,41 +112,64 @@ def _prepare(q, k, v, g, beta):
     return q, k, v.float(), g.float(), beta.float()
 
 
+_PLANS: dict = {}
+_PLAN_CACHE_SIZE = 8  # the linear-attention layers of a forward (and its recomputation) share one row's plan
+
+
+def chunk_plan(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], torch.Tensor]:
+    """Where every token of a packed row goes in the chunked layout, planned on the host from the sample offsets:
+    (order [n]: samples by decreasing chunk count, rank [n]: its inverse, running: the samples still going at each
+    chunk step, offsets: each step's first chunk, slot [T]: each token's row in the [N * C] padded layout); the
+    tensors on `device`. Host offsets (a `PackLayout`'s) make it without reading the device; a tensor is read once.
+    Cached on the offsets, so the layers of a forward build it once."""
+    host = host_offsets(cu_seqlens)
+    key = (host, chunk_size, str(device))
+    if key in _PLANS:
+        return _PLANS[key]
+    c, n, total = chunk_size, len(host) - 1, host[-1]
+    lengths = torch.tensor([b - a for a, b in zip(host[:-1], host[1:], strict=True)], dtype=torch.long)
+    chunks = (lengths + c - 1) // c  # per sample
+    # Chunks are laid out step-major: all samples' first chunks, then all second chunks, ... with the samples
+    # ordered by decreasing chunk count, so the samples still running at step j are a prefix and the chunks of
+    # step j are one contiguous slice (no gathers in the sequential loop).
+    order = torch.argsort(chunks, descending=True, stable=True)
+    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(n))
+    counts = chunks[order].tolist()  # host tensors: no device involved
+    running = [sum(1 for m in counts if m > j) for j in range(counts[0] if n else 0)]  # samples at step j
+    offsets = [0]
+    for m in running:
+        offsets.append(offsets[-1] + m)
+    seq = torch.repeat_interleave(torch.arange(n), lengths, output_size=total)
+    pos = torch.arange(total) - torch.tensor(host[:-1], dtype=torch.long)[seq]
+    slot = (torch.tensor(offsets[:-1] or [0], dtype=torch.long)[pos // c] + rank[seq]) * c + pos % c
+    plan = (to_device(order, device), to_device(rank, device), running, offsets, to_device(slot, device))
+    if len(_PLANS) >= _PLAN_CACHE_SIZE:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
+    return plan
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed gated delta rule: q, k [T, Hk, dk], v [T, Hv, dv], g (log decay) and beta [T, Hv], cu_seqlens [n+1],
-    initial_state [n, Hv, dk, dv] or None (zeros) -> (o [T, Hv, dv] in v's dtype, final states [n, Hv, dk, dv]
-    float32). q and k are L2-normalised here."""
+    """Packed gated delta rule: q, k [T, Hk, dk], v [T, Hv, dv], g (log decay) and beta [T, Hv], cu_seqlens [n+1]
+    (host ints: nothing is read from the device; or a tensor, read once), initial_state [n, Hv, dk, dv] or None
+    (zeros) -> (o [T, Hv, dv] in v's dtype, final states [n, Hv, dk, dv] float32). q and k are L2-normalised here."""
     dtype, total = v.dtype, v.shape[0]
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     hv, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
-    n = len(cu_seqlens) - 1
     c = chunk_size
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    chunks = (lengths + c - 1) // c  # per sample
-    # Chunks are laid out step-major: all samples' first chunks, then all second chunks, ... with the samples
-    # ordered by decreasing chunk count, so the samples still running at step j are a prefix and the chunks of
-    # step j are one contiguous slice (no gathers in the sequential loop).
-    order = torch.argsort(chunks, descending=True, stable=True)
-    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(n, device=order.device))
-    counts = chunks[order].tolist()
-    running = [sum(1 for m in counts if m > j) for j in range(counts[0] if n else 0)]  # samples at step j
-    offsets = [0]
-    for m in running:
-        offsets.append(offsets[-1] + m)
+    order, rank, running, offsets, slot = chunk_plan(cu_seqlens, c, v.device)
+    n = order.shape[0]
     total_chunks = offsets[-1]
-    seq, pos = sample_index(cu_seqlens, total)
-    step = pos // c
-    slot = (torch.tensor(offsets[:-1] or [0], device=cu.device)[step] + rank[seq]) * c + pos % c
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [N, Hv, C, ...]
         out = x.new_zeros(total_chunks * c, *x.shape[1:]).index_copy(0, slot, x)

@@ -7,11 +7,29 @@ frequencies are always computed in float32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def autocast_off(device_type: str):
+    """A context with autocast disabled for `device_type` (ops inside run in their inputs' dtypes); nothing to do on
+    devices without autocast (meta, where the planner and the device-read tests trace, has none)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on `device_type` when it is on there, else None (also on devices without
+    autocast)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 def activation(name: str):

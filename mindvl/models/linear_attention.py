@@ -74,7 +74,9 @@ class GatedDeltaNet(nn.Module):
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H], or [B, H] for `rows` (computed for all tokens, then taken: the state needs them all).
         cos/sin and max_seqlen are unused (no positions in linear attention); same signature as the attention.
-        `cu_seqlens` may be host ints (the training forward's): the delta rule's kernels take them as a tensor."""
+        `cu_seqlens` may be host ints (the training forward's): the delta rule plans its chunks from them on the
+        host (no device read); the convolution takes them as a tensor."""
+        offsets = cu_seqlens  # host ints or a tensor, as given: the delta rule's chunk plan
         if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = to_device(torch.tensor(cu_seqlens, dtype=torch.int32), x.device)
         weight = self.conv1d.weight[:, 0]  # [C, K]
@@ -97,7 +99,7 @@ class GatedDeltaNet(nn.Module):
             o, state = gated_delta_step(q, k, v, g, beta, cache.recurrent_states[kv.layer])
             cache.update_states(kv.layer, None, state)
         else:
-            o, state = gated_delta_rule(q, k, v, g, beta, cu_seqlens, chunk_size=self.chunk_size)
+            o, state = gated_delta_rule(q, k, v, g, beta, offsets, chunk_size=self.chunk_size)
             if cache is not None:
                 cache.update_states(kv.layer, None, state)
         z = self.in_proj_z(x).unflatten(-1, (-1, self.head_v_dim))

@@ -25,14 +25,13 @@ At GEMM speed (measured on an H200: the loss spent 191 ms on pre-Hopper `sm75` c
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from mindvl.conventions import IGNORE_INDEX
 
 from .host import next_token_targets  # noqa: F401  (re-exported: the loss's callers name the rule here)
+from .layers import autocast_dtype, autocast_off
 
 SLICE_ALIGN = 256  # vocabulary rows per slice: a multiple of this (16-byte aligned strides, whole GEMM tiles)
 
@@ -113,11 +112,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the loss's GEMMs run in: autocast's where it is on for the hidden states' device, else theirs."""
-    kind = hidden.device.type
-    # devices without autocast (meta, where the planner and the device-read tests trace) have no autocast dtype
-    if hidden.is_floating_point() and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return hidden.dtype
+    dtype = autocast_dtype(hidden.device.type)  # None on devices without autocast (meta: the planner, the tests)
+    return dtype if dtype is not None and hidden.is_floating_point() else hidden.dtype
 
 
 def chunked_cross_entropy(
@@ -141,6 +137,6 @@ def chunked_cross_entropy(
     h = hidden.index_select(0, rows).to(dtype)
     w = weight.to(dtype).contiguous()
     kind = hidden.device.type
-    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
+    with autocast_off(kind):
         loss_sum = ChunkedLinearCrossEntropy.apply(h, w, targets.index_select(0, rows), chunk_size)
     return loss_sum, count

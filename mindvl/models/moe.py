@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import GatedMLP, activation
+from .layers import GatedMLP, activation, autocast_dtype, autocast_off
 
 # ------------------------------------------------------------------------------------------------------- MoE
 
@@ -83,7 +83,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, e = x.shape[0], self.num_experts
-        with torch.autocast(x.device.type, enabled=False):  # router in fp32, also under mixed precision
+        with autocast_off(x.device.type):  # router in fp32, also under mixed precision
             scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()[None]
         if self.n_group > 1:
@@ -248,8 +248,8 @@ class RoutedExperts(nn.Module):
         d = self.dispatcher
         gate, up, down = d.local_weight(self.gate_proj), d.local_weight(self.up_proj), d.local_weight(self.down_proj)
         kind = rows.device.type
-        if torch.is_autocast_enabled(kind):  # autocast does not cast grouped_mm's operands: the GEMMs' dtype, once
-            dtype = torch.get_autocast_dtype(kind)
+        dtype = autocast_dtype(kind)
+        if dtype is not None:  # autocast does not cast grouped_mm's operands: the GEMMs' dtype, once
             rows, gate, up, down = (t.to(dtype) for t in (rows, gate, up, down))
         grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
         if not grouped:  # the per-expert loop splits its rows on the host
