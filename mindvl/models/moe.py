@@ -165,21 +165,22 @@ def aligned_groups(counts: torch.Tensor, n_rows: int, align: int = GROUP_ALIGN
     """counts [E] (rows per expert, summing to n_rows) -> (dest [n_rows]: where each row goes in the padded layout,
     offsets [E] int32: the padded groups' end rows, size: the padded layout's rows).
 
-    Group e starts at a multiple of `align`; the last group ends at `size`, a bound fixed by n_rows and E (every
-    group may need align - 1 pad rows), so nothing here depends on the counts' values on the host."""
+    Group e starts at a multiple of `align`. `size` is a bound fixed by n_rows and E (every group may need
+    align - 1 pad rows, and one more row keeps offsets[-1] strictly below it, as grouped_mm's contract asks), so no
+    shape depends on the counts' values on the host. The rows from offsets[-1] to `size`
+    belong to no group: grouped_mm ignores rows past the last offset (its documented contract), so a batch pays for
+    its own padded groups only, not for the bound. (When the last group took that slack, a decode step of a few
+    rows over 256 experts computed ~3,800 pad rows in one expert.) Their outputs are left unset and never read:
+    the caller keeps only `dest` rows."""
     e = counts.shape[0]
-    size = -(-(n_rows + e * (align - 1)) // align) * align
+    size = -(-(n_rows + e * (align - 1) + 1) // align) * align  # + 1: offsets[-1] < size, as grouped_mm asks
     padded = (counts + align - 1) // align * align
     pad_ends = padded.cumsum(0)
     ends = counts.cumsum(0)
     rows = torch.arange(n_rows, device=counts.device)
     expert = torch.searchsorted(ends, rows, right=True)  # the expert of each (sorted) row
     dest = rows + (pad_ends - padded - (ends - counts)).index_select(0, expert)
-    offsets = pad_ends.to(torch.int32)
-    # The last group takes the slack: no row beyond the last offset. A scalar fill, not `offsets[-1] = size`:
-    # that assignment copies a host tensor to the device (a stream sync on CUDA, and no graph capture).
-    offsets[-1:].fill_(size)
-    return dest, offsets, size
+    return dest, pad_ends.to(torch.int32), size
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
