@@ -266,6 +266,22 @@ def test_seeded_sampling_is_the_same_replayed(name, emulated):
     assert emulated.graphs and all(g.replays for g in emulated.graphs)
 
 
+def test_the_environment_turns_replay_on_for_callers_that_do_not_choose(emulated, monkeypatch):
+    """MINDVL_DECODE_GRAPHS=on: `graphs=None` (every CLI path) replays; off or unset does not; a bad value is a
+    one-line error naming the variable."""
+    model = build("dense")
+    prompts = prompts_for(model, 2)
+    want = generate(model, prompts, 5, engine="eager")
+    assert generate(model, prompts, 5) == want and emulated.graphs == []
+    monkeypatch.setenv("MINDVL_DECODE_GRAPHS", "on")
+    assert generate(model, prompts, 5) == want and len(emulated.graphs) == 1
+    monkeypatch.setenv("MINDVL_DECODE_GRAPHS", "off")
+    assert generate(model, prompts, 5) == want and len(emulated.graphs) == 1
+    monkeypatch.setenv("MINDVL_DECODE_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="MINDVL_DECODE_GRAPHS='sometimes': set it to on or off"):
+        generate(model, prompts, 5)
+
+
 def test_the_emulation_freezes_host_values_as_a_graph_does(emulated, monkeypatch):
     """The emulated replay can fail: with the attention window sized on the host (`full_width` ignored), the
     captured step keeps the width it had at capture, so later tokens never see the newest slots and differ from

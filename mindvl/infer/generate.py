@@ -12,7 +12,7 @@ finished flag and output length are updated on the device, and a finished row is
 cache length stops advancing, its tokens are not kept) rather than copied out. The host reads the finished flags
 once every `sync_every` steps (to stop, and to compact the cache when more than half of the rows are done), and the
 outputs once at the end. With `graphs` on a CUDA device the step (the model's decode_step) is captured once per
-batch size and replayed (decode_graph.py); None means GRAPHS_BY_DEFAULT.
+batch size and replayed (decode_graph.py); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
 (in that order, like transformers' logits warpers) by the exponential race: token = argmax(p / E) with E ~ Exp(1)
@@ -26,6 +26,7 @@ rows from the cache at once, torch.multinomial): the benchmark's baseline and th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,8 +35,22 @@ import torch
 from mindvl.models import MindVL
 
 # What `graphs=None` means: replay the decode step from a CUDA graph on CUDA devices. Off until a GPU run of the
-# proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed.
+# proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed;
+# `MINDVL_DECODE_GRAPHS=on` turns it on for every caller that does not choose (mindvl eval, chat, the resolution
+# search, the lmms-eval adapter, evaluation during training). A step that cannot be captured runs eagerly, warned.
 GRAPHS_BY_DEFAULT = False
+GRAPHS_ENV = "MINDVL_DECODE_GRAPHS"
+
+
+def default_graphs() -> bool:
+    """`graphs=None`: MINDVL_DECODE_GRAPHS (on/off) when set, else GRAPHS_BY_DEFAULT."""
+    value = os.environ.get(GRAPHS_ENV, "").strip().lower()
+    if not value:
+        return GRAPHS_BY_DEFAULT
+    if value not in ("on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"{GRAPHS_ENV}={value!r}: set it to on or off (replay the decode step from a CUDA graph), "
+                         "or unset it for the default (off)")
+    return value in ("on", "1", "true")
 
 
 @dataclass
@@ -144,7 +159,7 @@ def generate(
     sampling = (temperature, top_p, top_k, generator)
     if engine == "eager":
         return _eager_loop(model, cache, logits, positions, budgets, set(stop_token_ids), sampling)
-    graphs = GRAPHS_BY_DEFAULT if graphs is None else graphs
+    graphs = default_graphs() if graphs is None else graphs
     return _static_loop(model, cache, logits, positions, budgets, stop_token_ids, sampling, sync_every, graphs)
 
 
