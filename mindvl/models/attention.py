@@ -6,7 +6,8 @@ q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] hold several sequences concatenated 
 starts at 0, ends at T) marks them. Attention never crosses a boundary. Hq must be a multiple of Hkv (GQA).
 `window` (causal only) limits each query to itself and the `window` tokens before it. Returns [T, Hq, Dv].
 
-`cu_seqlens` is best given as host ints (a tuple: the trainer's `PackLayout.cu_seqlens`): every backend then works
+`cu_seqlens` is best given as host ints (a tuple: the trainer's `PackLayout.cu_seqlens`, or the `Segments` the model
+hands its compiled blocks, whose `max_seqlen` is then taken when `max_seqlen` is None): every backend then works
 from host values and reads nothing back from the device. A tensor is accepted too (tests, generation) and read once
 per call.
 
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .host import host_offsets, to_device
+from .host import Segments, as_segments, host_offsets, to_device
 
 BACKENDS = ("auto", "sdpa", "flex", "flash", "npu")
 _ENV_OVERRIDE = "MINDVL_ATTN_BACKEND"
@@ -88,8 +89,8 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor | Sequence[int],
-    max_seqlen: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | Segments,
+    max_seqlen: int | None,
     causal: bool,
     window: int | None = None,
     scale: float | None = None,
@@ -106,6 +107,8 @@ def attend(
         return q.new_zeros(0, q.shape[1], v.shape[2]) + (q.sum() + k.sum() + v.sum()) * 0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     offsets = host_offsets(cu_seqlens)
+    if max_seqlen is None:  # compiled blocks pass Segments, which know their longest segment
+        max_seqlen = as_segments(cu_seqlens).max_seqlen
     packed = len(offsets) > 2 or window is not None
     impl = {"sdpa": _sdpa, "flex": _flex, "flash": _flash, "npu": _npu}[resolve_backend(backend, q, packed)]
     return impl(q, k, v, offsets, int(max_seqlen), causal, window, scale)

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .host import host_offsets, to_device
+from .host import Segments, host_offsets, to_device
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -116,7 +116,7 @@ _PLANS: dict = {}
 _PLAN_CACHE_SIZE = 8  # the linear-attention layers of a forward (and its recomputation) share one row's plan
 
 
-def chunk_plan(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: int, device: torch.device
+def chunk_plan(cu_seqlens: torch.Tensor | Sequence[int] | Segments, chunk_size: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], torch.Tensor]:
     """Where every token of a packed row goes in the chunked layout, planned on the host from the sample offsets:
     (order [n]: samples by decreasing chunk count, rank [n]: its inverse, running: the samples still going at each
@@ -150,13 +150,16 @@ def chunk_plan(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: int, device
     return plan
 
 
+# A compile boundary: its chunk loop is planned from the host offsets, which a compiled graph would be guarded on
+# (a recompile per pack layout; see host.Segments). It runs eagerly inside a compiled Qwen3.5 layer.
+@torch.compiler.disable
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    cu_seqlens: torch.Tensor | Sequence[int],
+    cu_seqlens: torch.Tensor | Sequence[int] | Segments,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:

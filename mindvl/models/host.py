@@ -24,12 +24,60 @@ from mindvl.conventions import IGNORE_INDEX
 Grid = tuple[int, int, int]
 
 
-def host_offsets(cu_seqlens: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
-    """Sample offsets [n+1] as host ints: a tuple/list passes through; a tensor is read (on an accelerator, a
-    device read: only callers without a `PackLayout` pay it)."""
+class Segments:
+    """A packed row's sample offsets as host ints (and its longest segment), handed through compiled blocks as ONE
+    opaque object.
+
+    Under regional compile a block that took the offsets as a tuple of ints would be guarded on them: on every
+    int's value until they turn dynamic, and on the tuple's length forever, so each new number of samples in a
+    pack compiled the block again, and after dynamo's recompile limit (8) the block ran eagerly for every new
+    count. An object that compiled code only passes along is guarded on its type alone. So the model wraps the
+    offsets once per forward (text rows, vision windows, vision frames) and only compile boundaries open it:
+    `attend`, the delta rule, `offsets_tensor`. Indexing and len() behave like the tuple's, for eager callers."""
+
+    __slots__ = ("offsets", "max_seqlen")
+
+    def __init__(self, offsets: Sequence[int]) -> None:
+        self.offsets = tuple(int(x) for x in offsets)
+        self.max_seqlen = max((b - a for a, b in zip(self.offsets[:-1], self.offsets[1:], strict=True)), default=0)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index):
+        return self.offsets[index]
+
+    def __iter__(self):
+        return iter(self.offsets)
+
+    def __repr__(self) -> str:
+        return f"Segments({self.offsets})"
+
+
+def host_offsets(cu_seqlens: torch.Tensor | Sequence[int] | Segments) -> tuple[int, ...]:
+    """Sample offsets [n+1] as host ints: a tuple/list/`Segments` passes through; a tensor is read (on an
+    accelerator, a device read: only callers without a `PackLayout` pay it)."""
+    if isinstance(cu_seqlens, Segments):
+        return cu_seqlens.offsets
     if isinstance(cu_seqlens, torch.Tensor):
         return tuple(cu_seqlens.tolist())
     return tuple(int(x) for x in cu_seqlens)
+
+
+def as_segments(cu_seqlens: torch.Tensor | Sequence[int] | Segments | None) -> Segments | None:
+    """The offsets wrapped for compiled blocks (a tensor is read once here, not once per layer)."""
+    if cu_seqlens is None or isinstance(cu_seqlens, Segments):
+        return cu_seqlens
+    return Segments(host_offsets(cu_seqlens))
+
+
+@torch.compiler.disable
+def offsets_tensor(cu_seqlens: torch.Tensor | Sequence[int] | Segments, device: torch.device) -> torch.Tensor:
+    """The offsets as an int32 [n+1] tensor on `device` (a tensor passes through): a compile boundary, so host
+    offsets never enter a compiled graph (see `Segments`)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens
+    return to_device(torch.tensor(host_offsets(cu_seqlens), dtype=torch.int32), device)
 
 
 def host_grids(grid_thw: torch.Tensor | Sequence[Sequence[int]] | None) -> tuple[Grid, ...]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import TextConfig
 from .delta_rule import causal_conv1d, causal_conv1d_step, conv_states, gated_delta_rule, gated_delta_step
-from .host import to_device
+from .host import offsets_tensor
 from .kv_cache import LayerKV
 
 
@@ -76,9 +76,9 @@ class GatedDeltaNet(nn.Module):
         cos/sin and max_seqlen are unused (no positions in linear attention); same signature as the attention.
         `cu_seqlens` may be host ints (the training forward's): the delta rule plans its chunks from them on the
         host (no device read); the convolution takes them as a tensor."""
-        offsets = cu_seqlens  # host ints or a tensor, as given: the delta rule's chunk plan
-        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
-            cu_seqlens = to_device(torch.tensor(cu_seqlens, dtype=torch.int32), x.device)
+        offsets = cu_seqlens  # host ints, Segments or a tensor, as given: the delta rule's chunk plan
+        if cu_seqlens is not None:  # a compile boundary: host offsets never enter a compiled graph
+            cu_seqlens = offsets_tensor(cu_seqlens, x.device)
         weight = self.conv1d.weight[:, 0]  # [C, K]
         mixed = self.in_proj_qkv(x)
         cache = kv.cache if kv is not None else None

@@ -40,6 +40,7 @@ from torch import nn
 from .attention import attend
 from .config import TextConfig
 from .gated_attention import GatedAttention
+from .host import as_segments
 from .kv_cache import KVCache, LayerKV
 from .layers import GatedMLP, OffsetRMSNorm, RMSNorm, apply_rotary, rope_cos_sin
 from .linear_attention import GatedDeltaNet
@@ -200,8 +201,11 @@ class TextModel(nn.Module):
         x = inputs_embeds
         index, extra = deepstack if deepstack is not None else (None, [])
         if cache is None:
+            # One opaque object for every layer: compiled layers are guarded on its type, not on the offsets
+            # (host.Segments); `attend` takes the longest segment from it.
+            segments = as_segments(cu_seqlens)
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+                x = layer(x, cos, sin, segments, None if segments is not None else max_seqlen)
                 if i < len(extra):
                     x = x.index_add(0, index, extra[i].to(x.dtype))
             return self.norm(x)

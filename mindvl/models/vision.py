@@ -21,7 +21,7 @@ from torch import nn
 
 from .attention import attend
 from .config import VisionConfig
-from .host import host_grids, to_device
+from .host import Segments, host_grids, to_device
 from .layers import GatedMLP, RMSNorm, apply_rotary, inverse_frequencies
 
 
@@ -76,8 +76,8 @@ class VisionLayout:
     (once per forward) and copied to the device without a read back:
 
     - `window_order` [P/4]: merge blocks reordered so every window is contiguous (frames and images never mix);
-    - `window_cu` / `frame_cu`: host offsets (tuples of ints) over patches for windowed and full-attention blocks,
-      with `window_max` / `frame_max` their longest segment;
+    - `window_cu` / `frame_cu`: host offsets over patches for windowed and full-attention blocks, as `Segments`
+      (what the compiled blocks pass to `attend` untouched), with `window_max` / `frame_max` their longest segment;
     - `hw` [P, 2]: each patch's (row, col) inside its frame, in input order, for the 2-D rotary embedding.
     """
 
@@ -114,8 +114,9 @@ class VisionLayout:
         self.hw = to_device(hw_all, device)
 
 
-def _offsets(lengths: list[int]) -> tuple[int, ...]:
-    return (0, *itertools.accumulate(lengths))
+def _offsets(lengths: list[int]) -> Segments:
+    """Offsets of the segments, wrapped for the compiled blocks (host.Segments: no recompile per layout)."""
+    return Segments((0, *itertools.accumulate(lengths)))
 
 
 class VisionTransformer(nn.Module):
@@ -147,8 +148,6 @@ class VisionTransformer(nn.Module):
         hw = layout.hw.view(n // unit, unit, 2)[layout.window_order].view(n, 2)
         cos, sin = self.rotary(hw)
         for block in self.blocks:
-            if block.full_attention:
-                x = block(x, cos, sin, layout.frame_cu, layout.frame_max)
-            else:
-                x = block(x, cos, sin, layout.window_cu, layout.window_max)
+            # max_seqlen None: attend takes it from the Segments (an int here would be one more guard)
+            x = block(x, cos, sin, layout.frame_cu if block.full_attention else layout.window_cu, None)
         return x.view(n // unit, unit, d)[layout.restore_order].view(n, d)

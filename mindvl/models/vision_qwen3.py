@@ -132,7 +132,7 @@ class Qwen3VisionTransformer(nn.Module):
         cos, sin = self.rotary(layout.hw)
         stack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, layout.frame_cu, layout.frame_max)
+            x = block(x, cos, sin, layout.frame_cu, None)  # Segments: attend takes the longest from them
             if i in self.deepstack_visual_indexes:
                 stack.append(x)
         return x, stack

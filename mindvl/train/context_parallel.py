@@ -135,6 +135,9 @@ class UlyssesAttention:
         got = all_to_all_single_autograd(x.contiguous(), [rows] * n, sizes, self.group)  # [N * n_c, H/N, D]
         return got.reshape(n, rows, x.shape[1], x.shape[2]).transpose(0, 1).reshape(rows, n * x.shape[1], x.shape[2])
 
+    # A compile boundary like `attend` itself: the row's host offsets (models.host.Segments) and the chunk sizes
+    # made from them never enter a compiled block's graph.
+    @torch.compiler.disable
     def __call__(self, q, k, v, cu_seqlens, max_seqlen, causal, window=None, scale=None, backend="auto"):
         if not self.state.active:  # outside a context-parallel forward of the language model (never in training)
             return attend(q, k, v, cu_seqlens, max_seqlen, causal, window, scale, backend)

@@ -1,0 +1,99 @@
+"""Regionally compiled blocks are not compiled again for every new pack (issue 38 item 3).
+
+Packs differ in everything the host knows: the number of samples, their lengths, the images and their grids (so the
+ViT's windows and frames). The blocks of both towers are compiled one by one (`train.parallel.blocks`, as the trainer
+compiles them) with dynamo's `eager` backend, which traces and guards exactly as inductor's does but generates no
+code. A block that took the sample offsets as a tuple of ints was guarded on the tuple's length: every new number of
+samples compiled it again, and after dynamo's recompile limit (8) the block ran eagerly for each new count (on a
+GPU: ~30 s of inductor per recompile, then the slow path). The model now hands its blocks one `Segments` object
+(`models.host`), guarded on its type only; `attend`, the delta rule and the CP attention open it outside the graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import END, IMAGE, START, build
+from torch._dynamo.utils import counters
+
+from mindvl.infer.generate import Prompt, pack_prompts
+from mindvl.models.host import Segments
+from mindvl.train.parallel import blocks
+
+
+def packs(model, n: int):
+    """n packed rows of 2, 3, ..., n + 1 samples: text of varying lengths, and every third sample an image of a
+    varying grid (windows cut at different places)."""
+    patch = 16 if model.config.vision.family == "qwen3_vl" else 14
+    gen = torch.Generator().manual_seed(0)
+    for i in range(n):
+        prompts = []
+        for j in range(2 + i):
+            words = torch.randint(0, 190, (2 + (7 * i + 3 * j) % 9,), generator=gen)
+            if j % 3:
+                prompts.append(Prompt(words))
+                continue
+            h, w = 2 * (1 + (i + j) % 3), 2 * (1 + (i * j) % 4)
+            ids = torch.cat([words[:1], torch.tensor([START] + [IMAGE] * (h * w // 4) + [END]), words[1:]])
+            pixels = torch.randn(h * w, 3 * 2 * patch * patch, generator=gen)
+            prompts.append(Prompt(ids, pixels, torch.tensor([[1, h, w]])))
+        yield pack_prompts(prompts, torch.device("cpu"))
+
+
+def forward(model, pack) -> torch.Tensor:
+    return model(input_ids=pack["input_ids"], cu_seqlens=pack["cu_seqlens"], pixel_values=pack["pixel_values"],
+                 image_grid_thw=pack["image_grid_thw"]).logits
+
+
+@pytest.mark.parametrize("name", ["dense", "moe_mla", "qwen3_5"])
+def test_new_packs_compile_no_block_again(name):
+    """Qwen2.5-VL's windowed ViT + a GQA decoder, DeepSeek-V3's MLA + grouped experts (bf16: the path that keeps
+    no host list in the graph), Qwen3.5's hybrid layers + Qwen3-VL's ViT: after the second pack (the token count
+    turns dynamic there), 8 more packs of new sample counts add no graph, and every output equals the eager
+    model's."""
+    model = build(name)
+    eager = build(name)
+    if name == "moe_mla":
+        model, eager = model.to(torch.bfloat16), eager.to(torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        for block in blocks(model):
+            block.compile(backend="eager")
+        graphs = []
+        with torch.no_grad():
+            for pack in packs(model, 10):
+                if pack["pixel_values"] is not None:
+                    pack["pixel_values"] = pack["pixel_values"].to(model.language_model.embed_tokens.weight.dtype)
+                assert torch.equal(forward(model, pack), forward(eager, pack))
+                graphs.append(counters["stats"]["unique_graphs"])
+        # the second pack turns the token counts dynamic, the third settles a guard or two; then nothing more
+        assert graphs[2] > 0 and graphs[3:] == [graphs[2]] * 7, graphs
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_guard_it_avoids_is_real():
+    """The same compiled layer given the offsets as a tuple compiles again for each new number of samples, and as
+    Segments does not: the test above would fail if the model passed tuples."""
+    from mindvl.models.config import TextConfig
+    from mindvl.models.text import DecoderLayer, GQAttention
+
+    cfg = TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8)
+    seen = {}
+    for wrap in (tuple, Segments):
+        torch._dynamo.reset()
+        layer = DecoderLayer(cfg, 0)
+        layer.compile(backend="eager")
+        graphs = []
+        for n in range(2, 7):
+            total = 10 * n + 3
+            offsets = (0, *range(7, total - 2, 10)[: n - 1], total)
+            x = torch.randn(total, 32)
+            cos, sin = GQAttention.rotary(torch.arange(total), cfg)
+            layer(x, cos, sin, wrap(offsets), None if wrap is Segments else 16)
+            graphs.append(counters["stats"]["unique_graphs"])
+        seen[wrap] = graphs
+    torch._dynamo.reset()
+    assert seen[tuple][-1] > seen[tuple][1]  # still compiling at the fifth sample count
+    assert seen[Segments][2:] == [seen[Segments][1]] * 3
