@@ -7,17 +7,18 @@ eagerly, one warning says so for the whole process, and `Prepared.compile_fallba
 explicitly) it stays an error, in one line naming the key and the block (`CompileError`, a ValueError: the CLI prints
 it in one line, exit 2), the inductor error chained under it.
 
-How: torch.compile calls the backend once per captured graph (one per block class: dynamo shares a graph among the
-blocks of a class). Inductor's `compile_fx` runs AOTAutograd there (decomposition, the split into a forward and a
-backward aten graph) and hands each aten graph to its `inner_compile` (`compile_fx_inner`: post-grad passes, lowering,
-code generation, the C++/triton compile: where machines differ). torch 2.13 compiles the backward graph lazily, in
-the first backward (at once only when it saves symbolic sizes), so a failure can surface in the first forward or in
-the first backward. The backend passes `compile_fx` its own `inner_compile`, which calls inductor's and, when that
-raises, returns torch's `aot_eager` runner (`boxed_nop`) of a copy of the same aten graph taken before inductor's
-passes changed it. The step in flight simply goes on: nothing re-runs, no data is re-read; the graph computes what
-eager does (eager kernels on inductor's decomposition of the block: equal to eager up to the rounding of the
-decomposed ops), and the graphs inductor did compile keep its code. Under `on` the returned runner raises the error
-instead (raised from the compiler, dynamo would wrap it in its own BackendCompilerFailed).
+How: torch.compile calls the backend once per graph dynamo captures (a block's graphs, split where the attention
+call is left eager, are shared by every block of its class). Inductor's `compile_fx` runs AOTAutograd there
+(decomposition, the split into a forward and a backward aten graph) and hands each aten graph to its `inner_compile`
+(`compile_fx_inner`: post-grad passes, lowering, code generation, the C++/triton compile: where machines differ).
+torch 2.13 compiles the backward graph lazily, in the first backward (at once only when it saves symbolic sizes), so
+a failure can surface in the first forward or in the first backward. The backend passes `compile_fx` its own
+`inner_compile`, which calls inductor's and, when that raises, returns torch's `aot_eager` runner (`boxed_nop`) of a
+copy of the same aten graph taken before inductor's passes changed it. The step in flight simply goes on: nothing
+re-runs, no data is re-read; the graph computes what eager does (eager kernels on inductor's decomposition of the
+block: equal to eager up to the rounding of the decomposed ops), and the graphs inductor did compile keep its code.
+Under `on` the returned runner raises the error instead (raised from the compiler, dynamo would wrap it in its own
+BackendCompilerFailed).
 
 One backend object per (block class, mode) for the process: dynamo's cache checks the backend of a compiled graph,
 so a stable object lets every block of a class, and every model prepared in the process, share one compilation.
@@ -114,7 +115,7 @@ class InductorOrEager:
         except _control_flow():
             raise
         except Exception as exc:  # noqa: BLE001 - whatever inductor raised: the graph can still run eagerly
-            if spare is None:
+            if spare is None and not self.strict:
                 raise
             return self.fall_back(exc, "forward and backward", lambda: spare.forward, boxed=False)
 
@@ -130,13 +131,15 @@ class InductorOrEager:
         except _control_flow():
             raise
         except Exception as exc:  # noqa: BLE001 - whatever inductor raised: the graph can still run eagerly
-            if spare is None:
+            if spare is None and not self.strict:
                 raise
             graph = "backward" if kwargs.get("is_backward") else "forward"
             return self.fall_back(exc, graph, lambda: boxed_nop(spare, list(example_inputs)), boxed=True)
 
     def fall_back(self, exc: Exception, graph: str, eager: Callable[[], Callable[..., Any]],
                   boxed: bool) -> Callable[..., Any]:
+        """`eager()` (the graph's eager runner) after one warning for the process; under `on`, a runner raising
+        CompileError."""
         if self.strict:
             return _raising(f"{KEY}: on, but inductor could not compile the {graph} graph of {self.block} "
                             f"({first_line(exc)}); set {KEY}: auto (such graphs then run eagerly) or off", exc, boxed)

@@ -27,7 +27,9 @@
   kept and the element-wise ops recomputed).
 - torch.compile per block (regional, as torchtitan): every block of both towers compiled on its own, the model
   around them eager; `parallel.compile: auto` turns it on on CUDA where triton (inductor's GPU code generator) is
-  installed.
+  installed. The backend (mindvl.train.compile_backend) is inductor, and under `auto` a forward or backward graph
+  inductor fails to compile runs eagerly instead (one warning per run, `Prepared.compile_fallbacks`); under `on`
+  the failure is a one-line CompileError naming the key.
 """
 
 from __future__ import annotations
