@@ -40,8 +40,9 @@ FAILURE = "RuntimeError: forced for the test"  # the first line the backend repo
 
 @pytest.fixture
 def inductor_failing(monkeypatch):
-    """`fail(graph)`: from now on inductor fails on every `graph` ("forward" | "backward") graph and runs the others
-    eagerly (no code generation). Compile counts as enabled on the CPU; dynamo's caches are fresh."""
+    """`fail(graph)`: from now on inductor fails on every `graph` ("forward" | "backward") graph, after wrecking it
+    in place (its multiplications made additions: the fallback must run the graph as it was given), and runs the
+    others eagerly (no code generation). Compile counts as enabled on the CPU; dynamo's caches are fresh."""
     monkeypatch.setattr(parallel, "compile_enabled", lambda cfg, device: cfg.compile != "off")
     compiled: list[str] = []
 
@@ -50,6 +51,10 @@ def inductor_failing(monkeypatch):
             kind = "backward" if kwargs.get("is_backward") else "forward"
             compiled.append(kind)
             if kind == graph:
+                for node in gm.graph.nodes:  # change the graph in place first, as inductor's post-grad passes do
+                    if node.target == torch.ops.aten.mul.Tensor:
+                        node.target = torch.ops.aten.add.Tensor
+                gm.recompile()
                 raise InductorError(RuntimeError("forced for the test\nsecond line of the message"), None)
             return boxed_nop(gm, example_inputs)
 
