@@ -48,8 +48,11 @@ _warned: list[str] = []  # the process's one warning (cleared by torch._dynamo.r
 
 
 def first_line(exc: BaseException) -> str:
-    """'Type: first line of the message' of the error under inductor's wrapper (InductorError holds it)."""
-    inner = getattr(exc, "inner_exception", None) or exc
+    """'Type: first line of the message' of the error under torch's wrappers (InductorError, BackendCompilerFailed:
+    their `inner_exception`)."""
+    inner = exc
+    while isinstance(getattr(inner, "inner_exception", None), BaseException):
+        inner = inner.inner_exception  # type: ignore[attr-defined]
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
 
