@@ -570,6 +570,8 @@ def sec_mindvl(args, work: Path) -> dict:
                 stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config,
                                        grad_clip=1.0)
             except Exception as exc:  # a compile failure costs the compiled figures, not the section
+                # (inductor's own failures fall back per graph under `auto`, listed in prepared.compile_fallbacks;
+                # this takes the rest: dynamo's tracing, a compiled kernel that fails when it runs)
                 if i > 0 or not prepared.compiled:
                     raise
                 out.update(compile_error=f"{type(exc).__name__}: {exc}"[:2000],
@@ -591,7 +593,9 @@ def sec_mindvl(args, work: Path) -> dict:
                    **{k: statistics.median(v[s["warmup"]:]) for k, v in parts.items()},
                    note="forward_s/backward_s are host times (kernels are asynchronous): only the step time is exact")
         out["memory_after_throughput"] = memory(dev)
-        out["prepared"] = {"fsdp": prepared.fsdp, "compiled": prepared.compiled, "autocast": str(prepared.autocast)}
+        out["prepared"] = {"fsdp": prepared.fsdp, "compiled": prepared.compiled, "autocast": str(prepared.autocast),
+                           # block graphs inductor could not compile, run eagerly (`auto`): the figures are theirs
+                           "compile_fallbacks": prepared.compile_fallbacks}
         if args.profile:  # the last timed step's pack once more, profiled
             batch = batches[-1]
             out["profile"] = profiled_step(lambda: optimizer_step(

@@ -27,7 +27,9 @@
   kept and the element-wise ops recomputed).
 - torch.compile per block (regional, as torchtitan): every block of both towers compiled on its own, the model
   around them eager; `parallel.compile: auto` turns it on on CUDA where triton (inductor's GPU code generator) is
-  installed.
+  installed. The backend (mindvl.train.compile_backend) is inductor, and under `auto` a forward or backward graph
+  inductor fails to compile runs eagerly instead (one warning per run, `Prepared.compile_fallbacks`); under `on`
+  the failure is a one-line CompileError naming the key.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from torch import nn
 
 from mindvl.config import ParallelSection
 
+from .compile_backend import backend_for, compile_failures
 from .expert_parallel import EP_KEY
 from .lora import apply_lora, lora_config
 from .tensor_parallel import check_tensor_parallel_layout
@@ -319,6 +322,8 @@ class Prepared:
     checkpointing: str = "off"  # off | full | selective
     fsdp: bool = False
     compiled: bool = False  # every block torch.compiled (regional)
+    # the inductor backends of the compiled blocks (mindvl.train.compile_backend); `compile_fallbacks` reads them
+    compile_backends: list[Any] = field(default_factory=list, repr=False, compare=False)
     autocast: torch.dtype | None = None  # one process, mixed precision: the forward's autocast dtype
     steps: list[str] = field(default_factory=list)  # the transforms that ran, in order
     lora_layers: int = 0  # linear layers that carry a LoRA adapter (train.lora)
@@ -326,6 +331,13 @@ class Prepared:
     qlora_bytes: int = 0  # QLoRA: those weights' NF4 bytes, whole on every rank outside FSDP (train.qlora)
     qlora_traced_bytes: int = 0  # QLoRA: the same weights in the compute dtype, as the planner's trace holds them
     qlora_dequant_bytes: int = 0  # QLoRA: the transient of dequantizing the largest of them in a forward/backward
+
+    @property
+    def compile_fallbacks(self) -> list[str]:
+        """The block graphs inductor could not compile, run eagerly instead (`parallel.compile: auto`), e.g.
+        "DecoderLayer backward: RuntimeError: ...". Compilation happens in the first step (the backward's in its
+        backward), so read this after it."""
+        return compile_failures(self.compile_backends)
 
 
 @dataclass
@@ -380,7 +392,9 @@ def _checkpointing(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     return model
 
 
-COMPILE_BACKEND = "inductor"  # torch.compile's backend for the blocks (tests on a slow CPU use "aot_eager")
+# torch.compile's backend for the blocks: "inductor" is inductor with the eager fallback of
+# mindvl.train.compile_backend (tests on a slow CPU use "aot_eager", passed as it is)
+COMPILE_BACKEND = "inductor"
 
 
 def _triton_installed() -> bool:
@@ -404,10 +418,17 @@ def compile_enabled(cfg: ParallelSection, device: torch.device) -> bool:
 def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     """Regional compilation: each block (inside its checkpoint wrapper) compiled in place, so parameter names and
     the FSDP/checkpointing units stay as they are and a recompilation costs one block's graph."""
-    if compile_enabled(ctx.parallel, ctx.env.device):
-        for b in blocks(model):
-            b.compile(backend=COMPILE_BACKEND)
-        ctx.done.compiled = True
+    if not compile_enabled(ctx.parallel, ctx.env.device):
+        return model
+    strict = ctx.parallel.compile in ("on", True)  # asked for: a graph inductor cannot compile is an error
+    for b in blocks(model):
+        backend = COMPILE_BACKEND
+        if backend == "inductor":  # one backend per block class (inside a checkpoint wrapper, the block's)
+            backend = backend_for(type(getattr(b, "_checkpoint_wrapped_module", b)), strict)
+            if backend not in ctx.done.compile_backends:
+                ctx.done.compile_backends.append(backend)
+        b.compile(backend=backend)
+    ctx.done.compiled = True
     return model
 
 
