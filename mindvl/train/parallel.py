@@ -27,7 +27,10 @@
   kept and the element-wise ops recomputed).
 - torch.compile per block (regional, as torchtitan): every block of both towers compiled on its own, the model
   around them eager; `parallel.compile: auto` turns it on on CUDA where triton (inductor's GPU code generator) is
-  installed. The backend (mindvl.train.compile_backend) is inductor, and under `auto` a forward or backward graph
+  installed. The compile sits inside the checkpoint wrapper (a block's graph breaks at `attend` would make dynamo
+  run a compiled checkpointed region eagerly). `selective` checkpointing trains the same under compile (tested
+  against eager with inductor on CPU: gradients to 2e-6), but its per-op policy cannot see inside inductor's fused
+  code, so what it keeps there is not what it keeps eagerly (not measured yet). The backend (mindvl.train.compile_backend) is inductor, and under `auto` a forward or backward graph
   inductor fails to compile runs eagerly instead (one warning per run, `Prepared.compile_fallbacks`); under `on`
   the failure is a one-line CompileError naming the key.
 """
@@ -416,18 +419,23 @@ def compile_enabled(cfg: ParallelSection, device: torch.device) -> bool:
 
 
 def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
-    """Regional compilation: each block (inside its checkpoint wrapper) compiled in place, so parameter names and
+    """Regional compilation: each block compiled in place (inside its checkpoint wrapper), so parameter names and
     the FSDP/checkpointing units stay as they are and a recompilation costs one block's graph."""
     if not compile_enabled(ctx.parallel, ctx.env.device):
         return model
     strict = ctx.parallel.compile in ("on", True)  # asked for: a graph inductor cannot compile is an error
     for b in blocks(model):
+        # Inside the checkpoint wrapper, not around it: a block has graph breaks (`attend`, the delta rule: compile
+        # boundaries, see models.host.Segments), and dynamo cannot trace a checkpointed region with a break in it,
+        # so a compiled wrapper ran the whole block eagerly, silently. The wrapper recomputes by calling the
+        # compiled block again.
+        inner = getattr(b, "_checkpoint_wrapped_module", b)
         backend = COMPILE_BACKEND
-        if backend == "inductor":  # one backend per block class (inside a checkpoint wrapper, the block's)
-            backend = backend_for(type(getattr(b, "_checkpoint_wrapped_module", b)), strict)
+        if backend == "inductor":  # one backend per block class
+            backend = backend_for(type(inner), strict)
             if backend not in ctx.done.compile_backends:
                 ctx.done.compile_backends.append(backend)
-        b.compile(backend=backend)
+        inner.compile(backend=backend)
     ctx.done.compiled = True
     return model
 
