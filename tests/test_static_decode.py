@@ -45,16 +45,22 @@ def prompts_for(model: MindVL, n: int = 5) -> list[Prompt]:
 # ---------------------------------------------------------------------------------------------- greedy tokens
 
 
+def budgets_and_stops(model: MindVL):
+    """Five prompts with budgets of 2..14 and two stop tokens taken from the free run (so some rows stop early):
+    (prompts, budgets, stops, the eager loop's tokens without stops, and with them)."""
+    prompts = prompts_for(model)
+    budgets = [14, 3, 9, 2, 12]
+    free = generate(model, prompts, budgets, engine="eager")
+    stops = sorted({free[0][6], free[2][4]})
+    return prompts, budgets, stops, free, generate(model, prompts, budgets, stop_token_ids=stops, engine="eager")
+
+
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_greedy_tokens_equal_the_eager_loop_with_budgets_and_stops(family, sync_every):
     """Budgets of 2..14 and two stop tokens: rows finish at different steps, are masked, and (with more than half
     done at a sync point) compacted; every prompt's tokens equal the eager loop's."""
     _, model = family
-    prompts = prompts_for(model)
-    budgets = [14, 3, 9, 2, 12]
-    free = generate(model, prompts, budgets, engine="eager")
-    stops = sorted({free[0][6], free[2][4]})
-    want = generate(model, prompts, budgets, stop_token_ids=stops, engine="eager")
+    prompts, budgets, stops, free, want = budgets_and_stops(model)
     got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=sync_every)
     assert got == want
     assert [len(t) for t in want] != budgets  # the stops did cut some sequences short
@@ -239,11 +245,7 @@ def test_the_replayed_step_gives_the_eager_loops_tokens(family, emulated):
     """Every family, greedy, per-prompt budgets and stop tokens: the step captured once and replayed (rows masked as
     they finish; compaction to fewer rows captures again at the new batch size) gives the eager loop's tokens."""
     _, model = family
-    prompts = prompts_for(model)
-    budgets = [14, 3, 9, 2, 12]
-    free = generate(model, prompts, budgets, engine="eager")
-    stops = sorted({free[0][6], free[2][4]})
-    want = generate(model, prompts, budgets, stop_token_ids=stops, engine="eager")
+    prompts, budgets, stops, _, want = budgets_and_stops(model)
     got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, graphs=True)
     assert got == want
     batches = [g.batch for g in emulated.graphs]
