@@ -1166,6 +1166,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (CI)")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds (default 450 on a GPU, 1500 dry)")
     ap.add_argument("--sections", default=None, help="comma-separated subset, e.g. tests,tiny")
+    ap.add_argument("--section-limit", action="append", default=[], metavar="NAME=SECONDS",
+                    help="a section's time limit instead of its default (e.g. mindvl=300: room for its AC-off arm); "
+                         "still capped by what is left of --budget-s")
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -1176,6 +1179,12 @@ def main() -> int:
         return worker_main(args)
     if not args.out:
         ap.error("--out is required")
+    limits_given = {}
+    for item in args.section_limit:
+        name, _, seconds = item.partition("=")
+        if name not in {n for n, *_ in SECTIONS} or not seconds.replace(".", "", 1).isdigit():
+            ap.error(f"--section-limit {item}: expected NAME=SECONDS with NAME one of {[n for n, *_ in SECTIONS]}")
+        limits_given[name] = float(seconds)
     t_start = time.perf_counter()
     budget = args.budget_s or (1500.0 if args.dry_run else 450.0)
     out = Path(args.out)
@@ -1206,8 +1215,8 @@ def main() -> int:
                 if left < 20:
                     res["sections"][name] = {"ok": False, "error": f"skipped: budget spent ({budget:.0f} s)"}
                     continue
-                say(f"section {name} (limit {min(limits[idx], left):.0f} s)")
-                limit = min(limits[idx], left)
+                limit = min(limits_given.get(name, limits[idx]), left)
+                say(f"section {name} (limit {limit:.0f} s)")
                 proc, result, started = start(name, args, work, log, limit)
                 res["sections"][name] = data = finish(name, proc, result, started, limit)
                 say(f"section {name}: {'ok' if data.get('ok') else 'FAILED: ' + str(data.get('error'))[:300]} "

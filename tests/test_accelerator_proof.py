@@ -42,16 +42,17 @@ def test_dry_run_every_section_succeeds(tmp_path):
         assert sections[arm]["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-3), arm
     # activation checkpointing off (the AC-off arms): timed, and mindvl's fresh model from the same folder computes
     # the full-AC arm's step-0 loss. On the CPU both arms run the same eager ops on the same bits in one process, so
-    # the losses agree to a few fp32 roundings (here bit for bit); other weights move it by orders of magnitude more.
-    # Step 1 too: AC changes no gradient, so the first update and the loss after it are the same.
+    # the losses are equal (bit for bit when measured; 1e-7 is ~2 fp32 roundings of the loss sum), while weights
+    # perturbed by 0.1% (x (1 + 1e-3 N(0,1))) move it by 2.7e-6. Step 1 too: AC changes no gradient, so the first
+    # update and the loss after it are the same.
     off, hf_off = mid["ac_off"], sections["hf_packed"]["ac_off"]
     assert "skipped" not in off and "error" not in off, off
     assert "skipped" not in hf_off and "error" not in hf_off, hf_off
     assert off["prepared"] == {"compiled": False, "checkpointing": "off"}
     assert off["tokens_per_s"] > 0 and off["mfu"] > 0 and hf_off["tokens_per_s"] > 0 and hf_off["mfu"] > 0
-    assert off["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-6, abs=0)
-    assert off["loss0_rel_diff_vs_full_ac"] <= 1e-6 and off["loss0_match"]
-    assert off["losses"][1] == pytest.approx(mid["losses"][1], rel=1e-6, abs=0)
+    assert off["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-7, abs=0)
+    assert off["loss0_rel_diff_vs_full_ac"] <= 1e-7 and off["loss0_match"]
+    assert off["losses"][1] == pytest.approx(mid["losses"][1], rel=1e-7, abs=0)
     assert "hf_padded" not in sections or "ac_off" not in sections["hf_padded"]
     assert sections["plan"]["peak_bytes_per_rank"] > 0
     assert sections["plan"]["device"]["card"] is None and sections["plan"]["device"]["spec"] == "h100-80g"
