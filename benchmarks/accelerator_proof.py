@@ -255,7 +255,8 @@ def free_device(dev) -> None:
     import torch
 
     gc.collect()
-    torch._dynamo.reset()
+    if "torch._dynamo" in sys.modules:  # nothing was compiled otherwise (and its import alone takes ~2 s on a CPU)
+        torch._dynamo.reset()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
