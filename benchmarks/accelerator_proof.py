@@ -28,10 +28,22 @@ tail) and the next section runs:
   autocast, full activation checkpointing, blocks compiled where `parallel.compile: auto` compiles them,
   build_optimizer, step.optimizer_step on one 8K pack per step); tokens/s and MFU as the trainer logs them (real
   tokens / step time, pack_training_flops / (step time x device_peak_flops)); then the planner's
-  exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved.
+  exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved;
+  then `ac_off`: the full-AC model freed, a fresh one from the same folder with activation checkpointing off (all
+  else the same) on the first packs (2 warm-up + 3 timed steps): tokens/s, MFU, peak memory, and its step-0 loss
+  against the full-AC arm's (the same forward: within one bf16 rounding, 2^-8; bit for bit on the CPU). Why: MFU
+  counts model FLOPs only, and full AC recomputes every block's forward, so under it MFU cannot pass 3/4 of the
+  hardware's utilisation; a 141 GB card holds this 2.7B model at 8K without AC (46.7 GiB with it on the H200).
 - hf_packed / hf_padded: the same weights and samples through transformers (fp32 master weights, bf16 autocast,
   gradient checkpointing, torch's fused AdamW + clip_grad_norm_): one padding-free packed row per step, or the
   step's samples right-padded in micro-batches of 8 rows (gradients accumulated, loss weighted per labelled token).
+  hf_packed then adds `ac_off`: `gradient_checkpointing_disable()` and the first packs again (1 warm-up + 3 timed;
+  the same model and optimizer, which changes the losses, not the work). proof.md sets both AC-off arms beside the
+  full-AC ones, with mindvl / transformers packed at equal AC.
+- The AC-off arms are optional parts: each runs only when the full-AC arm's load and step times say it fits in
+  what is left of its section's limit (else `ac_off.skipped` says so), an error there (out of memory above all)
+  lands in `ac_off.error` with its traceback, and the section's figures are written before it starts, so a kill at
+  the limit keeps them (`ac_off.error` then says so). `--section-limit mindvl=300` gives a rerun room for them.
 - moe: a small DeepSeek-V3-shaped MoE LLM (MLA, 64 routed experts top-8 in 8 groups, a shared expert) training in
   bf16 with grouped_mm experts against the unbind fallback, step-0 loss against the CPU fp32 forward.
 - tiny: the packaged tiny SFT recipe through `mindvl.train.trainer.train`; tokens/s and MFU from its metrics.jsonl.
@@ -50,6 +62,10 @@ On the lent machine (15 minutes of device time in all, a start included): one ca
 background planner 10 s later); then, if something broke and was fixed, rerun only that part, e.g.
 `--sections prepare,mindvl,profile --budget-s 240` (prepare is needed by mindvl, hf_packed and hf_padded; on the
 H200 of 2026-11-28 prepare took 20 s and mindvl 44 s before compile and the profiled step: well under 4 minutes).
+The AC-off arms cost about what their full-AC arms took for as many steps (mindvl: its load, a recompile for the
+unwrapped blocks, 5 steps; hf_packed: 4 steps, ~10 s at the H200's 2.5 s steps) and fit in the default limits
+(mindvl 180 s, hf_packed 90 s) only when the full-AC arms are quick; when proof.json says `ac_off.skipped`, get them
+with `--sections prepare,mindvl,hf_packed --section-limit mindvl=360 --section-limit hf_packed=150 --budget-s 420`.
 """
 
 from __future__ import annotations
