@@ -33,7 +33,8 @@ tail) and the next section runs:
   else the same) on the first packs (2 warm-up + 3 timed steps): tokens/s, MFU, peak memory, and its step-0 loss
   against the full-AC arm's (the same forward: within one bf16 rounding, 2^-8; bit for bit on the CPU). Why: MFU
   counts model FLOPs only, and full AC recomputes every block's forward, so under it MFU cannot pass 3/4 of the
-  hardware's utilisation; a 141 GB card holds this 2.7B model at 8K without AC (46.7 GiB with it on the H200).
+  hardware's utilisation; and without AC the model fits a 141 GB H200 (the planner's peak for the plan section's
+  packs: 116.6 GiB, 74.0 of it activations, against 46.3 GiB with full AC; the H200 measured 46.7 with it).
 - hf_packed / hf_padded: the same weights and samples through transformers (fp32 master weights, bf16 autocast,
   gradient checkpointing, torch's fused AdamW + clip_grad_norm_): one padding-free packed row per step, or the
   step's samples right-padded in micro-batches of 8 rows (gradients accumulated, loss weighted per labelled token).
@@ -43,7 +44,7 @@ tail) and the next section runs:
 - The AC-off arms are optional parts: each runs only when the full-AC arm's load and step times say it fits in
   what is left of its section's limit (else `ac_off.skipped` says so), an error there (out of memory above all)
   lands in `ac_off.error` with its traceback, and the section's figures are written before it starts, so a kill at
-  the limit keeps them (`ac_off.error` then says so). `--section-limit mindvl=300` gives a rerun room for them.
+  the limit keeps them (`ac_off.error` then says so). `--section-limit mindvl=360` gives a rerun room for them.
 - moe: a small DeepSeek-V3-shaped MoE LLM (MLA, 64 routed experts top-8 in 8 groups, a shared expert) training in
   bf16 with grouped_mm experts against the unbind fallback, step-0 loss against the CPU fp32 forward.
 - tiny: the packaged tiny SFT recipe through `mindvl.train.trainer.train`; tokens/s and MFU from its metrics.jsonl.
