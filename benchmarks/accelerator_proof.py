@@ -737,6 +737,7 @@ def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, re
             times.append(time.perf_counter() - ta)
             flops.append(float(stats.counts[2]))
         res.update(summary(times, real[:n], flops, first["peak_flops"], warmup), losses=losses, memory=memory(dev))
+        res["prepared"]["compile_fallbacks"] = prepared.compile_fallbacks  # graphs run eagerly: the figures are theirs
         # step 0: the same forward; later steps also follow the same gradients (AC changes neither), so they
         # drift apart only by the rounding of the optimizer's updates
         rels = [abs(a - b) / abs(b) for a, b in zip(losses, first["losses"], strict=False)]
