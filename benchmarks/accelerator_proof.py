@@ -827,8 +827,11 @@ def hf_arm(args, work: Path, arm: str) -> dict:
 
     times, losses = map(list, zip(*(step(batch) for batch in batches), strict=True))
     out = summary(times, real, flops, peak, s["warmup"])
+    # transformers' modules that checkpoint (their `gradient_checkpointing` flag): the layers, blocks and towers
+    checkpointed = lambda: sum(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules())  # noqa: E731
     out.update(load_s=load_s, losses=losses, peak_how=how, micro_batches_per_step=len(micro_batches(batches[0])),
-               padded_tokens_per_step=[int(b["input_ids"].numel()) for b in batches], memory=memory(dev))
+               padded_tokens_per_step=[int(b["input_ids"].numel()) for b in batches], memory=memory(dev),
+               checkpointed_modules=checkpointed())
     if arm != "hf_packed":  # the padded arm is last in the order and the least telling: no AC-off figures
         return out
     # The first packs once more without gradient checkpointing, on the same model and optimizer: the weights and
@@ -843,6 +846,7 @@ def hf_arm(args, work: Path, arm: str) -> dict:
         return out
     try:
         model.gradient_checkpointing_disable()
+        out[AC_OFF]["checkpointed_modules"] = checkpointed()
         free_device(dev)
         off_times, off_losses = map(list, zip(*(step(batch) for batch in batches[:n]), strict=True))
         out[AC_OFF].update(summary(off_times, real[:n], flops[:n], peak, 1), losses=off_losses, memory=memory(dev))

@@ -49,6 +49,7 @@ def test_dry_run_every_section_succeeds(tmp_path):
     assert "skipped" not in off and "error" not in off, off
     assert "skipped" not in hf_off and "error" not in hf_off, hf_off
     assert off["prepared"] == {"compiled": False, "checkpointing": "off", "compile_fallbacks": []}
+    assert sections["hf_packed"]["checkpointed_modules"] >= 4 and hf_off["checkpointed_modules"] == 0  # 2 + 2 blocks
     assert off["tokens_per_s"] > 0 and off["mfu"] > 0 and hf_off["tokens_per_s"] > 0 and hf_off["mfu"] > 0
     assert off["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-7, abs=0)
     assert off["loss0_rel_diff_vs_full_ac"] <= 1e-7 and off["loss0_match"]
