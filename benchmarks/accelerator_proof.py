@@ -28,10 +28,23 @@ tail) and the next section runs:
   autocast, full activation checkpointing, blocks compiled where `parallel.compile: auto` compiles them,
   build_optimizer, step.optimizer_step on one 8K pack per step); tokens/s and MFU as the trainer logs them (real
   tokens / step time, pack_training_flops / (step time x device_peak_flops)); then the planner's
-  exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved.
+  exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved;
+  then `ac_off`: the full-AC model freed, a fresh one from the same folder with activation checkpointing off (all
+  else the same) on the first packs (2 warm-up + 3 timed steps): tokens/s, MFU, peak memory, and its step-0 loss
+  against the full-AC arm's (the same forward: within one bf16 rounding, 2^-8; bit for bit on the CPU). Why: MFU
+  counts model FLOPs only, and full AC recomputes every block's forward, so under it MFU cannot pass 3/4 of the
+  hardware's utilisation; and without AC the model fits a 141 GB H200 (the planner's peak for the plan section's
+  packs: 116.6 GiB, 74.0 of it activations, against 46.3 GiB with full AC; the H200 measured 46.7 with it).
 - hf_packed / hf_padded: the same weights and samples through transformers (fp32 master weights, bf16 autocast,
   gradient checkpointing, torch's fused AdamW + clip_grad_norm_): one padding-free packed row per step, or the
   step's samples right-padded in micro-batches of 8 rows (gradients accumulated, loss weighted per labelled token).
+  hf_packed then adds `ac_off`: `gradient_checkpointing_disable()` and the first packs again (1 warm-up + 3 timed;
+  the same model and optimizer, which changes the losses, not the work). proof.md sets both AC-off arms beside the
+  full-AC ones, with mindvl / transformers packed at equal AC.
+- The AC-off arms are optional parts: each runs only when the full-AC arm's load and step times say it fits in
+  what is left of its section's limit (else `ac_off.skipped` says so), an error there (out of memory above all)
+  lands in `ac_off.error` with its traceback, and the section's figures are written before it starts, so a kill at
+  the limit keeps them (`ac_off.error` then says so). `--section-limit mindvl=360` gives a rerun room for them.
 - moe: a small DeepSeek-V3-shaped MoE LLM (MLA, 64 routed experts top-8 in 8 groups, a shared expert) training in
   bf16 with grouped_mm experts against the unbind fallback, step-0 loss against the CPU fp32 forward.
 - tiny: the packaged tiny SFT recipe through `mindvl.train.trainer.train`; tokens/s and MFU from its metrics.jsonl.
@@ -50,6 +63,10 @@ On the lent machine (15 minutes of device time in all, a start included): one ca
 background planner 10 s later); then, if something broke and was fixed, rerun only that part, e.g.
 `--sections prepare,mindvl,profile --budget-s 240` (prepare is needed by mindvl, hf_packed and hf_padded; on the
 H200 of 2026-11-28 prepare took 20 s and mindvl 44 s before compile and the profiled step: well under 4 minutes).
+The AC-off arms cost about what their full-AC arms took for as many steps (mindvl: its load, a recompile for the
+unwrapped blocks, 5 steps; hf_packed: 4 steps, ~10 s at the H200's 2.5 s steps) and fit in the default limits
+(mindvl 180 s, hf_packed 90 s) only when the full-AC arms are quick; when proof.json says `ac_off.skipped`, get them
+with `--sections prepare,mindvl,hf_packed --section-limit mindvl=360 --section-limit hf_packed=150 --budget-s 420`.
 """
 
 from __future__ import annotations
@@ -93,13 +110,14 @@ def shapes(dry: bool) -> dict:
         text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=2048, mrope_section=[4, 6, 6])
         return dict(vision=vision, text=text, row_tokens=512, steps=2, warmup=1, samples=10,
-                    max_pixels=16 * 28 * 28, micro_rows=4)
+                    max_pixels=16 * 28 * 28, micro_rows=4, ac_off_timed=1)
     vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                   fullatt_block_indexes=[7, 15, 23, 31])
     text = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                 num_key_value_heads=8, vocab_size=151936, mrope_section=[16, 24, 24])
+    # ac_off_timed: the timed steps of the activation-checkpointing-off arms (after their warm-up steps)
     return dict(vision=vision, text=text, row_tokens=8192, steps=7, warmup=2, samples=480,
-                max_pixels=256 * 28 * 28, micro_rows=8)
+                max_pixels=256 * 28 * 28, micro_rows=8, ac_off_timed=3)
 
 
 def hf_config(s: dict, peers) -> dict:
@@ -219,6 +237,62 @@ def summary(times: list[float], tokens: list[int], flops: list[float], peak: flo
     return {"tokens_per_s": sum(n) / sum(t), "mfu": sum(f) / (sum(t) * peak) if f else None,
             "step_s_median": statistics.median(t), "step_s": [round(x, 4) for x in times], "timed_steps": len(t),
             "timed_tokens": sum(n)}
+
+
+# ------------------------------------------------------------------------------------------------------ AC off
+# The same model and packs once more without activation checkpointing. Under full AC every block's forward runs
+# twice, and the trainer's MFU counts model FLOPs only: its ceiling is 3/4 of what the hardware achieves. These arms
+# are optional: bounded by the section's limit (skipped, with the reason, when the first arm's times say they would
+# not fit), their failures (out of memory included) recorded in their own sub-dict, and the section's figures
+# written before they start (save_partial), so a kill at the section's limit keeps them.
+
+AC_OFF = "ac_off"  # the sub-dict of the mindvl and hf_packed sections
+AC_OFF_LOSS_MATCH = 2.0**-8  # step-0 loss, AC off vs full: the same forward; compiled graphs may round differently,
+# by less than one bf16 rounding (unit roundoff 2^-8) of the loss; the CPU dry run's eager forward is the same ops
+
+
+def time_left(args) -> float:
+    """Seconds left of this section's limit (the driver kills the process there), less a margin for the result."""
+    return args.limit - (time.perf_counter() - args.started) - (5.0 + 0.05 * args.limit)
+
+
+def save_partial(args, data: dict, running: str) -> None:
+    """The section's result so far, written where its final result goes, naming the optional part that runs now
+    (`running`): if that part is killed at the limit or crashes the process, `finish` keeps these figures."""
+    partial = {"ok": True, **data, "partial": running,
+               "section_s": round(time.perf_counter() - args.started, 1)}
+    Path(args.result).write_text(json.dumps(partial, default=str))
+
+
+def free_device(dev) -> None:
+    """Drop what a freed model left behind: cycles, compiled code (dynamo keeps graphs and guards per block), the
+    allocator's cache; then the peak statistics start again."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if "torch._dynamo" in sys.modules:  # nothing was compiled otherwise (and its import alone takes ~2 s on a CPU)
+        torch._dynamo.reset()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def ac_off_failure(exc: BaseException, dev) -> dict:
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc(),
+            "memory_at_error": memory(dev)}
+
+
+def ac_off_skip(estimate: float, args) -> dict | None:
+    """None when `estimate` seconds fit in what is left of the section's limit; else the recorded skip."""
+    left = time_left(args)
+    if estimate <= left:
+        return None
+    return {"skipped": f"needs ~{estimate:.0f} s (from the full-AC arm's load and step times), {left:.0f} s left "
+                       f"of the section's {args.limit:.0f} s", "estimate_s": round(estimate, 1),
+            "left_s": round(left, 1)}
 
 
 # ------------------------------------------------------------------------------------------------------ profile
@@ -544,11 +618,11 @@ def sec_mindvl(args, work: Path) -> dict:
     dev = the_device()
     env = ParallelEnv(0, 1, 0, dev, "nccl" if dev.type == "cuda" else "gloo")
     out: dict = {}
-    def build(compile_mode: str):
+    def build(compile_mode: str, checkpointing: str = "full"):
         """The trainer's defaults on one GPU: plain tensors, bf16 autocast, blocks compiled (`auto`)."""
         model = load_model(work / "mindvl", dtype=torch.float32, device=dev)
         model.train()
-        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing="full", compile=compile_mode)
+        pcfg = ParallelSection(mixed_precision="bf16", activation_checkpointing=checkpointing, compile=compile_mode)
         prepared = Prepared()
         model = parallelize(model, env, pcfg, prepared)
         return model, build_optimizer(model, OptimSection(lr=1e-5, weight_decay=0.1)), prepared
@@ -622,9 +696,56 @@ def sec_mindvl(args, work: Path) -> dict:
         except Exception as exc:
             out.update(memory_error=f"{type(exc).__name__}: {exc}"[:2000], memory_traceback=traceback.format_exc(),
                        memory_at_error=memory(dev))
+        # The same packs without activation checkpointing, on a fresh model from the same folder (same weights):
+        # the full-AC model, its optimizer and the allocator's cache are freed first.
+        save_partial(args, out, AC_OFF)
+        compile_mode = "off" if out.get("compile_error") else "auto"
+        model = opt = prepared = None  # (cells of the profiled step's closure: rebinding frees them too)
+        free_device(dev)
+        out[AC_OFF] = mindvl_ac_off(args, s, dev, env, lambda: build(compile_mode, "off"), out, batches, real)
         return out
     finally:
         destroy(env)
+
+
+def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, real: list[int]) -> dict:
+    """`build()`'s model (activation checkpointing off, the rest as the first arm) on the first arm's first packs:
+    its warm-up steps (compile: a static graph, then a dynamic one) and `ac_off_timed` timed ones. `first`: the
+    full-AC arm's figures (its load and step times bound this arm; its step-0 loss is this arm's reference)."""
+    from mindvl.train.step import optimizer_step
+
+    warmup = s["warmup"]
+    n = min(len(batches), warmup + s["ac_off_timed"])
+    estimate = first["load_s"] + sum(first["step_s"][:warmup]) + (n - warmup) * first["step_s_median"]
+    skip = ac_off_skip(estimate, args)
+    if skip:
+        return skip
+    res: dict = {"activation_checkpointing": "off", "estimate_s": round(estimate, 1)}
+    try:
+        t0 = time.perf_counter()
+        model, opt, prepared = build()
+        config = model.config
+        res.update(load_s=time.perf_counter() - t0, allocated_after_load_bytes=memory(dev).get("max_allocated_bytes"),
+                   prepared={"compiled": prepared.compiled, "checkpointing": prepared.checkpointing})
+        times, flops, losses = [], [], []
+        for batch in batches[:n]:
+            sync(dev)
+            ta = time.perf_counter()
+            stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config, grad_clip=1.0)
+            losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
+            sync(dev)
+            times.append(time.perf_counter() - ta)
+            flops.append(float(stats.counts[2]))
+        res.update(summary(times, real[:n], flops, first["peak_flops"], warmup), losses=losses, memory=memory(dev))
+        res["prepared"]["compile_fallbacks"] = prepared.compile_fallbacks  # graphs run eagerly: the figures are theirs
+        # step 0: the same forward; later steps also follow the same gradients (AC changes neither), so they
+        # drift apart only by the rounding of the optimizer's updates
+        rels = [abs(a - b) / abs(b) for a, b in zip(losses, first["losses"], strict=False)]
+        res.update(loss0_rel_diff_vs_full_ac=rels[0], loss0_match=rels[0] <= AC_OFF_LOSS_MATCH,
+                   losses_rel_diff_vs_full_ac=rels)
+    except Exception as exc:  # out of memory above all: a finding, beside the full-AC figures
+        res.update(ac_off_failure(exc, dev))
+    return res
 
 
 def hf_arm(args, work: Path, arm: str) -> dict:
@@ -684,8 +805,8 @@ def hf_arm(args, work: Path, arm: str) -> dict:
             out.append(mb)
         return out
 
-    times, losses = [], []
-    for batch in batches:
+    def step(batch: dict) -> tuple[float, float]:
+        """One timed optimizer step: (seconds, loss)."""
         sync(dev)
         ta = time.perf_counter()
         parts = [{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
@@ -702,11 +823,35 @@ def hf_arm(args, work: Path, arm: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(dev)
-        times.append(time.perf_counter() - ta)
-        losses.append(loss_total)
+        return time.perf_counter() - ta, loss_total
+
+    times, losses = map(list, zip(*(step(batch) for batch in batches), strict=True))
     out = summary(times, real, flops, peak, s["warmup"])
+    # transformers' modules that checkpoint (their `gradient_checkpointing` flag): the layers, blocks and towers
+    checkpointed = lambda: sum(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules())  # noqa: E731
     out.update(load_s=load_s, losses=losses, peak_how=how, micro_batches_per_step=len(micro_batches(batches[0])),
-               padded_tokens_per_step=[int(b["input_ids"].numel()) for b in batches], memory=memory(dev))
+               padded_tokens_per_step=[int(b["input_ids"].numel()) for b in batches], memory=memory(dev),
+               checkpointed_modules=checkpointed())
+    if arm != "hf_packed":  # the padded arm is last in the order and the least telling: no AC-off figures
+        return out
+    # The first packs once more without gradient checkpointing, on the same model and optimizer: the weights and
+    # Adam's moments are those the timed steps left (a fresh model and optimizer would only cost load time), so
+    # the losses are not step 0's; the work per step is the same, and so are the timing and the memory, the
+    # optimizer state existing already in both. One warm-up step (no compile here: the allocator grows).
+    save_partial(args, out, AC_OFF)
+    n = min(len(batches), 1 + s["ac_off_timed"])
+    estimate = times[0] + (n - 1) * out["step_s_median"]
+    out[AC_OFF] = ac_off_skip(estimate, args) or {"activation_checkpointing": "off", "estimate_s": round(estimate, 1)}
+    if "skipped" in out[AC_OFF]:
+        return out
+    try:
+        model.gradient_checkpointing_disable()
+        out[AC_OFF]["checkpointed_modules"] = checkpointed()
+        free_device(dev)
+        off_times, off_losses = map(list, zip(*(step(batch) for batch in batches[:n]), strict=True))
+        out[AC_OFF].update(summary(off_times, real[:n], flops[:n], peak, 1), losses=off_losses, memory=memory(dev))
+    except Exception as exc:  # out of memory above all: a finding, beside the figures above
+        out[AC_OFF].update(ac_off_failure(exc, dev))
     return out
 
 
@@ -863,7 +1008,7 @@ WORKERS["generate"] = sec_generate
 def worker_main(args) -> int:
     """Run one section in this process; its JSON goes to --result (a crash leaves the traceback there)."""
     result = Path(args.result)
-    t0 = time.perf_counter()
+    t0 = args.started = time.perf_counter()  # time_left() counts the section's limit from here
     try:
         if os.environ.get(FAIL_ENV) == args.worker:  # the failure-isolation test
             raise RuntimeError(f"{FAIL_ENV}={args.worker}: injected failure")
@@ -903,7 +1048,11 @@ def finish(name: str, proc: subprocess.Popen, result: Path, started: float, time
         os.killpg(proc.pid, 9)  # the section's own process group (its pytest / compile children too)
         rc, timed_out = proc.wait(), True
     data = json.loads(result.read_text()) if result.exists() else {"ok": False}
-    if timed_out:
+    part = data.pop("partial", None)  # the section wrote its figures, then an optional part of it did not finish
+    if part:
+        why = f"timed out after {timeout:.0f} s" if timed_out else f"the process ended with exit code {rc}"
+        data[part] = {"error": f"{why} in this part (the section's figures before it are kept; see proof.log)"}
+    elif timed_out:
         data.update(ok=False, error=f"timed out after {timeout:.0f} s")
     elif "error" not in data and not data.get("ok"):
         data["error"] = f"exit code {rc} without a result (crashed: see proof.log)"
@@ -918,6 +1067,40 @@ def ratio(a, b):
 
 def fmt(x, spec=".3g") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def ac_table(sections: dict) -> list[str]:
+    """proof.md's rows of the mid model with full activation checkpointing and without it (the AC-off arms of the
+    mindvl and hf_packed sections), and mindvl over transformers packed at equal checkpointing."""
+    mid, hf = sections.get("mindvl", {}), sections.get("hf_packed", {})
+    if not (mid.get("ok") or hf.get("ok")):
+        return []
+    rows = [("mindvl", "full", mid if mid.get("ok") else {}, mid.get("memory_after_throughput")),
+            ("transformers packed", "full", hf if hf.get("ok") else {}, hf.get("memory")),
+            ("mindvl", "off", mid.get(AC_OFF) or {}, None), ("transformers packed", "off", hf.get(AC_OFF) or {}, None)]
+    lines = ["", "Activation checkpointing full and off (mid model, same packs; MFU counts model FLOPs only, so under "
+             "full AC, which recomputes every block's forward, it cannot pass 3/4 of the hardware's utilisation):", "",
+             "| arm | AC | tokens/s | MFU | step s median (timed) | max allocated GiB | mindvl / transformers packed |",
+             "|---|---|---|---|---|---|---|"]
+    for name, ac, d, mem in rows:
+        why = d.get("skipped") or d.get("error")
+        if why or not d:
+            what = f"skipped: {why}" if d.get("skipped") else f"failed: {why}" if why else "not run"
+            lines.append(f"| {name} | {ac} | - | - | - | - | {what[:200].replace('|', '/')} |")
+            continue
+        mem = (mem if mem is not None else d.get("memory")) or {}
+        peer = (hf if ac == "full" else hf.get(AC_OFF) or {}).get("tokens_per_s")
+        r = ratio(d.get("tokens_per_s"), peer) if name == "mindvl" else None
+        versus = f"{r:.2f}x" if r else "-" if name == "mindvl" else ""
+        lines.append(f"| {name} | {ac} | {fmt(d.get('tokens_per_s'), ',.0f')} | {fmt(d.get('mfu'), '.1%')} | "
+                     f"{fmt(d.get('step_s_median'), '.3f')} ({d.get('timed_steps')}) | "
+                     f"{fmt((mem.get('max_allocated_bytes') or 0) / GIB or None, '.2f')} | {versus} |")
+    off = mid.get(AC_OFF) or {}
+    if off.get("loss0_rel_diff_vs_full_ac") is not None:
+        lines += ["", f"Step-0 loss, mindvl AC off vs full (same weights and pack): relative difference "
+                  f"{off['loss0_rel_diff_vs_full_ac']:.1e} ({'within' if off['loss0_match'] else 'NOT within'} "
+                  f"{AC_OFF_LOSS_MATCH:.1e}, one bf16 rounding)"]
+    return lines
 
 
 def report(res: dict) -> str:
@@ -964,6 +1147,7 @@ def report(res: dict) -> str:
                  if v and n != "mindvl"]
         lines += ["", f"Step-0 loss of the mid model, mindvl {losses['mindvl'][0]:.5f}; relative difference to "
                   f"{', '.join(agree) or '-'} (same weights and samples, bf16 compute on both sides)"]
+    lines += ac_table(res["sections"])
     moe = res["sections"].get("moe", {})
     profiles = [("mindvl", mid.get("profile"))] + [
         (f"moe {k}", moe.get(k, {}).get("profile")) for k in ("grouped_mm", "unbind_fallback")]
@@ -1005,6 +1189,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (CI)")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds (default 450 on a GPU, 1500 dry)")
     ap.add_argument("--sections", default=None, help="comma-separated subset, e.g. tests,tiny")
+    ap.add_argument("--section-limit", action="append", default=[], metavar="NAME=SECONDS",
+                    help="a section's time limit instead of its default (e.g. mindvl=300: room for its AC-off arm); "
+                         "still capped by what is left of --budget-s")
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -1015,6 +1202,12 @@ def main() -> int:
         return worker_main(args)
     if not args.out:
         ap.error("--out is required")
+    limits_given = {}
+    for item in args.section_limit:
+        name, _, seconds = item.partition("=")
+        if name not in {n for n, *_ in SECTIONS} or not seconds.replace(".", "", 1).isdigit():
+            ap.error(f"--section-limit {item}: expected NAME=SECONDS with NAME one of {[n for n, *_ in SECTIONS]}")
+        limits_given[name] = float(seconds)
     t_start = time.perf_counter()
     budget = args.budget_s or (1500.0 if args.dry_run else 450.0)
     out = Path(args.out)
@@ -1045,8 +1238,8 @@ def main() -> int:
                 if left < 20:
                     res["sections"][name] = {"ok": False, "error": f"skipped: budget spent ({budget:.0f} s)"}
                     continue
-                say(f"section {name} (limit {min(limits[idx], left):.0f} s)")
-                limit = min(limits[idx], left)
+                limit = min(limits_given.get(name, limits[idx]), left)
+                say(f"section {name} (limit {limit:.0f} s)")
                 proc, result, started = start(name, args, work, log, limit)
                 res["sections"][name] = data = finish(name, proc, result, started, limit)
                 say(f"section {name}: {'ok' if data.get('ok') else 'FAILED: ' + str(data.get('error'))[:300]} "

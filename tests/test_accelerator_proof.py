@@ -40,6 +40,21 @@ def test_dry_run_every_section_succeeds(tmp_path):
     # same weights, samples and bf16 compute: transformers' padded and padding-free arms give mindvl's loss
     for arm in ("hf_packed", "hf_padded"):
         assert sections[arm]["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-3), arm
+    # activation checkpointing off (the AC-off arms): timed, and mindvl's fresh model from the same folder computes
+    # the full-AC arm's step-0 loss. On the CPU both arms run the same eager ops on the same bits in one process, so
+    # the losses are equal (bit for bit when measured; 1e-7 is ~2 fp32 roundings of the loss sum), while weights
+    # perturbed by 0.1% (x (1 + 1e-3 N(0,1))) move it by 2.7e-6. Step 1 too: AC changes no gradient, so the first
+    # update and the loss after it are the same.
+    off, hf_off = mid["ac_off"], sections["hf_packed"]["ac_off"]
+    assert "skipped" not in off and "error" not in off, off
+    assert "skipped" not in hf_off and "error" not in hf_off, hf_off
+    assert off["prepared"] == {"compiled": False, "checkpointing": "off", "compile_fallbacks": []}
+    assert sections["hf_packed"]["checkpointed_modules"] >= 4 and hf_off["checkpointed_modules"] == 0  # 2 + 2 blocks
+    assert off["tokens_per_s"] > 0 and off["mfu"] > 0 and hf_off["tokens_per_s"] > 0 and hf_off["mfu"] > 0
+    assert off["losses"][0] == pytest.approx(mid["losses"][0], rel=1e-7, abs=0)
+    assert off["loss0_rel_diff_vs_full_ac"] <= 1e-7 and off["loss0_match"]
+    assert off["losses"][1] == pytest.approx(mid["losses"][1], rel=1e-7, abs=0)
+    assert "hf_padded" not in sections or "ac_off" not in sections["hf_padded"]
     assert sections["plan"]["peak_bytes_per_rank"] > 0
     assert sections["plan"]["device"]["card"] is None and sections["plan"]["device"]["spec"] == "h100-80g"
     assert sections["moe"]["bf16_loss0_rel_diff_vs_cpu_fp32"] < 1e-2
@@ -48,6 +63,16 @@ def test_dry_run_every_section_succeeds(tmp_path):
     assert sections["tiny"]["tokens_per_s_median"] > 0
     md = (tmp_path / "proof.md").read_text()
     assert "| mindvl | yes |" in md and "Step-0 loss" in md
+    for name, ac in (("mindvl", "full"), ("transformers packed", "full"), ("mindvl", "off"),
+                     ("transformers packed", "off")):
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} | {ac} | "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] != "-" and cells[3].endswith("%"), row  # tokens/s and MFU
+        if name == "mindvl":  # mindvl / transformers packed at the same checkpointing
+            peer = off if ac == "off" else mid
+            hf = hf_off if ac == "off" else sections["hf_packed"]
+            assert cells[6] == f"{peer['tokens_per_s'] / hf['tokens_per_s']:.2f}x", row
+    assert "Step-0 loss, mindvl AC off vs full" in md
     assert all(v["section_s"] > 0 for v in sections.values())
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
 
@@ -134,3 +159,52 @@ def test_busy_fraction_is_the_union_of_kernel_intervals():
     proof = load_proof_module()
     assert proof.busy_fraction([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 0.5  # [0,3] [5,6] [9,10]
     assert proof.busy_fraction([], 0, 10) == 0.0 and proof.busy_fraction([(0, 1)], 5, 5) is None
+
+
+def test_the_ac_off_arm_is_skipped_or_fails_beside_the_section_figures():
+    """The AC-off arm's bounds: skipped, with the reason, when the full-AC arm's times say it would pass the
+    section's limit; an out-of-memory while it runs is recorded in its sub-dict (the section goes on)."""
+    import argparse
+    import time
+
+    import torch
+
+    proof = load_proof_module()
+    first = {"load_s": 10.0, "step_s": [30.0, 20.0, 5.0], "step_s_median": 5.0, "peak_flops": 1e12, "losses": [7.0]}
+    s = {"warmup": 2, "ac_off_timed": 3}
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    def run(limit: float, spent: float) -> dict:
+        args = argparse.Namespace(limit=limit, started=time.perf_counter() - spent)
+        return proof.mindvl_ac_off(args, s, torch.device("cpu"), None, oom, first, [{}] * 7, [100] * 7)
+
+    # needs 10 + 30 + 20 + 3 x 5 = 75 s; the margin is 5 s + 5% of the limit
+    skipped = run(limit=180, spent=100)
+    assert "needs ~75 s" in skipped["skipped"] and skipped["left_s"] < 75 and "error" not in skipped
+    failed = run(limit=180, spent=10)
+    assert "skipped" not in failed and failed["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert "Traceback" in failed["traceback"] and failed["memory_at_error"] == {}
+
+
+def test_a_section_killed_in_its_optional_part_keeps_its_figures(tmp_path):
+    """A section that wrote its figures (save_partial) and is then killed at its limit in the AC-off arm: the driver
+    keeps the figures, the section stays ok and the arm's sub-dict says what happened; a section killed before
+    writing anything is a failure, as before."""
+    import argparse
+    import time
+
+    proof = load_proof_module()
+    result = tmp_path / "mindvl.result.json"
+    args = argparse.Namespace(result=str(result), started=time.perf_counter())
+    proof.save_partial(args, {"tokens_per_s": 123.0}, "ac_off")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(sleeper, start_new_session=True)
+    data = proof.finish("mindvl", proc, result, time.perf_counter(), timeout=1)
+    assert data["ok"] and data["tokens_per_s"] == 123.0 and "partial" not in data, data
+    assert data["ac_off"]["error"].startswith("timed out after 1 s in this part")
+    result.unlink()
+    proc = subprocess.Popen(sleeper, start_new_session=True)
+    data = proof.finish("mindvl", proc, result, time.perf_counter(), timeout=1)
+    assert not data["ok"] and data["error"] == "timed out after 1 s" and "ac_off" not in data
