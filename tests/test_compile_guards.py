@@ -49,8 +49,8 @@ def forward(model, pack) -> torch.Tensor:
 def test_new_packs_compile_no_block_again(name):
     """Qwen2.5-VL's windowed ViT + a GQA decoder, DeepSeek-V3's MLA + grouped experts (bf16: the path that keeps
     no host list in the graph), Qwen3.5's hybrid layers + Qwen3-VL's ViT: after the second pack (the token count
-    turns dynamic there) and the third, 4 more packs of new sample counts add no graph, and every output equals the eager
-    model's."""
+    turns dynamic there) and the third, 4 more packs of new sample counts add no graph, and every output equals
+    the eager model's."""
     model = build(name)
     eager = build(name)
     if name == "moe_mla":
