@@ -44,6 +44,12 @@ def inductor_failing(monkeypatch):
     in place (its multiplications made additions: the fallback must run the graph as it was given), and runs the
     others eagerly (no code generation). Compile counts as enabled on the CPU; dynamo's caches are fresh."""
     monkeypatch.setattr(parallel, "compile_enabled", lambda cfg, device: cfg.compile != "off")
+    # No cache hits: a graph that inductor compiled earlier in this process or machine (the slow real-inductor test
+    # compiles the same tiny model) would come from inductor's FX graph cache or AOTAutograd's cache without
+    # reaching `compile_fx_inner`, so the forced failure would never happen.
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
     compiled: list[str] = []
 
     def fail(graph: str) -> list[str]:
@@ -62,7 +68,8 @@ def inductor_failing(monkeypatch):
         return compiled
 
     torch._dynamo.reset()
-    yield fail
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield fail
     torch._dynamo.reset()
 
 
