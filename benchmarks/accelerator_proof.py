@@ -30,8 +30,9 @@ tail) and the next section runs:
   tokens / step time, pack_training_flops / (step time x device_peak_flops)); then the planner's
   exact traced sequence (a step of 1 and one of 2 worst-case packs) with torch.cuda.max_memory_allocated/reserved;
   then `ac_off`: the full-AC model freed, a fresh one from the same folder with activation checkpointing off (all
-  else the same) on the first packs (2 warm-up + 3 timed steps): tokens/s, MFU, peak memory, and its step-0 loss
-  against the full-AC arm's (the same forward: within one bf16 rounding, 2^-8; bit for bit on the CPU). Why: MFU
+  else the same) on the first packs (2 warm-up + 3 timed steps): tokens/s, MFU, peak memory, its step-0 loss
+  against the full-AC arm's (the same forward: within one bf16 rounding, 2^-8; bit for bit on the CPU), then the
+  planner's worst-case packs again (`ac_off.memory_planner_packs`: the AC-off plan meets the device). Why: MFU
   counts model FLOPs only, and full AC recomputes every block's forward, so under it MFU cannot pass 3/4 of the
   hardware's utilisation; and without AC the model fits a 141 GB H200 (the planner's peak for the plan section's
   packs: 116.6 GiB, 74.0 of it activations, against 46.3 GiB with full AC; the H200 measured 46.7 with it).
@@ -611,7 +612,7 @@ def sec_mindvl(args, work: Path) -> dict:
     from mindvl.checkpoint import load_model
     from mindvl.config import OptimSection, ParallelSection, load_recipe
     from mindvl.data import DataConfig
-    from mindvl.plan.packs import fake_pack, worst_case_packs
+    from mindvl.plan.packs import worst_case_packs
     from mindvl.train.metrics import device_peak_flops
     from mindvl.train.optim import build_optimizer
     from mindvl.train.parallel import ParallelEnv, Prepared, destroy, parallelize
@@ -680,38 +681,55 @@ def sec_mindvl(args, work: Path) -> dict:
                 model, opt, dev)
         # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2. An
         # out-of-memory here is a finding, recorded beside the throughput figures above (not instead of them).
+        packs = None
         try:
             recipe = load_recipe(raw=plan_recipe(work, s))
             packs = worst_case_packs(DataConfig.from_dict(recipe.data), config)
             out["planner_packs"] = [{"tokens": p.tokens, "images": len(p.images), "patches": p.patches}
                                     for p in packs]
-            gen = torch.Generator().manual_seed(1)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(dev)
-            for n in (1, 2):
-                made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
-                        for i in range(n)]
-                optimizer_step(model, opt, stream_of(made, dev, config), env, config,
-                               grad_clip=1.0)
-            sync(dev)
-            out["memory_planner_packs"] = memory(dev)
         except Exception as exc:
-            out.update(memory_error=f"{type(exc).__name__}: {exc}"[:2000], memory_traceback=traceback.format_exc(),
-                       memory_at_error=memory(dev))
+            out.update(memory_error=f"{type(exc).__name__}: {exc}"[:2000], memory_traceback=traceback.format_exc())
+        if packs:
+            out.update(planner_packs_memory(model, opt, env, config, dev, packs))
         # The same packs without activation checkpointing, on a fresh model from the same folder (same weights):
         # the full-AC model, its optimizer and the allocator's cache are freed first.
         save_partial(args, out, AC_OFF)
         compile_mode = "off" if out.get("compile_error") else "auto"
         model = opt = prepared = None  # (cells of the profiled step's closure: rebinding frees them too)
         free_device(dev)
-        out[AC_OFF] = mindvl_ac_off(args, s, dev, env, lambda: build(compile_mode, "off"), out, batches, real)
+        out[AC_OFF] = mindvl_ac_off(args, s, dev, env, lambda: build(compile_mode, "off"), out, batches, real, packs)
         return out
     finally:
         destroy(env)
 
 
-def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, real: list[int]) -> dict:
+def planner_packs_memory(model, opt, env, config, dev, packs) -> dict:
+    """The planner's traced sequence on its worst-case `packs` (a step of 1 micro-batch, then one of 2) through
+    `model`: {"memory_planner_packs": the allocator's peaks}, or the error (out of memory above all) with the memory
+    at that moment."""
+    import torch
+
+    from mindvl.plan.packs import fake_pack
+    from mindvl.train.step import optimizer_step
+
+    try:
+        gen = torch.Generator().manual_seed(1)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        for n in (1, 2):
+            made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
+                    for i in range(n)]
+            optimizer_step(model, opt, stream_of(made, dev, config), env, config, grad_clip=1.0)
+        sync(dev)
+        return {"memory_planner_packs": memory(dev)}
+    except Exception as exc:
+        return {"memory_error": f"{type(exc).__name__}: {exc}"[:2000], "memory_traceback": traceback.format_exc(),
+                "memory_at_error": memory(dev)}
+
+
+def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, real: list[int],
+                  packs: list | None = None) -> dict:
     """`build()`'s model (activation checkpointing off, the rest as the first arm) on the first arm's first packs:
     its warm-up steps (compile: a static graph, then a dynamic one) and `ac_off_timed` timed ones. `first`: the
     full-AC arm's figures (its load and step times bound this arm; its step-0 loss is this arm's reference)."""
@@ -746,6 +764,9 @@ def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, re
         rels = [abs(a - b) / abs(b) for a, b in zip(losses, first["losses"], strict=False)]
         res.update(loss0_rel_diff_vs_full_ac=rels[0], loss0_match=rels[0] <= AC_OFF_LOSS_MATCH,
                    losses_rel_diff_vs_full_ac=rels)
+        if packs:  # the planner's worst-case packs without AC: its 116.6 GiB on an H200 (RESULTS) meets the device
+            save_partial(args, first | {AC_OFF: res}, AC_OFF)
+            res.update(planner_packs_memory(model, opt, env, config, dev, packs))
     except Exception as exc:  # out of memory above all: a finding, beside the full-AC figures
         res.update(ac_off_failure(exc, dev))
     return res

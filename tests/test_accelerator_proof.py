@@ -55,6 +55,8 @@ def test_dry_run_every_section_succeeds(tmp_path):
     assert off["loss0_rel_diff_vs_full_ac"] <= 1e-7 and off["loss0_match"]
     assert off["losses"][1] == pytest.approx(mid["losses"][1], rel=1e-7, abs=0)
     assert "hf_padded" not in sections or "ac_off" not in sections["hf_padded"]
+    # the planner's worst-case packs ran through both arms (on a GPU: the allocator's peaks beside the plan)
+    assert "memory_planner_packs" in mid and "memory_planner_packs" in off and "memory_error" not in off
     assert sections["plan"]["peak_bytes_per_rank"] > 0
     assert sections["plan"]["device"]["card"] is None and sections["plan"]["device"]["spec"] == "h100-80g"
     assert sections["moe"]["bf16_loss0_rel_diff_vs_cpu_fp32"] < 1e-2
