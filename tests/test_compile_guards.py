@@ -40,19 +40,24 @@ def packs(model, n: int):
         yield pack_prompts(prompts, torch.device("cpu"))
 
 
-def forward(model, pack) -> torch.Tensor:
-    return model(input_ids=pack["input_ids"], cu_seqlens=pack["cu_seqlens"], pixel_values=pack["pixel_values"],
-                 image_grid_thw=pack["image_grid_thw"]).logits
+def train_step(model, pack) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training forward (every token labelled) and its backward: (loss sum, the embedding's gradient)."""
+    ids = pack["input_ids"]
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, cu_seqlens=pack["cu_seqlens"], pixel_values=pack["pixel_values"],
+                image_grid_thw=pack["image_grid_thw"], labels=ids.clone())
+    out.loss_sum.backward()
+    return out.loss_sum.detach(), model.language_model.embed_tokens.weight.grad
 
 
 @pytest.mark.parametrize("name", ["dense", "moe_mla", "qwen3_5"])
 def test_new_packs_compile_no_block_again(name):
     """Qwen2.5-VL's windowed ViT + a GQA decoder, DeepSeek-V3's MLA + grouped experts (bf16: the path that keeps
     no host list in the graph), Qwen3.5's hybrid layers + Qwen3-VL's ViT: after the second pack (the token count
-    turns dynamic there) and the third, 4 more packs of new sample counts add no graph, and every output equals
-    the eager model's."""
-    model = build(name)
-    eager = build(name)
+    turns dynamic there) and the third, 4 more training steps on packs of new sample counts add no graph, and every
+    loss and gradient equals the eager model's."""
+    model = build(name).train()
+    eager = build(name).train()
     if name == "moe_mla":
         model, eager = model.to(torch.bfloat16), eager.to(torch.bfloat16)
     torch._dynamo.reset()
@@ -61,12 +66,12 @@ def test_new_packs_compile_no_block_again(name):
         for block in blocks(model):
             block.compile(backend="eager")
         graphs = []
-        with torch.no_grad():
-            for pack in packs(model, 7):
-                if pack["pixel_values"] is not None:
-                    pack["pixel_values"] = pack["pixel_values"].to(model.language_model.embed_tokens.weight.dtype)
-                assert torch.equal(forward(model, pack), forward(eager, pack))
-                graphs.append(counters["stats"]["unique_graphs"])
+        for pack in packs(model, 7):
+            if pack["pixel_values"] is not None:
+                pack["pixel_values"] = pack["pixel_values"].to(model.language_model.embed_tokens.weight.dtype)
+            (loss, grad), (want_loss, want_grad) = train_step(model, pack), train_step(eager, pack)
+            assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)
+            graphs.append(counters["stats"]["unique_graphs"])
         # the second pack turns the token counts dynamic, the third settles a guard or two; then nothing more
         assert graphs[2] > 0 and graphs[3:] == [graphs[2]] * 4, graphs
     finally:
