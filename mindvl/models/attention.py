@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .host import Segments, as_segments, host_offsets, to_device
+from .host import Segments, host_offsets, longest_segment, to_device
 
 BACKENDS = ("auto", "sdpa", "flex", "flash", "npu")
 _ENV_OVERRIDE = "MINDVL_ATTN_BACKEND"
@@ -107,8 +107,8 @@ def attend(
         return q.new_zeros(0, q.shape[1], v.shape[2]) + (q.sum() + k.sum() + v.sum()) * 0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     offsets = host_offsets(cu_seqlens)
-    if max_seqlen is None:  # compiled blocks pass Segments, which know their longest segment
-        max_seqlen = as_segments(cu_seqlens).max_seqlen
+    if max_seqlen is None:  # compiled blocks pass Segments and no int (one guard fewer): from the host offsets
+        max_seqlen = longest_segment(offsets)
     packed = len(offsets) > 2 or window is not None
     impl = {"sdpa": _sdpa, "flex": _flex, "flash": _flash, "npu": _npu}[resolve_backend(backend, q, packed)]
     return impl(q, k, v, offsets, int(max_seqlen), causal, window, scale)

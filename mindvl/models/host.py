@@ -24,6 +24,11 @@ from mindvl.conventions import IGNORE_INDEX
 Grid = tuple[int, int, int]
 
 
+def longest_segment(offsets: Sequence[int]) -> int:
+    """The longest segment of host offsets [n+1] (0 for none): the `max_seqlen` varlen kernels take."""
+    return max((b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)), default=0)
+
+
 class Segments:
     """A packed row's sample offsets as host ints (and its longest segment), handed through compiled blocks as ONE
     opaque object.
@@ -39,7 +44,7 @@ class Segments:
 
     def __init__(self, offsets: Sequence[int]) -> None:
         self.offsets = tuple(int(x) for x in offsets)
-        self.max_seqlen = max((b - a for a, b in zip(self.offsets[:-1], self.offsets[1:], strict=True)), default=0)
+        self.max_seqlen = longest_segment(self.offsets)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -146,8 +151,7 @@ class PackLayout:
 
     @property
     def max_seqlen(self) -> int:
-        cu = self.cu_seqlens
-        return max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+        return longest_segment(self.cu_seqlens)
 
     @classmethod
     def read(cls, cu_seqlens: torch.Tensor | Sequence[int], image_grid_thw=None, input_ids: torch.Tensor | None = None,

@@ -167,11 +167,11 @@ def aligned_groups(counts: torch.Tensor, n_rows: int, align: int = GROUP_ALIGN
 
     Group e starts at a multiple of `align`. `size` is a bound fixed by n_rows and E (every group may need
     align - 1 pad rows, and one more row keeps offsets[-1] strictly below it, as grouped_mm's contract asks), so no
-    shape depends on the counts' values on the host. The rows from offsets[-1] to `size`
-    belong to no group: grouped_mm ignores rows past the last offset (its documented contract), so a batch pays for
-    its own padded groups only, not for the bound. (When the last group took that slack, a decode step of a few
-    rows over 256 experts computed ~3,800 pad rows in one expert.) Their outputs are left unset and never read:
-    the caller keeps only `dest` rows."""
+    shape depends on the counts' values on the host. The rows from offsets[-1] to `size` belong to no group:
+    grouped_mm ignores rows past the last offset (its documented contract), so a batch pays for its own padded
+    groups only, not for the bound. (When the last group took that slack, a decode step of a few rows over 256
+    experts computed ~3,800 pad rows in one expert.) Their outputs are left unset and never read: the caller keeps
+    only `dest` rows."""
     e = counts.shape[0]
     size = -(-(n_rows + e * (align - 1) + 1) // align) * align  # + 1: offsets[-1] < size, as grouped_mm asks
     padded = (counts + align - 1) // align * align

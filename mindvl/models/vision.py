@@ -77,7 +77,7 @@ class VisionLayout:
 
     - `window_order` [P/4]: merge blocks reordered so every window is contiguous (frames and images never mix);
     - `window_cu` / `frame_cu`: host offsets over patches for windowed and full-attention blocks, as `Segments`
-      (what the compiled blocks pass to `attend` untouched), with `window_max` / `frame_max` their longest segment;
+      (what the compiled blocks pass to `attend` untouched; they know their longest segment);
     - `hw` [P, 2]: each patch's (row, col) inside its frame, in input order, for the 2-D rotary embedding.
     """
 
@@ -110,7 +110,6 @@ class VisionLayout:
         self.window_order = to_device(window_order, device)
         self.restore_order = to_device(torch.argsort(window_order), device)
         self.window_cu, self.frame_cu = _offsets(window_lens), _offsets(frame_lens)
-        self.window_max, self.frame_max = max(window_lens, default=0), max(frame_lens, default=0)
         self.hw = to_device(hw_all, device)
 
 
