@@ -539,6 +539,23 @@ def stream_of(packs: list, dev, config):
     return MicroBatchStream(iter(packs).__next__, len(packs), dev, layout=batch_layout(config))
 
 
+def train_step(model, opt, packs: list, dev, env, config):
+    """One optimizer step of the trainer's pieces over `packs` (its micro-batches), gradients clipped at 1.0."""
+    from mindvl.train.step import optimizer_step
+
+    return optimizer_step(model, opt, stream_of(packs, dev, config), env, config, grad_clip=1.0)
+
+
+def timed_step(model, opt, batch: dict, dev, env, config):
+    """(seconds, stats, loss) of one optimizer step on one pack; reading the loss is the step's host sync."""
+    sync(dev)
+    ta = time.perf_counter()
+    stats = train_step(model, opt, [batch], dev, env, config)
+    loss = stats.loss_sum / float(stats.counts[0])
+    sync(dev)
+    return time.perf_counter() - ta, stats, loss
+
+
 NO_GPU_PRESET = "h100-80g"  # what the planner plans for where no GPU is seen (the CPU dry run)
 MEMORY_MATCH = 0.05  # a preset whose memory is further than this from the card's is not the card (H100 NVL: 94 GB)
 
@@ -616,7 +633,6 @@ def sec_mindvl(args, work: Path) -> dict:
     from mindvl.train.metrics import device_peak_flops
     from mindvl.train.optim import build_optimizer
     from mindvl.train.parallel import ParallelEnv, Prepared, destroy, parallelize
-    from mindvl.train.step import optimizer_step
 
     s = shapes(args.dry_run)
     dev = the_device()
@@ -642,11 +658,8 @@ def sec_mindvl(args, work: Path) -> dict:
         times, flops, losses = [], [], []
         parts = {"forward_s": [], "backward_s": [], "optimizer_s": []}
         for i, batch in enumerate(batches):
-            sync(dev)
-            ta = time.perf_counter()
             try:
-                stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config,
-                                       grad_clip=1.0)
+                seconds, stats, loss = timed_step(model, opt, batch, dev, env, config)
             except Exception as exc:  # a compile failure costs the compiled figures, not the section
                 # (inductor's own failures fall back per graph under `auto`, listed in prepared.compile_fallbacks;
                 # this takes the rest: dynamo's tracing, a compiled kernel that fails when it runs)
@@ -657,12 +670,9 @@ def sec_mindvl(args, work: Path) -> dict:
                 del model, opt
                 torch._dynamo.reset()
                 model, opt, prepared = build("off")
-                ta = time.perf_counter()
-                stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config,
-                                       grad_clip=1.0)
-            losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
-            sync(dev)
-            times.append(time.perf_counter() - ta)
+                seconds, stats, loss = timed_step(model, opt, batch, dev, env, config)
+            times.append(seconds)
+            losses.append(loss)
             flops.append(float(stats.counts[2]))
             for k in parts:
                 parts[k].append(getattr(stats, k))
@@ -676,9 +686,7 @@ def sec_mindvl(args, work: Path) -> dict:
                            "compile_fallbacks": prepared.compile_fallbacks}
         if args.profile:  # the last timed step's pack once more, profiled
             batch = batches[-1]
-            out["profile"] = profiled_step(lambda: optimizer_step(
-                model, opt, stream_of([batch], dev, config), env, config, grad_clip=1.0),
-                model, opt, dev)
+            out["profile"] = profiled_step(lambda: train_step(model, opt, [batch], dev, env, config), model, opt, dev)
         # The planner's traced sequence on its own worst-case packs: a step of 1 micro-batch, then one of 2. An
         # out-of-memory here is a finding, recorded beside the throughput figures above (not instead of them).
         packs = None
@@ -710,7 +718,6 @@ def planner_packs_memory(model, opt, env, config, dev, packs) -> dict:
     import torch
 
     from mindvl.plan.packs import fake_pack
-    from mindvl.train.step import optimizer_step
 
     try:
         gen = torch.Generator().manual_seed(1)
@@ -720,7 +727,7 @@ def planner_packs_memory(model, opt, env, config, dev, packs) -> dict:
         for n in (1, 2):
             made = [fake_pack(packs[i % len(packs)], config, lambda shape: torch.randn(shape, generator=gen))
                     for i in range(n)]
-            optimizer_step(model, opt, stream_of(made, dev, config), env, config, grad_clip=1.0)
+            train_step(model, opt, made, dev, env, config)
         sync(dev)
         return {"memory_planner_packs": memory(dev)}
     except Exception as exc:
@@ -733,8 +740,6 @@ def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, re
     """`build()`'s model (activation checkpointing off, the rest as the first arm) on the first arm's first packs:
     its warm-up steps (compile: a static graph, then a dynamic one) and `ac_off_timed` timed ones. `first`: the
     full-AC arm's figures (its load and step times bound this arm; its step-0 loss is this arm's reference)."""
-    from mindvl.train.step import optimizer_step
-
     warmup = s["warmup"]
     n = min(len(batches), warmup + s["ac_off_timed"])
     estimate = first["load_s"] + sum(first["step_s"][:warmup]) + (n - warmup) * first["step_s_median"]
@@ -750,12 +755,9 @@ def mindvl_ac_off(args, s: dict, dev, env, build, first: dict, batches: list, re
                    prepared={"compiled": prepared.compiled, "checkpointing": prepared.checkpointing})
         times, flops, losses = [], [], []
         for batch in batches[:n]:
-            sync(dev)
-            ta = time.perf_counter()
-            stats = optimizer_step(model, opt, stream_of([batch], dev, config), env, config, grad_clip=1.0)
-            losses.append(stats.loss_sum / float(stats.counts[0]))  # a host sync: the step is complete
-            sync(dev)
-            times.append(time.perf_counter() - ta)
+            seconds, stats, loss = timed_step(model, opt, batch, dev, env, config)
+            times.append(seconds)
+            losses.append(loss)
             flops.append(float(stats.counts[2]))
         res.update(summary(times, real[:n], flops, first["peak_flops"], warmup), losses=losses, memory=memory(dev))
         res["prepared"]["compile_fallbacks"] = prepared.compile_fallbacks  # graphs run eagerly: the figures are theirs
@@ -899,7 +901,6 @@ def sec_moe(args, work: Path) -> dict:
     from mindvl.train.metrics import device_peak_flops
     from mindvl.train.optim import build_optimizer
     from mindvl.train.parallel import ParallelEnv, destroy, parallelize
-    from mindvl.train.step import optimizer_step
 
     dry = args.dry_run
     text = TextConfig(family="deepseek_v3", vocab_size=2048 if dry else 32000, hidden_size=128 if dry else 1024,
@@ -946,13 +947,9 @@ def sec_moe(args, work: Path) -> dict:
                     m.use_grouped_mm = grouped
             times, flops, losses, factors = [], [], [], []
             for p in packs:
-                sync(dev)
-                ta = time.perf_counter()
-                stats = optimizer_step(model, opt, stream_of([p], dev, config), env, config,
-                                       grad_clip=1.0)
-                losses.append(stats.loss_sum / float(stats.counts[0]))
-                sync(dev)
-                times.append(time.perf_counter() - ta)
+                seconds, stats, loss = timed_step(model, opt, p, dev, env, config)
+                times.append(seconds)
+                losses.append(loss)
                 flops.append(float(stats.counts[2]))
                 # the routing's skew as the planner's capacity factor at EP 8 and MaxVio (untimed; resets counts)
                 loads = torch.stack([r.expert_load for r in routers(model)]).cpu()
@@ -963,8 +960,7 @@ def sec_moe(args, work: Path) -> dict:
             if args.profile:  # one more step of the last pack, profiled, per expert path
                 pk = packs[-1]
                 out["grouped_mm" if grouped else "unbind_fallback"]["profile"] = profiled_step(
-                    lambda pk=pk: optimizer_step(model, opt, stream_of([pk], dev, config), env,
-                                                 config, grad_clip=1.0), model, opt, dev)
+                    lambda pk=pk: train_step(model, opt, [pk], dev, env, config), model, opt, dev)
         out["bf16_loss0_rel_diff_vs_cpu_fp32"] = abs(out["grouped_mm"]["losses"][0] - out["cpu_fp32_loss0"]) / abs(
             out["cpu_fp32_loss0"])
         out.update(peak_how=how, memory=memory(dev))
