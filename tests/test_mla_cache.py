@@ -44,8 +44,9 @@ PROMPTS = {"ds": text_prompts, "dsvl": vl_prompts}
 
 
 def test_cache_holds_latents_and_rope_keys(models):
-    """Per layer the cache holds [B, capacity, kv_lora_rank] normalised latents and [B, capacity, rope] keys: the
-    first layer's equal its attention's own latent projection of the prompt tokens."""
+    """Per layer the cache holds [B, capacity, kv_lora_rank + rope]: the normalised latent, then the rope key, of
+    each token (one buffer, so a decode step's keys are a view). The first layer's latents equal its attention's
+    own latent projection of the prompt tokens."""
     model = models["ds"][1]
     cfg = model.config.text
     prompts = text_prompts()[:2]
@@ -59,9 +60,10 @@ def test_cache_holds_latents_and_rope_keys(models):
             h = layer.input_layernorm(model.language_model.embed_tokens(prompt.input_ids))
             attn = layer.self_attn
             latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h)[:, :cfg.kv_lora_rank])
-            torch.testing.assert_close(cache.keys[0][row, :len(h)], latent)
+            torch.testing.assert_close(cache.keys[0][row, :len(h), :cfg.kv_lora_rank], latent)
+            assert cache.keys[0][row, :len(h), cfg.kv_lora_rank:].abs().amin(-1).gt(0).all()  # the rope keys
             assert cache.keys[0][row, len(h):].abs().sum() == 0  # nothing beyond the prompt yet
-    assert cache.keys[0].shape == (2, 16, cfg.kv_lora_rank) and cache.values[0].shape == (2, 16, cfg.qk_rope_head_dim)
+    assert cache.keys[0].shape == (2, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim) and cache.values[0] is None
     assert cache.lengths == [len(p.input_ids) for p in prompts]
 
 

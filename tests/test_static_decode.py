@@ -14,6 +14,7 @@ import pytest
 import torch
 from family_models import END, IMAGE, START, TEXT, VOCAB, build
 from graph_replay import EmulatedGraphs, read_or_data_shaped
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mindvl.infer import Prompt, generate
@@ -207,6 +208,52 @@ def test_the_static_loop_reads_once_per_sync_interval_and_the_eager_loop_every_s
     assert counts == {"static": 2 + 2, "eager": 12}
 
 
+class AttentionShapes(TorchFunctionMode):
+    """The (query, key) shapes of every sdpa call made while `on`: on Hopper a bf16 call goes to cuDNN, which builds
+    an execution plan per new shape, so the decode loop's shapes must repeat (kv_cache.WINDOW_STEP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on, self.shapes = False, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.on and getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            self.shapes.add((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("window_step", [1, 8, 128])
+def test_decode_attention_shapes_repeat(family, window_step, monkeypatch):
+    """12 greedy tokens for 5 prompts (no stops, so no compaction): the decode steps' attention spans the longest
+    row rounded up to WINDOW_STEP slots, at most the capacity, so the distinct key widths are those of the hand
+    computation: 11 with no rounding (step 1, the loop before), 2 with 8, 1 with the default 128."""
+    from mindvl.models import kv_cache
+
+    name, model = family
+    monkeypatch.setattr(kv_cache, "WINDOW_STEP", window_step)
+    prompts = prompts_for(model)
+    longest = max(len(p.input_ids) for p in prompts)
+    capacity = longest + 12 - 1
+    want = {min(capacity, -(-n // window_step) * window_step) for n in range(longest + 1, longest + 12)}
+    shapes = AttentionShapes()
+    decode_step = type(model).decode_step
+
+    def recorded(self, *args, **kwargs):
+        shapes.on = True
+        try:
+            return decode_step(self, *args, **kwargs)
+        finally:
+            shapes.on = False
+
+    monkeypatch.setattr(type(model), "decode_step", recorded)
+    with shapes:
+        generate(model, prompts, 12)
+    widths = {k[-2] for _, k in shapes.shapes}
+    assert widths == want
+    assert len(want) == {1: 11, 8: 2, 128: 1}[window_step]
+    assert len(shapes.shapes) == len(want)  # one (query, key) shape per width: every layer's call is alike
+
+
 @pytest.mark.parametrize("inference", [False, True])
 def test_the_read_counter_sees_reads_and_data_shaped_ops(inference):
     """The counter itself: each of these is one read (or a data-shaped op), and shape-static ops are none; under
@@ -268,6 +315,50 @@ def test_seeded_sampling_is_the_same_replayed(name, emulated):
     assert emulated.graphs and all(g.replays for g in emulated.graphs)
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_kept_step_replays_for_the_next_call_without_capturing(family, emulated):
+    """Two calls at the same batch and capacity bucket (different prompts, budgets, stops): the second resets the
+    kept cache in place and replays the first call's graph (one capture in all), and both give the eager loop's
+    tokens; a call at another batch size captures its own."""
+    from mindvl.infer import decode_graph
+
+    _, model = family
+    decode_graph.release(model)
+    prompts, budgets, stops, _, want = budgets_and_stops(model)
+    assert generate(model, prompts, [14] * 5, sync_every=20, graphs=True) == generate(model, prompts, 14,
+                                                                                        engine="eager")
+    others = prompts_for(model, 7)[2:]  # five other prompts, longer
+    for ps in (others, prompts):
+        want = generate(model, ps, budgets, stop_token_ids=stops, engine="eager")
+        assert generate(model, ps, budgets, stop_token_ids=stops, sync_every=20, graphs=True) == want
+    assert len(emulated.graphs) == 1  # no compaction (sync_every > budgets): every call replayed the first graph
+    assert generate(model, prompts[:2], 6, graphs=True) == generate(model, prompts[:2], 6, engine="eager")
+    assert [g.batch for g in emulated.graphs] == [5, 2]
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_kept_step_is_dropped_when_compacted_or_when_the_weights_move(emulated):
+    """A compaction replaces the cache's buffers, so the next call captures afresh; new weight tensors (a reload, a
+    `.to()`) drop the model's kept steps, which would otherwise replay the old weights' kernels."""
+    from mindvl.infer import decode_graph
+
+    model = build("dense")
+    prompts = prompts_for(model, 4)
+    budgets = [1, 1, 1, 9]  # 3 of 4 rows done at the first sync point: compacted
+    want = generate(model, prompts, budgets, engine="eager")
+    assert generate(model, prompts, budgets, sync_every=2, graphs=True) == want
+    assert [g.batch for g in emulated.graphs] == [4, 1]
+    assert generate(model, prompts, budgets, sync_every=2, graphs=True) == want
+    assert [g.batch for g in emulated.graphs] == [4, 1, 4, 1]  # not replayed over the compacted buffers
+    head = model.language_model.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().flip(0))  # a new tensor, other values
+    want = generate(model, prompts, 9, engine="eager")
+    assert generate(model, prompts, 9, graphs=True) == want
+    assert len(emulated.graphs) == 5
+    decode_graph.release(model)
+    assert decode_graph._POOLS.get(model) is None
+
+
 def test_the_environment_turns_replay_on_for_callers_that_do_not_choose(emulated, monkeypatch):
     """MINDVL_DECODE_GRAPHS=on: `graphs=None` (every CLI path) replays; off or unset does not; a bad value is a
     one-line error naming the variable."""
@@ -285,16 +376,20 @@ def test_the_environment_turns_replay_on_for_callers_that_do_not_choose(emulated
 
 
 def test_the_emulation_freezes_host_values_as_a_graph_does(emulated, monkeypatch):
-    """The emulated replay can fail: with the attention window sized on the host (`full_width` ignored), the
-    captured step keeps the width it had at capture, so later tokens never see the newest slots and differ from
-    the eager loop's, as on a GPU."""
+    """The emulated replay can fail: with the attention window sized on the host to exactly the longest row
+    (`full_width` ignored, no rounding), the captured step keeps the width it had at capture, so later tokens never
+    see the newest slots and differ from the eager loop's, as on a GPU."""
+    from mindvl.infer import decode_graph
+    from mindvl.models import kv_cache
     from mindvl.models.kv_cache import KVCache
 
     model = build("dense")
     prompts = prompts_for(model, 3)
     want = generate(model, prompts, 14, engine="eager")
     assert generate(model, prompts, 14, graphs=True) == want
+    monkeypatch.setattr(kv_cache, "WINDOW_STEP", 1)
     monkeypatch.setattr(KVCache, "full_width", property(lambda self: False, lambda self, value: None), raising=False)
+    decode_graph.release(model)  # capture again, under the patches
     assert generate(model, prompts, 14, graphs=True) != want
 
 

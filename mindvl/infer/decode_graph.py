@@ -17,11 +17,19 @@ captured value; tests/graph_replay.py emulates exactly that on the CPU, so the r
 in CI without a GPU.
 
 Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
+
+Captured steps are kept across `generate` calls (`lease`): per model, the last POOL_SIZE (batch, capacity) pairs
+keep their cache and captured step, the capacity rounded up to CAPACITY_STEP slots. A call at a kept pair resets the
+cache in place (every buffer stays where the graph reads it) and replays at once: a capture costs a warm-up step
+and a recording, which a short answer would otherwise pay every call. The pool is dropped when the model's weights
+move (a `.to()`, a reload: the graph reads them by address) and dies with the model; `release(model)` frees it.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -33,8 +41,8 @@ class Graph(Protocol):
 
 
 class GraphBackend(Protocol):
-    def usable(self, cache) -> bool:
-        """Whether steps over this cache (its device) can be captured at all."""
+    def usable(self, device: torch.device) -> bool:
+        """Whether steps on this device can be captured at all."""
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
         """Run `fn` (after any warm-up the backend needs) while recording it -> (graph, fn's output tensor, which
@@ -45,9 +53,8 @@ class CudaGraphs:
     """torch.cuda's graphs: one warm-up run on a side stream (lazy initialisation: cuBLAS handles, workspaces),
     then the capture."""
 
-    def usable(self, cache) -> bool:
-        lengths = cache.lengths_dev
-        return torch.cuda.is_available() and lengths is not None and lengths.device.type == "cuda"
+    def usable(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
         side = torch.cuda.Stream()
@@ -65,15 +72,24 @@ BACKEND: GraphBackend = CudaGraphs()
 
 
 class DecodeStep:
+    """The model is held weakly: a step kept in the pool must not keep its model alive."""
+
     def __init__(self, model, cache, graphs: bool = False, backend: GraphBackend | None = None) -> None:
-        self.model, self.cache = model, cache
+        self._model, self.cache = weakref.ref(model), cache
         self.backend = BACKEND if backend is None else backend
-        self.graphs = bool(graphs) and self.backend.usable(cache)
+        self.graphs = bool(graphs)
         self._graph: Graph | None = None
         self._batch = -1
         self._tokens = self._positions = self._logits = None
+        self.captures = 0
+
+    @property
+    def model(self):
+        return self._model()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.graphs and self._graph is None and not self.backend.usable(tokens.device):
+            self.graphs = False
         if not self.graphs:
             return self.model.decode_step(tokens, positions, self.cache)
         if self._graph is None or self._batch != tokens.shape[0]:
@@ -96,9 +112,11 @@ class DecodeStep:
         saved = [t.clone() for t in cache.step_state()]
         bound = cache.bound
         try:
+            model = self.model
             self._graph, self._logits = self.backend.capture(
-                lambda: self.model.decode_step(self._tokens, self._positions, cache))
+                lambda: model.decode_step(self._tokens, self._positions, cache))
             self._batch = tokens.shape[0]
+            self.captures += 1
         except Exception as error:  # noqa: BLE001 - any capture failure means: run this model eagerly
             warnings.warn(f"decode step not captured in a graph ({error}); running it eagerly", stacklevel=3)
             self.graphs, self._graph = False, None
@@ -107,3 +125,51 @@ class DecodeStep:
             for t, s in zip(cache.step_state(), saved, strict=True):
                 t.copy_(s)
             cache.bound = bound
+
+
+# ------------------------------------------------------------------------------------- kept across generate calls
+
+POOL_SIZE = 2  # (batch, capacity) pairs kept per model: each holds a KV cache and a captured step's memory
+CAPACITY_STEP = 256  # a kept cache's capacity is a multiple of this, so prompts of nearby lengths share it
+
+
+class _Pool:
+    def __init__(self, weights: tuple, backend: GraphBackend) -> None:
+        self.weights, self.backend = weights, backend
+        self.entries: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # least recently used first
+
+
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights_key(model) -> tuple:
+    """Where the model's parameters and buffers live: a captured step reads them at these addresses."""
+    return tuple((t.data_ptr(), t.dtype) for t in (*model.parameters(), *model.buffers()))
+
+
+def lease(model, batch: int, needed: int) -> tuple:
+    """(cache, step) for a generation of `batch` sequences needing `needed` slots each: the kept pair for this batch
+    and capacity, reset, or a new one (module docstring). The step replays from a graph where BACKEND can capture."""
+    capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+    weights = _weights_key(model)
+    pool = _POOLS.get(model)
+    if pool is None or pool.weights != weights or pool.backend is not BACKEND:
+        pool = _POOLS[model] = _Pool(weights, BACKEND)
+    key = (batch, capacity)
+    entry = pool.entries.pop(key, None)
+    if entry is not None and entry[0].compacted:  # compacted during its last call: its buffers moved
+        entry = None
+    if entry is None:
+        cache = model.new_kv_cache(batch, capacity)
+        entry = (cache, DecodeStep(model, cache, True, backend=BACKEND))
+    else:
+        entry[0].reset()
+    pool.entries[key] = entry
+    while len(pool.entries) > POOL_SIZE:
+        pool.entries.popitem(last=False)
+    return entry
+
+
+def release(model) -> None:
+    """Free the caches and captured steps kept for this model."""
+    _POOLS.pop(model, None)

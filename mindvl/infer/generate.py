@@ -12,7 +12,8 @@ finished flag and output length are updated on the device, and a finished row is
 cache length stops advancing, its tokens are not kept) rather than copied out. The host reads the finished flags
 once every `sync_every` steps (to stop, and to compact the cache when more than half of the rows are done), and the
 outputs once at the end. With `graphs` on a CUDA device the step (the model's decode_step) is captured once per
-batch size and replayed (decode_graph.py); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off.
+batch size and replayed, and the cache and captured step are kept for the next call at the same batch size and
+capacity bucket (decode_graph.lease); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
 (in that order, like transformers' logits warpers) by the exponential race: token = argmax(p / E) with E ~ Exp(1)
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from mindvl.models import MindVL
+
+from . import decode_graph
 
 # What `graphs=None` means: replay the decode step from a CUDA graph on CUDA devices. Off until a GPU run of the
 # proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed;
@@ -146,7 +149,13 @@ def generate(
     packed = pack_prompts(prompts, device)
     lengths = [int(torch.as_tensor(p.input_ids).numel()) for p in prompts]
     # The last generated token is never fed back, so a sequence needs prompt + budget - 1 slots.
-    cache = model.new_kv_cache(len(prompts), max(n + b - 1 for n, b in zip(lengths, budgets, strict=True)))
+    needed = max(n + b - 1 for n, b in zip(lengths, budgets, strict=True))
+    graphs = engine == "static" and (default_graphs() if graphs is None else graphs)
+    if graphs and decode_graph.BACKEND.usable(device):  # a cache and captured step kept across calls
+        cache, step = decode_graph.lease(model, len(prompts), needed)
+    else:
+        cache = model.new_kv_cache(len(prompts), needed)
+        step = decode_graph.DecodeStep(model, cache, graphs=False)
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device)
@@ -159,8 +168,7 @@ def generate(
     sampling = (temperature, top_p, top_k, generator)
     if engine == "eager":
         return _eager_loop(model, cache, logits, positions, budgets, set(stop_token_ids), sampling)
-    graphs = default_graphs() if graphs is None else graphs
-    return _static_loop(model, cache, logits, positions, budgets, stop_token_ids, sampling, sync_every, graphs)
+    return _static_loop(step, logits, positions, budgets, stop_token_ids, sampling, sync_every)
 
 
 def race_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, noise: torch.Tensor
@@ -170,12 +178,12 @@ def race_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     return (probs / noise).argmax(-1)
 
 
-def _static_loop(model: MindVL, cache, logits: torch.Tensor, positions: torch.Tensor, budgets: list[int],
-                 stop_token_ids: Sequence[int], sampling: tuple, sync_every: int, graphs: bool) -> list[list[int]]:
+def _static_loop(step, logits: torch.Tensor, positions: torch.Tensor, budgets: list[int],
+                 stop_token_ids: Sequence[int], sampling: tuple, sync_every: int) -> list[list[int]]:
     """The decode loop over a static cache (module docstring): device-side bookkeeping, one read per `sync_every`
-    steps. Buffers are indexed by prompt; `rows` [B] maps each cache row to its prompt (compaction reorders)."""
-    from .decode_graph import DecodeStep
-
+    steps. Buffers are indexed by prompt; `rows` [B] maps each cache row to its prompt (compaction reorders).
+    `step`: the decode_graph.DecodeStep over the prefilled cache."""
+    cache = step.cache
     temperature, top_p, top_k, generator = sampling
     device, n, width = logits.device, len(budgets), max(budgets)
     out = torch.zeros(n, width, dtype=torch.long, device=device)  # generated ids; a prompt keeps its first `made`
@@ -184,8 +192,10 @@ def _static_loop(model: MindVL, cache, logits: torch.Tensor, positions: torch.Te
     budget = torch.tensor(budgets, device=device)
     stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     rows = torch.arange(n, device=device)
-    cache.advance = torch.ones(n, dtype=torch.long, device=device)
-    step = DecodeStep(model, cache, graphs)
+    if cache.advance is None or cache.advance.shape != (n,):
+        cache.advance = torch.ones(n, dtype=torch.long, device=device)
+    else:  # a kept cache: in place, where its captured step reads it
+        cache.advance.fill_(1)
     for s in range(width):
         if temperature == 0:
             tokens = logits.argmax(-1)

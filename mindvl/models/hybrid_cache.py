@@ -23,12 +23,12 @@ class HybridCache(KVCache):
         self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
 
     def update_states(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor | None = None) -> None:
-        """Store a layer's new conv window (and recurrent state): the prefill sets them, a decode step copies into
-        the existing buffers."""
+        """Store a layer's new conv window (and recurrent state): the first prefill sets them; a decode step, and
+        the prefill of a reset cache, copy into the existing buffers (where a captured decode step reads them)."""
         for store, new in ((self.conv_states, conv), (self.recurrent_states, recurrent)):
             if new is None:
                 continue
-            if self.filled and store[layer] is not None:
+            if store[layer] is not None and store[layer].shape == new.shape:
                 store[layer].copy_(new)
             else:
                 store[layer] = new

@@ -11,8 +11,9 @@ CUDA graph:
 - `lengths_dev` [B] int64 lives on the device; a decode step writes row b's token at slot lengths_dev[b] and adds
   `advance[b]` (1, or 0 for a finished row when the generation loop masks it) in place;
 - the host keeps only an upper bound of every row's length (`bound`: the longest prompt plus the steps taken), which
-  sizes the attention window without reading the lengths; `full_width` makes the window the whole capacity instead
-  (one shape for every step, what a captured graph needs);
+  sizes the attention window without reading the lengths (rounded up to WINDOW_STEP slots, so that a window shape
+  serves many steps); `full_width` makes the window the whole capacity instead (one shape for every step, what a
+  captured graph needs);
 - a finished sequence is masked (its row keeps computing, its length stops advancing, its output is ignored) rather
   than copied out; `keep` compacts the rows when that is worth it (the generation loop does it when more than half
   of the batch is done).
@@ -24,6 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attend
+
+# Decode attention spans a multiple of this many slots (capped at the capacity) rather than exactly the longest
+# row, so that its shapes repeat. On Hopper and Blackwell, recent torch gives a bf16/fp16 sdpa call to cuDNN first
+# (sdp_utils.cpp, check_prefer_cudnn_attention), and cuDNN builds an execution plan for every new shape (cached per
+# shape; tens of ms of host per build). The H200 run (shared/measurements/2026-11-28-h200: torch 2.11, cuDNN chosen,
+# its profile shows aten::_scaled_dot_product_cudnn_attention) decoded at about 50 ms per token in bf16 against 8 ms
+# in fp32, which cuDNN does not take, and transformers' growing cache the same: a window that grows by one slot per
+# step asks for a new plan every token. Rounded, one plan serves 128 steps; the masked extra slots cost at most 127
+# key reads per row. (What the build costs on the device is for the proof's generate section to measure.)
+WINDOW_STEP = 128
 
 
 class KVCache:
@@ -52,6 +63,7 @@ class KVCache:
         self._rows: torch.Tensor | None = None  # arange(B) on the device, made once
         self._slots_range: torch.Tensor | None = None  # arange(capacity) on the device, made once
         self._step: _Step | None = None
+        self.compacted = False  # `keep` replaced the buffers: a captured decode step no longer matches them
 
     @property
     def batch(self) -> int:
@@ -83,9 +95,10 @@ class KVCache:
             if max(host) > self.capacity:
                 raise ValueError(f"the KV cache holds {self.capacity} tokens per sequence; this prompt needs "
                                  f"{max(host)} (allocate a larger cache)")
-            self._rows = torch.arange(b, device=device)
-            self._slots_range = torch.arange(self.capacity, device=device)
-            self._step = _Step(rows, slots, seg, max(host), None, host)
+            if self._rows is None:  # kept across a reset: a decode step captured in a graph reads them
+                self._rows = torch.arange(b, device=device)
+                self._slots_range = torch.arange(self.capacity, device=device)
+            self._step = _Step(rows, slots, seg, max(host), None, host, self.window(max(host)))
             return
         if num_tokens != b:
             raise ValueError(f"a decode step takes one token per sequence ({b}), got {num_tokens}")
@@ -94,23 +107,42 @@ class KVCache:
                              f"{self.bound + 1} (allocate a larger cache)")
         # A masked (finished) row stops advancing; once at capacity it rewrites its last slot, which nothing reads.
         slots = self.lengths_dev if self.advance is None else self.lengths_dev.clamp(max=self.capacity - 1)
-        width = self.capacity if self.full_width else min(self.capacity, self.bound + 1)
+        width = self.capacity if self.full_width else self.window(self.bound + 1)
         # [B, 1, 1, width]: a row's query sees its own cached slots (the new token included), none beyond.
         mask = (self._slots_range[None, :width] <= slots[:, None])[:, None, None, :]
-        self._step = _Step(self._rows, slots, None, min(self.capacity, self.bound + 1), mask, None)
+        self._step = _Step(self._rows, slots, None, min(self.capacity, self.bound + 1), mask, None, width)
+
+    def window(self, needed: int) -> int:
+        """How many slots a step's attention spans to see `needed` of them: `needed` rounded up to WINDOW_STEP,
+        at most the capacity. Slots past a row's length are masked, so the width changes no result; rounding it
+        makes the attention shapes repeat (see WINDOW_STEP)."""
+        return min(self.capacity, -(-needed // WINDOW_STEP) * WINDOW_STEP)
 
     def commit(self) -> None:
         step, self._step = self._step, None
         if step.new_lengths is not None:  # prefill
-            self.lengths_dev, self.filled = step.new_lengths, True
+            if self.lengths_dev is None:
+                self.lengths_dev = step.new_lengths
+            else:  # a reset cache: in place, where a captured decode step reads the lengths
+                self.lengths_dev.copy_(step.new_lengths)
+            self.filled = True
         else:
             self.lengths_dev.add_(1 if self.advance is None else self.advance)  # in place: a fixed address
         self.bound = step.bound
+
+    def reset(self) -> None:
+        """Empty the cache for a new prefill of as many sequences, keeping every buffer where it is (so that a decode
+        step captured over it replays on the new prompts). Slots the new prompts do not fill keep stale values,
+        which the decode mask never lets a query see."""
+        if self.compacted:
+            raise RuntimeError("a compacted KV cache cannot be reset for reuse (its buffers were replaced)")
+        self.filled, self.bound, self._step = False, 0, None
 
     def keep(self, rows: list[int] | torch.Tensor) -> None:
         """Keep only these sequences, in this order (compaction: the dropped rows' memory and compute are freed)."""
         if self._step is not None:
             raise RuntimeError("cannot reorder a KV cache in the middle of a forward")
+        self.compacted = True
         index = None
         for store in self._row_stores():
             for i, t in enumerate(store):
@@ -171,17 +203,17 @@ class KVCache:
 
 class _Step:
     """Where one forward's tokens land in the cache: row and slot per token, the lengths after a prefill (device,
-    and `host`), the host bound after it, and the decode mask (None for a prefill)."""
+    and `host`), the host bound after it, the decode mask (None for a prefill) and the attention width (slots)."""
 
     def __init__(self, rows, slots, new_lengths, bound: int, mask: torch.Tensor | None,
-                 host: list[int] | None) -> None:
-        self.rows, self.slots, self.new_lengths, self.bound, self.mask, self.host = (
-            rows, slots, new_lengths, bound, mask, host)
+                 host: list[int] | None, width: int) -> None:
+        self.rows, self.slots, self.new_lengths, self.bound, self.mask, self.host, self.width = (
+            rows, slots, new_lengths, bound, mask, host, width)
 
     def last_mask(self) -> torch.Tensor:
         """[B, 1, 1, width]: each row's last token sees every slot of its sequence (a prefill's last query)."""
         device = self.rows.device
-        return (torch.arange(self.bound, device=device)[None, :] < self.new_lengths[:, None])[:, None, None]
+        return (torch.arange(self.width, device=device)[None, :] < self.new_lengths[:, None])[:, None, None]
 
 
 class LayerKV:

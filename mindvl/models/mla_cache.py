@@ -12,8 +12,10 @@ rotated rope key [rope] (ONE shared by all heads): r + rope numbers per token an
   expanded; the heads of one sequence share one key/value "head" of width r + rope, so it is one sdpa call with the
   heads standing in for query positions (as KVCache does for GQA).
 
-Storage reuses KVCache's bookkeeping (begin/commit/keep and the decode mask): `keys[layer]` holds the latents
-[B, capacity, r] and `values[layer]` the rope keys [B, capacity, rope].
+Storage reuses KVCache's bookkeeping (begin/commit/keep and the decode mask): `keys[layer]` holds each cached
+token's latent and rope key side by side, [B, capacity, r + rope] (`values` stays empty). A decode step's keys are
+then a view of the cache (the latent half is also its values), not a concatenated copy of the whole window per layer
+and step, which at long contexts moved more bytes than the attention reads.
 """
 
 from __future__ import annotations
@@ -34,28 +36,24 @@ class MLACache(KVCache):
         """q_pass [T, nh, nope], q_rot [T, nh, rope], latent [T, r] (normalised), k_rot [T, rope] (rotated) of this
         forward's tokens; kv_b_weight [nh * (nope + v), r] -> attention output [T, nh, v]. Stores latent/k_rot."""
         step = self._step
-        if self.keys[layer] is None:
-            self.keys[layer] = latent.new_zeros(self.batch, self.capacity, latent.shape[-1])
-            self.values[layer] = k_rot.new_zeros(self.batch, self.capacity, k_rot.shape[-1])
-        latents, rope_keys = self.keys[layer], self.values[layer]
-        latents[step.rows, step.slots] = latent
-        rope_keys[step.rows, step.slots] = k_rot
         n, nh, nope = q_pass.shape
-        rope = q_rot.shape[-1]
+        r, rope = latent.shape[-1], q_rot.shape[-1]
+        if self.keys[layer] is None:
+            self.keys[layer] = latent.new_zeros(self.batch, self.capacity, r + rope)
+        cached = self.keys[layer]  # [B, capacity, r + rope]: latent | rope key
+        cached[step.rows, step.slots] = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)
         if step.mask is None:  # prefill: expand the new tokens' keys/values, the training path's attention
             kv = F.linear(latent, kv_b_weight).view(n, nh, nope + v_dim)
             k_pass, v = kv.split([nope, v_dim], dim=-1)
             q = torch.cat([q_pass, q_rot], dim=-1)
             k = torch.cat([k_pass, k_rot[:, None, :].expand(n, nh, rope)], dim=-1)
             return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=scale, backend=backend)
-        r = latent.shape[-1]
         w = kv_b_weight.view(nh, nope + v_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [nh, nope, r], [nh, v, r]
         q_latent = torch.einsum("bhn,hnr->bhr", q_pass, w_uk)  # [B, nh, r]
-        width = step.mask.shape[-1]
         q = torch.cat([q_latent, q_rot], dim=-1)[:, None]  # [B, 1, nh, r + rope]: heads as query positions
-        k = torch.cat([latents[:, :width], rope_keys[:, :width]], dim=-1)[:, None]  # [B, 1, width, r + rope]
-        out_latent = F.scaled_dot_product_attention(q, k, latents[:, None, :width], attn_mask=step.mask,
+        k = cached[:, None, :step.width]  # [B, 1, width, r + rope], a view
+        out_latent = F.scaled_dot_product_attention(q, k, k[..., :r], attn_mask=step.mask,
                                                     scale=scale)  # [B, 1, nh, r]
         return torch.einsum("bhr,hvr->bhv", out_latent[:, 0], w_uv)  # [B, nh, v]
 
