@@ -1019,7 +1019,7 @@ def _proof_generate():
 
 
 def sec_generate(args, work: Path) -> dict:
-    return _proof_generate().sec_generate(args, work)
+    return _proof_generate().sec_generate(args, work, save_partial)
 
 
 WORKERS["generate"] = sec_generate

@@ -9,8 +9,14 @@ Per batch (1 and 32 on a GPU; 1 and 4 in --dry-run), B text prompts of 128 rando
 transformers needs no padding) and 64 greedy tokens each:
 - mindvl `engine="eager"`: the loop before the static cache (reads every step, drops finished rows);
 - mindvl static cache, eager kernels (`graphs=False`);
-- mindvl static cache with the decode step replayed from a CUDA graph (`graphs=True`; captured once per call);
-- transformers `generate` on the same weights (bf16, its default cache).
+- mindvl static cache with the decode step replayed from a CUDA graph (`graphs=True`; captured by the warm-up
+  call and kept for the timed ones, decode_graph.lease);
+- the two static arms again with cuDNN taken out of sdpa's choice (`*_no_cudnn`): on Hopper torch gives bf16 sdpa
+  to cuDNN first, whose plans are built per shape (kv_cache.WINDOW_STEP);
+- transformers `generate` on the same weights (bf16, its default cache), with torch's default sdpa choice and
+  without cuDNN.
+`capture` times one short call (2 tokens) with the kept step released (a capture) and again (a replay);
+`sdpa` lists the backend torch picks for each attention call of one static call, and the distinct shapes.
 Every mindvl arm must give the eager loop's tokens (`identical`); transformers' agreement is reported as the
 common prefix (bf16 kernels differ). Tokens/s is B x 64 / wall time of the call (prefill included); `step_ms` is
 (wall - prefill) / 63 and `decode_tokens_per_s` B / step time. The bandwidth bound of a decode step is the language
@@ -50,15 +56,57 @@ def copy_bandwidth(device, nbytes: int = 2**30, reps: int = 10) -> float:
     return 2 * nbytes * reps / seconds
 
 
+def no_cudnn():
+    """sdpa may choose any backend but cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def sdpa_choices(fn) -> dict:
+    """Run fn() and count, per backend torch's sdpa picks (torch._fused_sdp_choice), the calls, and the distinct
+    (query, key, mask) shapes: each new shape is a cuDNN plan build."""
+    import collections
+
+    import torch
+    from torch.nn.attention import SDPBackend
+    from torch.overrides import TorchFunctionMode
+
+    names = {int(getattr(SDPBackend, n).value): n for n in ("ERROR", "MATH", "FLASH_ATTENTION",
+                                                            "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")}
+
+    class Record(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls, self.shapes = collections.Counter(), collections.defaultdict(set)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+                choice = names.get(int(torch._fused_sdp_choice(*args, **kwargs)), "other")
+                self.calls[choice] += 1
+                mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+                self.shapes[choice].add((tuple(args[0].shape), tuple(args[1].shape),
+                                         None if mask is None else tuple(mask.shape)))
+            return func(*args, **kwargs)
+
+    with Record() as rec:
+        fn()
+    return {name: {"calls": n, "distinct_shapes": len(rec.shapes[name])} for name, n in rec.calls.items()}
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def sec_generate(args, work: Path) -> dict:
+def sec_generate(args, work: Path, save_partial=None) -> dict:
+    """`save_partial(args, data, running)` (the driver's): the figures so far are kept if the section is cut off."""
+    import contextlib
+
     import torch
 
     from mindvl.checkpoint import load_model
-    from mindvl.infer import Prompt, generate
+    from mindvl.infer import Prompt, decode_graph, generate
 
     if not (work / "mindvl").is_dir():
         raise RuntimeError("the generate section needs the prepare section's model (run prepare first)")
@@ -90,44 +138,68 @@ def sec_generate(args, work: Path) -> dict:
     out["batches"] = {}
     for b in batches:
         prompts = prompts_all[:b]
-        arms = {"eager": dict(engine="eager"), "static": dict(graphs=False), "graphs": dict(graphs=True)}
+        arms = {"eager": (dict(engine="eager"), contextlib.nullcontext),
+                "static": (dict(graphs=False), contextlib.nullcontext),
+                "graphs": (dict(graphs=True), contextlib.nullcontext),
+                "static_no_cudnn": (dict(graphs=False), no_cudnn),
+                "graphs_no_cudnn": (dict(graphs=True), no_cudnn)}
         row: dict = {}
         tokens: dict[str, list[list[int]]] = {}
-        for name, kw in arms.items():
-            generate(model, prompts, 2, **kw)  # warm-up (kernels, allocator; a graph capture at this batch)
-            prefill_s, _ = _timed(lambda kw=kw, ps=prompts: generate(model, ps, 1, **kw), device)
-            seconds, tokens[name] = _timed(lambda kw=kw, ps=prompts: generate(model, ps, new, **kw), device)
+        out["batches"][str(b)] = row
+        for name, (kw, context) in arms.items():
+            if save_partial is not None:
+                save_partial(args, out, f"batch {b}, {name}")
+            decode_graph.release(model)  # each graphs arm captures under its own sdpa choice
+            with context():
+                generate(model, prompts, 2, **kw)  # warm-up (kernels, allocator; the graph capture, kept)
+                prefill_s, _ = _timed(lambda kw=kw, ps=prompts: generate(model, ps, 1, **kw), device)
+                seconds, tokens[name] = _timed(lambda kw=kw, ps=prompts: generate(model, ps, new, **kw), device)
             step_ms = 1000 * (seconds - prefill_s) / (new - 1)
             row[name] = {"s": round(seconds, 4), "tokens_per_s": b * new / seconds, "step_ms": step_ms,
                          "decode_tokens_per_s": b * 1000 / step_ms if step_ms > 0 else None}
-        row["identical"] = {name: tokens[name] == tokens["eager"] for name in ("static", "graphs")}
+        row["identical"] = {name: tokens[name] == tokens["eager"] for name in arms if name != "eager"}
+        if save_partial is not None:
+            save_partial(args, out, f"batch {b}, capture, sdpa and transformers")
+        decode_graph.release(model)
+        first, _ = _timed(lambda ps=prompts: generate(model, ps, 2, graphs=True), device)
+        kept, _ = _timed(lambda ps=prompts: generate(model, ps, 2, graphs=True), device)
+        row["capture"] = {"first_call_s": first, "kept_call_s": kept, "capture_s": first - kept}
+        row["sdpa"] = sdpa_choices(lambda ps=prompts: generate(model, ps, new, graphs=False))
         if hf is not None:
             ids = torch.stack([p.input_ids for p in prompts]).to(device)
             kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=new,
                       eos_token_id=None, pad_token_id=0)
-            with torch.inference_mode():
-                hf.generate(input_ids=ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-                seconds, seq = _timed(lambda ids=ids, kw=kw: hf.generate(input_ids=ids, **kw), device)
-            ref = seq[:, length:].tolist()
-            row["transformers"] = {"s": round(seconds, 4), "tokens_per_s": b * new / seconds,
-                                   "common_prefix_with_eager": min(common_prefix(a, r) for a, r in
-                                                                   zip(tokens["eager"], ref, strict=True))}
+            for name, context in (("transformers", contextlib.nullcontext), ("transformers_no_cudnn", no_cudnn)):
+                with torch.inference_mode(), context():
+                    hf.generate(input_ids=ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+                    seconds, seq = _timed(lambda ids=ids, kw=kw: hf.generate(input_ids=ids, **kw), device)
+                ref = seq[:, length:].tolist()
+                row[name] = {"s": round(seconds, 4), "tokens_per_s": b * new / seconds,
+                             "common_prefix_with_eager": min(common_prefix(a, r) for a, r in
+                                                             zip(tokens["eager"], ref, strict=True))}
             row["graphs_over_transformers"] = row["graphs"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+            best_hf = max(row["transformers"]["tokens_per_s"], row["transformers_no_cudnn"]["tokens_per_s"])
+            row["graphs_over_best_transformers"] = row["graphs"]["tokens_per_s"] / best_hf
         decode = row["graphs"]["decode_tokens_per_s"]
         row["graphs_over_bound"] = decode / (b * out["bound_tokens_per_s_batch1"]) if decode else None
-        out["batches"][str(b)] = row
     return out
 
 
 def generate_summary(data: dict) -> str:
-    """One line for the proof's summary table."""
+    """One line for the proof's summary table (a section cut off at its limit lists the arms it finished)."""
+    arms = ("graphs", "graphs_no_cudnn", "static", "static_no_cudnn", "eager", "transformers",
+            "transformers_no_cudnn")
     parts = []
     for b, row in data.get("batches", {}).items():
-        hf = row.get("transformers", {}).get("tokens_per_s")
-        bound = row.get("graphs_over_bound")
-        parts.append(f"b{b}: graphs {row['graphs']['tokens_per_s']:,.0f} tokens/s "
-                     f"({row['graphs']['step_ms']:.2f} ms/step, {'-' if bound is None else format(bound, '.0%')} of "
-                     f"bandwidth bound), "
-                     f"static {row['static']['tokens_per_s']:,.0f}, eager {row['eager']['tokens_per_s']:,.0f}, "
-                     f"transformers {'-' if hf is None else format(hf, ',.0f')}; identical {row['identical']}")
+        cells = [f"{a} {row[a]['tokens_per_s']:,.0f}" for a in arms if a in row]
+        if "graphs" in row:
+            bound = row.get("graphs_over_bound")
+            cells[0] += (f" tokens/s ({row['graphs']['step_ms']:.2f} ms/step, "
+                         f"{'-' if bound is None else format(bound, '.0%')} of bandwidth bound)")
+        if "capture" in row:
+            cells.append(f"capture {row['capture']['capture_s']:.3f} s")
+        for key in ("sdpa", "identical"):
+            if key in row:
+                cells.append(f"{key} {row[key]}")
+        parts.append(f"b{b}: " + ", ".join(cells))
     return "; ".join(parts) or "no batches"
