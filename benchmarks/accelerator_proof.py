@@ -21,6 +21,10 @@ tail) and the next section runs:
   Qwen2_5_VLForConditionalGeneration (its decoder is Qwen2's: q/k/v biases, no q/k norms, untied head; transformers
   has no Qwen2.5-VL ViT + Qwen3 class) and imported with `mindvl.checkpoint.convert_from_hf`, so both sides hold the
   same weights.
+- generate (benchmarks/proof_generate.py, right after prepare): the mid model's decode in bf16 at batch 1 and 32,
+  64 greedy tokens: mindvl's eager loop, static cache and replayed CUDA graph (tokens identical to the eager loop),
+  the static and graph arms again without cuDNN in sdpa's choice, transformers `generate` with and without cuDNN,
+  the capture's cost, the sdpa backend picked per call, and the bandwidth bound (weight bytes / copy bandwidth).
 - plan: `mindvl.plan.plan` for that recipe on one of the card the proof runs on (CPU, fake tensors; runs beside the
   GPU sections): the planner's preset for the detected GPU (H200 -> h200, H100 -> h100-80g, ...), a `custom:` spec
   from its memory when mindvl has none, h100-80g without a GPU (the dry run); proof.json's `plan.device` says which.
