@@ -254,6 +254,33 @@ def test_decode_replayed_from_a_cuda_graph_gives_the_eager_loops_tokens(name, dt
     assert got == want
 
 
+@pytest.mark.parametrize("name,dtype", [("dense", torch.bfloat16), ("moe_mla", torch.bfloat16),
+                                        ("qwen3_5", torch.float32)])
+def test_a_kept_cuda_graph_replays_the_next_calls_prompts(name, dtype):
+    """Session 15: a second and third call at the same batch and capacity bucket (other prompts, then the first
+    again) reset the kept cache in place and replay the first call's CUDA graph (one capture in all): each gives
+    the eager loop's greedy tokens. bf16 on sm90 also puts the decode attention on cuDNN, whose plans are built per
+    shape: the kept graph must replay with the plan it captured."""
+    import warnings
+
+    from test_static_decode import build, prompts_for
+
+    from mindvl.infer import decode_graph, generate
+
+    model = build(name).to(device(), dtype)
+    everything = prompts_for(model, 7)
+    for p in everything:
+        if p.pixel_values is not None:
+            p.pixel_values = p.pixel_values.to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ps in (everything[:5], everything[2:], everything[:5]):
+            want = generate(model, ps, 10, engine="eager")
+            assert generate(model, ps, 10, sync_every=16, graphs=ON_CUDA) == want
+    (_, step), = decode_graph._POOLS[model].entries.values()
+    assert step.captures == 1
+
+
 # ------------------------------------------------------------------------------------------------ grouped experts
 
 
