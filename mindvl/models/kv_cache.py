@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import attend
+from .attention import attend, resolve_backend
 
 # Decode attention spans a multiple of this many slots (capped at the capacity) rather than exactly the longest
 # row, so that its shapes repeat. On Hopper and Blackwell, recent torch gives a bf16/fp16 sdpa call to cuDNN first
@@ -186,10 +186,12 @@ class KVCache:
         keys[step.rows, :, step.slots] = k  # advanced indices around a slice: the indexed view is [T, Hkv, D]
         values[step.rows, :, step.slots] = v
         mask = step.mask
+        if mask is None and not last_only:
+            # The prefill attends within the new tokens only: the training path's varlen attention.
+            return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=backend)
+        if resolve_backend(backend, q, packed=False) == "flash":
+            return _flash_over_cache(q, keys, values, step.seen())
         if mask is None:
-            if not last_only:
-                # The prefill attends within the new tokens only: the training path's varlen attention.
-                return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=backend)
             mask = step.last_mask()
         # One query per sequence, so the query heads sharing a KV head can stand in for query positions:
         # [B, Hkv, group, D] against [B, Hkv, width, D] is GQA without expanding K/V, and is a plain sdpa call.
@@ -214,6 +216,23 @@ class _Step:
         """[B, 1, 1, width]: each row's last token sees every slot of its sequence (a prefill's last query)."""
         device = self.rows.device
         return (torch.arange(self.width, device=device)[None, :] < self.new_lengths[:, None])[:, None, None]
+
+    def seen(self) -> torch.Tensor:
+        """[B] int32: how many slots each row's query sees (its cached tokens, the new one included), the lengths
+        flash-attn's cache kernel takes in place of a mask."""
+        return (self.new_lengths if self.mask is None else self.slots + 1).to(torch.int32)
+
+
+def _flash_over_cache(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor
+                      ) -> torch.Tensor:
+    """q [B, Hq, D] (one query per row) over the whole cache, keys/values [B, Hkv, capacity, D], each row reading
+    its first seen[b] slots -> [B, Hq, D]: flash-attn's KV-cache kernel (split along the keys for long caches, GQA
+    without expanding K/V). The cache is handed over whole, as a [B, capacity, Hkv, D] view, so the call has one
+    shape for every step and needs no mask."""
+    from flash_attn import flash_attn_with_kvcache  # optional dependency, checked by resolve_backend
+
+    out = flash_attn_with_kvcache(q[:, None], keys.transpose(1, 2), values.transpose(1, 2), cache_seqlens=seen)
+    return out[:, 0]
 
 
 class LayerKV:
