@@ -332,8 +332,20 @@ def test_a_kept_step_replays_for_the_next_call_without_capturing(family, emulate
         want = generate(model, ps, budgets, stop_token_ids=stops, engine="eager")
         assert generate(model, ps, budgets, stop_token_ids=stops, sync_every=20, graphs=True) == want
     assert len(emulated.graphs) == 1  # no compaction (sync_every > budgets): every call replayed the first graph
-    assert generate(model, prompts[:2], 6, graphs=True) == generate(model, prompts[:2], 6, engine="eager")
+    want = generate(model, prompts[:2], 6, engine="eager")
+    kept_at_allocation = []
+    new_kv_cache = type(model).new_kv_cache
+
+    def counted(self, *args):
+        kept_at_allocation.append(len(decode_graph._POOLS[model].entries))
+        return new_kv_cache(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model), "new_kv_cache", counted)
+        assert generate(model, prompts[:2], 6, graphs=True) == want
     assert [g.batch for g in emulated.graphs] == [5, 2]
+    # the batch-5 cache was dropped before the batch-2 one was allocated: one cache per model at any time
+    assert kept_at_allocation == [0] and list(decode_graph._POOLS[model].entries) == [(2, 256)]
 
 
 @pytest.mark.filterwarnings("error")

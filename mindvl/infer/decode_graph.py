@@ -19,10 +19,11 @@ in CI without a GPU.
 Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
 
 Captured steps are kept across `generate` calls (`lease`): per model, the last POOL_SIZE (batch, capacity) pairs
-keep their cache and captured step, the capacity rounded up to CAPACITY_STEP slots. A call at a kept pair resets the
-cache in place (every buffer stays where the graph reads it) and replays at once: a capture costs a warm-up step
-and a recording, which a short answer would otherwise pay every call. The pool is dropped when the model's weights
-move (a `.to()`, a reload: the graph reads them by address) and dies with the model; `release(model)` frees it.
+(one by default) keep their cache and captured step, the capacity rounded up to CAPACITY_STEP slots. A call at a
+kept pair resets the cache in place (every buffer stays where the graph reads it) and replays at once: a capture
+costs a warm-up step and a recording, which a short answer would otherwise pay every call. The pool is dropped when
+the model's weights move (a `.to()`, a reload: the graph reads them by address) and dies with the model;
+`release(model)` frees it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,10 @@ class DecodeStep:
 
 # ------------------------------------------------------------------------------------- kept across generate calls
 
-POOL_SIZE = 2  # (batch, capacity) pairs kept per model: each holds a KV cache and a captured step's memory
+# (batch, capacity) pairs kept per model. Each holds a whole KV cache (a large model's can fill most of a GPU), and a
+# new pair is allocated only after the least recently used ones are dropped, so with 1 a generation never holds more
+# cache memory than it did before steps were kept: the kept one persists between calls only.
+POOL_SIZE = 1
 CAPACITY_STEP = 256  # a kept cache's capacity is a multiple of this, so prompts of nearby lengths share it
 
 
@@ -160,13 +164,13 @@ def lease(model, batch: int, needed: int) -> tuple:
     if entry is not None and entry[0].compacted:  # compacted during its last call: its buffers moved
         entry = None
     if entry is None:
+        while pool.entries and len(pool.entries) >= POOL_SIZE:  # freed before the new cache is allocated
+            pool.entries.popitem(last=False)
         cache = model.new_kv_cache(batch, capacity)
         entry = (cache, DecodeStep(model, cache, True, backend=BACKEND))
     else:
         entry[0].reset()
     pool.entries[key] = entry
-    while len(pool.entries) > POOL_SIZE:
-        pool.entries.popitem(last=False)
     return entry
 
 
