@@ -317,14 +317,14 @@ def test_seeded_sampling_is_the_same_replayed(name, emulated):
 
 @pytest.mark.filterwarnings("error")
 def test_a_kept_step_replays_for_the_next_call_without_capturing(family, emulated):
-    """Two calls at the same batch and capacity bucket (different prompts, budgets, stops): the second resets the
-    kept cache in place and replays the first call's graph (one capture in all), and both give the eager loop's
-    tokens; a call at another batch size captures its own."""
+    """Three calls at the same batch and capacity bucket (other prompts, budgets, stops): each later one resets the
+    kept cache in place and replays the first call's graph (one capture in all), and every call gives the eager
+    loop's tokens; a call at another batch size drops the kept pair first, then captures its own."""
     from mindvl.infer import decode_graph
 
     _, model = family
     decode_graph.release(model)
-    prompts, budgets, stops, _, want = budgets_and_stops(model)
+    prompts, budgets, stops, _, _ = budgets_and_stops(model)
     assert generate(model, prompts, [14] * 5, sync_every=20, graphs=True) == generate(model, prompts, 14,
                                                                                         engine="eager")
     others = prompts_for(model, 7)[2:]  # five other prompts, longer
