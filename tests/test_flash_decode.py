@@ -2,7 +2,8 @@
 against the sdpa path with a stand-in `flash_attn` module that implements the documented contract of
 `flash_attn_with_kvcache` (q [B, Sq, Hq, D]; k_cache/v_cache [B, S_cache, Hkv, D] with a contiguous last dimension;
 `cache_seqlens` int32 [B]: row b attends to its first cache_seqlens[b] slots; GQA by head groups) and of
-`flash_attn_varlen_func` for the prefill, each by plain float64 arithmetic. flash-attn itself is CUDA-only."""
+`flash_attn_varlen_func` for the prefill (test_model_packing's naive_attention), each in float64. flash-attn itself
+is CUDA-only."""
 
 from __future__ import annotations
 
@@ -12,20 +13,18 @@ import types
 import pytest
 import torch
 from family_models import build
+from test_model_packing import naive_attention
 from test_static_decode import prompts_for
 
 from mindvl.infer import generate
 from mindvl.infer.generate import pack_prompts
 
 
-def _reference(q, k, v, scale, causal):
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, Dv] in q's dtype (float64 inside)."""
+def _one_query(q, k, v, scale):
+    """q [1, Hq, D] over all of k/v [n, Hkv, D] -> [1, Hq, Dv] (float64 inside): a cache kernel's single query."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1).double(), v.repeat_interleave(group, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * (scale or q.shape[-1] ** -0.5)
-    if causal:  # bottom-right aligned, as flash-attn does for Lq <= Lk
-        lq, lk = q.shape[0], k.shape[0]
-        scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(lk - lq + 1), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
 
 
@@ -35,20 +34,18 @@ class StandIn:
 
     def flash_attn_varlen_func(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
                                window_size=(-1, -1)):
-        assert window_size == (-1, -1) and cu_q.dtype == torch.int32
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-            out[a:b] = _reference(q[a:b], k[a:b], v[a:b], softmax_scale, causal)
-        return out
+        assert window_size == (-1, -1) and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        return naive_attention(q, k, v, cu_q.diff().tolist(), causal, scale=softmax_scale)
 
     def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False):
         self.cache_calls += 1
+        assert not causal  # one query per row sees all of its first cache_seqlens[b] slots
         assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
         assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[:3] == v_cache.shape[:3]
         assert q.shape[0] == k_cache.shape[0] and q.shape[2] % k_cache.shape[2] == 0
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         for b, n in enumerate(cache_seqlens.tolist()):
-            out[b] = _reference(q[b], k_cache[b, :n], v_cache[b, :n], softmax_scale, causal)
+            out[b] = _one_query(q[b], k_cache[b, :n], v_cache[b, :n], softmax_scale)
         return out
 
 

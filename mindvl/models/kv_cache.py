@@ -21,6 +21,8 @@ CUDA graph:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -190,7 +192,7 @@ class KVCache:
             # The prefill attends within the new tokens only: the training path's varlen attention.
             return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=backend)
         if resolve_backend(backend, q, packed=False) == "flash":
-            return _flash_over_cache(q, keys, values, step.seen())
+            return _flash_over_cache(q, keys, values, step.seen)
         if mask is None:
             mask = step.last_mask()
         # One query per sequence, so the query heads sharing a KV head can stand in for query positions:
@@ -217,9 +219,10 @@ class _Step:
         device = self.rows.device
         return (torch.arange(self.width, device=device)[None, :] < self.new_lengths[:, None])[:, None, None]
 
+    @functools.cached_property
     def seen(self) -> torch.Tensor:
         """[B] int32: how many slots each row's query sees (its cached tokens, the new one included), the lengths
-        flash-attn's cache kernel takes in place of a mask."""
+        flash-attn's cache kernel takes in place of a mask; computed once per forward, shared by every layer."""
         return (self.new_lengths if self.mask is None else self.slots + 1).to(torch.int32)
 
 
