@@ -11,17 +11,22 @@ transformers needs no padding) and 64 greedy tokens each:
 - mindvl static cache, eager kernels (`graphs=False`);
 - mindvl static cache with the decode step replayed from a CUDA graph (`graphs=True`; captured by the warm-up
   call and kept for the timed ones, decode_graph.lease);
+- the same with the step's decoder layers compiled by inductor (`graphs_compiled`: compile=True,
+  mindvl.infer.decode_compile; fused kernels, fewer per step; the warm-up call compiles, `warmup_s` says how long);
 - the two static arms again with cuDNN taken out of sdpa's choice (`*_no_cudnn`): on Hopper torch gives bf16 sdpa
   to cuDNN first, whose plans are built per shape (kv_cache.WINDOW_STEP);
 - transformers `generate` on the same weights (bf16, its default cache), with torch's default sdpa choice and
   without cuDNN.
 `capture` times one short call (2 tokens) with the kept step released (a capture) and again (a replay);
 `sdpa` lists the backend torch picks for each attention call of one static call, and the distinct shapes.
-Every mindvl arm must give the eager loop's tokens (`identical`); transformers' agreement is reported as the
-common prefix (bf16 kernels differ). Tokens/s is B x 64 / wall time of the call (prefill included); `step_ms` is
-(wall - prefill) / 63 and `decode_tokens_per_s` B / step time. The bandwidth bound of a decode step is the language
-model's weight bytes over the measured device copy bandwidth (read + write of a 1 GiB buffer): batch 1 cannot beat
-bw / weight bytes tokens/s, batch B (KV reads aside) B times that.
+`kernels_per_step` counts the device kernels of one decode step (torch.profiler: a 2-token call less a 1-token one)
+with the layers eager and compiled: the launches a CUDA graph replays. Every mindvl arm should give the eager loop's
+tokens (`identical`; the compiled arm can leave them after a near tie, see decode_compile: `common_prefix` says
+where); transformers' agreement is reported as the common prefix (bf16 kernels differ). Tokens/s is B x 64 / wall
+time of the call (prefill included); `step_ms` is (wall - prefill) / 63 and `decode_tokens_per_s` B / step time.
+The bandwidth bound of a decode step is the language model's weight bytes over the measured device copy bandwidth
+(read + write of a 1 GiB buffer): batch 1 cannot beat bw / weight bytes tokens/s, batch B (KV reads aside) B times
+that.
 """
 
 from __future__ import annotations
@@ -106,13 +111,15 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
     import torch
 
     from mindvl.checkpoint import load_model
-    from mindvl.infer import Prompt, decode_graph, generate
+    from mindvl.infer import Prompt, decode_compile, decode_graph, generate
 
     if not (work / "mindvl").is_dir():
         raise RuntimeError("the generate section needs the prepare section's model (run prepare first)")
     dry = args.dry_run
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not dry else torch.device("cpu")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cpu":  # the dry run checks the arm's code, not inductor's C++ (tens of seconds to compile)
+        decode_compile.BACKEND = "aot_eager"
     new, length = (8, 32) if dry else (64, 128)
     batches = (1, 4) if dry else (1, 32)
     t0 = time.perf_counter()
@@ -141,6 +148,7 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
         arms = {"eager": (dict(engine="eager"), contextlib.nullcontext),
                 "static": (dict(graphs=False), contextlib.nullcontext),
                 "graphs": (dict(graphs=True), contextlib.nullcontext),
+                "graphs_compiled": (dict(graphs=True, compile=True), contextlib.nullcontext),
                 "static_no_cudnn": (dict(graphs=False), no_cudnn),
                 "graphs_no_cudnn": (dict(graphs=True), no_cudnn)}
         row: dict = {}
@@ -151,12 +159,17 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
                 save_partial(args, out, f"batch {b}, {name}")
             decode_graph.release(model)  # each graphs arm captures under its own sdpa choice
             with context():
-                generate(model, prompts, 2, **kw)  # warm-up (kernels, allocator; the graph capture, kept)
+                # warm-up (kernels, allocator; the graph capture, kept; the compilation)
+                warmup_s, _ = _timed(lambda kw=kw, ps=prompts: generate(model, ps, 2, **kw), device)
                 prefill_s, _ = _timed(lambda kw=kw, ps=prompts: generate(model, ps, 1, **kw), device)
                 seconds, tokens[name] = _timed(lambda kw=kw, ps=prompts: generate(model, ps, new, **kw), device)
             step_ms = 1000 * (seconds - prefill_s) / (new - 1)
             row[name] = {"s": round(seconds, 4), "tokens_per_s": b * new / seconds, "step_ms": step_ms,
-                         "decode_tokens_per_s": b * 1000 / step_ms if step_ms > 0 else None}
+                         "decode_tokens_per_s": b * 1000 / step_ms if step_ms > 0 else None,
+                         "warmup_s": round(warmup_s, 3)}
+            if name != "eager":
+                row[name]["common_prefix"] = min(common_prefix(a, e) for a, e in
+                                                 zip(tokens[name], tokens["eager"], strict=True))
         row["identical"] = {name: tokens[name] == tokens["eager"] for name in arms if name != "eager"}
         if save_partial is not None:
             save_partial(args, out, f"batch {b}, capture, sdpa and transformers")
@@ -165,6 +178,10 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
         kept, _ = _timed(lambda ps=prompts: generate(model, ps, 2, graphs=True), device)
         row["capture"] = {"first_call_s": first, "kept_call_s": kept, "capture_s": first - kept}
         row["sdpa"] = sdpa_choices(lambda ps=prompts: generate(model, ps, new, graphs=False))
+        if device.type == "cuda":
+            row["kernels_per_step"] = {
+                arm: kernels_per_step(lambda n, kw=kw, ps=prompts: generate(model, ps, n, graphs=False, **kw))
+                for arm, kw in (("eager_layers", {}), ("compiled_layers", {"compile": True}))}
         if hf is not None:
             ids = torch.stack([p.input_ids for p in prompts]).to(device)
             kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=new,
@@ -179,26 +196,49 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
                                                              zip(tokens["eager"], ref, strict=True))}
             row["graphs_over_transformers"] = row["graphs"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             best_hf = max(row["transformers"]["tokens_per_s"], row["transformers_no_cudnn"]["tokens_per_s"])
-            row["graphs_over_best_transformers"] = row["graphs"]["tokens_per_s"] / best_hf
-        decode = row["graphs"]["decode_tokens_per_s"]
-        row["graphs_over_bound"] = decode / (b * out["bound_tokens_per_s_batch1"]) if decode else None
+        for arm in ("graphs", "graphs_compiled"):
+            decode = row[arm]["decode_tokens_per_s"]
+            row[f"{arm}_over_bound"] = decode / (b * out["bound_tokens_per_s_batch1"]) if decode else None
+            if hf is not None:
+                row[f"{arm}_over_best_transformers"] = row[arm]["tokens_per_s"] / best_hf
     return out
+
+
+def kernels_per_step(call) -> dict:
+    """Device kernels of one decode step: call(2) (a prefill and one step) less call(1) (the prefill), counted by
+    torch.profiler's CUDA activity."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(n: int) -> int:
+        call(n)  # warm (compilation, allocator)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call(n)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    one, two = count(1), count(2)
+    return {"prefill": one, "decode_step": two - one}
 
 
 def generate_summary(data: dict) -> str:
     """One line for the proof's summary table (a section cut off at its limit lists the arms it finished)."""
-    arms = ("graphs", "graphs_no_cudnn", "static", "static_no_cudnn", "eager", "transformers",
+    arms = ("graphs", "graphs_compiled", "graphs_no_cudnn", "static", "static_no_cudnn", "eager", "transformers",
             "transformers_no_cudnn")
     parts = []
     for b, row in data.get("batches", {}).items():
-        cells = [f"{a} {row[a]['tokens_per_s']:,.0f}" for a in arms if a in row]
-        if "graphs" in row:
-            bound = row.get("graphs_over_bound")
-            cells[0] += (f" tokens/s ({row['graphs']['step_ms']:.2f} ms/step, "
-                         f"{'-' if bound is None else format(bound, '.0%')} of bandwidth bound)")
+        cells = []
+        for a in (a for a in arms if a in row):
+            cells.append(f"{a} {row[a]['tokens_per_s']:,.0f}")
+            bound = row.get(f"{a}_over_bound")
+            if a.startswith("graphs") and f"{a}_over_bound" in row:
+                cells[-1] += (f" tokens/s ({row[a]['step_ms']:.2f} ms/step, "
+                              f"{'-' if bound is None else format(bound, '.0%')} of bandwidth bound)")
         if "capture" in row:
             cells.append(f"capture {row['capture']['capture_s']:.3f} s")
-        for key in ("sdpa", "identical"):
+        if "graphs_compiled" in row:
+            cells.append(f"compile warm-up {row['graphs_compiled']['warmup_s']:.1f} s")
+        for key in ("kernels_per_step", "sdpa", "identical"):
             if key in row:
                 cells.append(f"{key} {row[key]}")
         parts.append(f"b{b}: " + ", ".join(cells))

@@ -32,12 +32,13 @@ QWEN3_TOWER = dict(family="qwen3_vl", depth=3, hidden_size=32, intermediate_size
                    hidden_act="gelu_pytorch_tanh", num_position_embeddings=16)
 
 
-def build(name: str) -> MindVL:
+def build(name: str, text: dict | None = None) -> MindVL:
+    """The family's model; `text` replaces its TEXT entry (e.g. more layers)."""
     if name in ("qwen3_vl", "qwen3_5"):
         vision = VisionConfig(**QWEN3_TOWER, deepstack_visual_indexes=[0, 2] if name == "qwen3_vl" else [])
     else:
         vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[1])
-    cfg = MindVLConfig(text=TextConfig(vocab_size=VOCAB, **TEXT[name]), vision=vision, image_token_id=IMAGE,
+    cfg = MindVLConfig(text=TextConfig(vocab_size=VOCAB, **(text or TEXT[name])), vision=vision, image_token_id=IMAGE,
                        video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     model = MindVL(cfg)
     model.init_weights(seed=5, std=0.15)  # large enough that the tokens depend on the context

@@ -287,6 +287,42 @@ def test_a_kept_cuda_graph_replays_the_next_calls_prompts(name, dtype):
     assert step.captures == 1
 
 
+@pytest.mark.parametrize("name,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),
+                                        ("moe_mla", torch.bfloat16), ("qwen3_5", torch.float32)])
+def test_compiled_decode_layers_replay_and_keep_the_tokens(name, dtype):
+    """Session 16: the decode step's layers compiled by inductor (mindvl.infer.decode_compile: triton kernels).
+    Captured in a CUDA graph they give the tokens of the same compiled layers launched step by step (the same
+    kernels at the same shapes: equal bits), with budgets, stop tokens and a compaction; in fp32 also the eager
+    loop's (inductor's fp32 arithmetic differs from eager's by roundings only, far from these models' margins).
+    bf16 against eager is the proof's `graphs_compiled` figure, not asserted (a near tie may flip: decode_compile)."""
+    import warnings
+
+    from test_static_decode import build, prompts_for
+
+    from mindvl.infer import decode_graph, generate
+
+    if not ON_CUDA:
+        pytest.skip("inductor's decode kernels are checked on CUDA")
+    pytest.importorskip("triton")
+    model = build(name).to(device(), dtype)
+    ps = prompts_for(model, 5)
+    for p in ps:
+        if p.pixel_values is not None:
+            p.pixel_values = p.pixel_values.to(dtype)
+    budgets = [14, 3, 9, 2, 12]
+    free = generate(model, ps, budgets, engine="eager")
+    stops = sorted({free[0][6], free[2][4]})
+    kw = dict(stop_token_ids=stops, sync_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed compilation or capture falls back with a warning: fail on it
+        launched = generate(model, ps, budgets, graphs=False, compile=True, **kw)
+        decode_graph.release(model)
+        replayed = generate(model, ps, budgets, graphs=True, compile=True, **kw)
+    assert replayed == launched
+    if dtype == torch.float32:
+        assert launched == generate(model, ps, budgets, engine="eager", **kw)
+
+
 # ------------------------------------------------------------------------------------------------ grouped experts
 
 

@@ -345,7 +345,7 @@ def test_a_kept_step_replays_for_the_next_call_without_capturing(family, emulate
         assert generate(model, prompts[:2], 6, graphs=True) == want
     assert [g.batch for g in emulated.graphs] == [5, 2]
     # the batch-5 cache was dropped before the batch-2 one was allocated: one cache per model at any time
-    assert kept_at_allocation == [0] and list(decode_graph._POOLS[model].entries) == [(2, 256)]
+    assert kept_at_allocation == [0] and list(decode_graph._POOLS[model].entries) == [(2, 256, False)]
 
 
 @pytest.mark.filterwarnings("error")
@@ -413,9 +413,9 @@ def test_a_step_that_reads_the_device_is_not_captured_and_runs_eagerly(emulated,
     want = generate(model, prompts, 6, engine="eager")
     step = MindVL.decode_step
 
-    def reading_step(self, input_ids, positions, cache):
+    def reading_step(self, input_ids, positions, cache, **kw):
         int(input_ids[0])  # a device read
-        return step(self, input_ids, positions, cache)
+        return step(self, input_ids, positions, cache, **kw)
 
     monkeypatch.setattr(MindVL, "decode_step", reading_step)
     with pytest.warns(UserWarning, match="not captured in a graph.*aten.item"):

@@ -1,6 +1,6 @@
 """One decode step of a model over its static cache, run eagerly or replayed from a captured graph.
 
-    step = DecodeStep(model, cache, graphs)
+    step = DecodeStep(model, cache, graphs, compiled=False)
     logits = step(tokens [B], positions [B])   # -> [B, V]; advances the cache by one token per row
 
 With `graphs` on a CUDA device the step (`model.decode_step`: embedding, every layer's cache write and attention
@@ -18,6 +18,9 @@ in CI without a GPU.
 
 Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
 
+With `compiled` the decoder layers run compiled (decode_compile.py: fused kernels, fewer per step), captured or not.
+Its first step is a trial whose effect on the cache is undone: a compilation that fails turns it off, warned.
+
 Captured steps are kept across `generate` calls (`lease`): per model, the last POOL_SIZE (batch, capacity) pairs
 (one by default) keep their cache and captured step, the capacity rounded up to CAPACITY_STEP slots. A call at a
 kept pair resets the cache in place (every buffer stays where the graph reads it) and replays at once: a capture
@@ -28,13 +31,16 @@ the model's weights move (a `.to()`, a reload: the graph reads them by address) 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
+
+from . import decode_compile
 
 
 class Graph(Protocol):
@@ -75,7 +81,8 @@ BACKEND: GraphBackend = CudaGraphs()
 class DecodeStep:
     """The model is held weakly: a step kept in the pool must not keep its model alive."""
 
-    def __init__(self, model, cache, graphs: bool = False, backend: GraphBackend | None = None) -> None:
+    def __init__(self, model, cache, graphs: bool = False, backend: GraphBackend | None = None,
+                 compiled: bool = False) -> None:
         self._model, self.cache = weakref.ref(model), cache
         self.backend = BACKEND if backend is None else backend
         self.graphs = bool(graphs)
@@ -83,20 +90,32 @@ class DecodeStep:
         self._batch = -1
         self._tokens = self._positions = self._logits = None
         self.captures = 0
+        # the compiled layer call (decode_compile), None when the layers run eagerly; `_tried`: its trial ran
+        self.layer_call = decode_compile.layer_call() if compiled else None
+        self._tried = False
 
     @property
     def model(self):
         return self._model()
 
+    @property
+    def compiled(self) -> bool:
+        return self.layer_call is not None
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.decode_step(tokens, positions, self.cache, layer_call=self.layer_call)
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.layer_call is not None and not self._tried:
+            self._try_compiled(tokens, positions)
         if self.graphs and self._graph is None and not self.backend.usable(tokens.device):
             self.graphs = False
         if not self.graphs:
-            return self.model.decode_step(tokens, positions, self.cache)
+            return self._run(tokens, positions)
         if self._graph is None or self._batch != tokens.shape[0]:
             self._capture(tokens, positions)
             if not self.graphs:
-                return self.model.decode_step(tokens, positions, self.cache)
+                return self._run(tokens, positions)
         self._tokens.copy_(tokens)
         self._positions.copy_(positions)
         self._graph.replay()
@@ -104,28 +123,51 @@ class DecodeStep:
         self.cache.bound = min(self.cache.capacity, self.cache.bound + 1)
         return self._logits
 
+    def _try_compiled(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Run the compiled step once (compiling it), its effect on the cache undone: a compilation that fails
+        turns compilation off instead of failing the generation."""
+        self._tried = True
+        with _undone(self.cache):
+            try:
+                self._run(tokens, positions)
+            except Exception as error:  # noqa: BLE001 - any compile failure means: run the layers eagerly
+                while error.__cause__ is not None:  # dynamo wraps the backend's own error
+                    error = error.__cause__
+                why = " ".join(str(error).split())[:300]
+                warnings.warn(f"decode step not compiled ({type(error).__name__}: {why}); running its layers "
+                              "eagerly", stacklevel=3)
+                self.layer_call = None
+
     def _capture(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Capture the step at this batch size. The warm-up and the captured run each advance the cache, so its
         state is saved first and restored after: the first replay then takes the step these tokens ask for."""
         cache = self.cache
         cache.full_width = True
         self._tokens, self._positions = tokens.clone(), positions.clone()
-        saved = [t.clone() for t in cache.step_state()]
-        bound = cache.bound
-        try:
-            model = self.model
-            self._graph, self._logits = self.backend.capture(
-                lambda: model.decode_step(self._tokens, self._positions, cache))
-            self._batch = tokens.shape[0]
-            self.captures += 1
-        except Exception as error:  # noqa: BLE001 - any capture failure means: run this model eagerly
-            warnings.warn(f"decode step not captured in a graph ({error}); running it eagerly", stacklevel=3)
-            self.graphs, self._graph = False, None
-            cache.full_width = False
-        finally:
-            for t, s in zip(cache.step_state(), saved, strict=True):
-                t.copy_(s)
-            cache.bound = bound
+        with _undone(cache):
+            try:
+                self._graph, self._logits = self.backend.capture(lambda: self._run(self._tokens, self._positions))
+                self._batch = tokens.shape[0]
+                self.captures += 1
+            except Exception as error:  # noqa: BLE001 - any capture failure means: run this model eagerly
+                warnings.warn(f"decode step not captured in a graph ({error}); running it eagerly", stacklevel=3)
+                self.graphs, self._graph = False, None
+                cache.full_width = False
+
+
+@contextlib.contextmanager
+def _undone(cache) -> Iterator[None]:
+    """Steps run inside leave the cache as it was: its in-place state (lengths, recurrent states) and host bound
+    restored, a forward that raised forgotten. (K/V slot writes are rewritten by the next step.)"""
+    saved = [t.clone() for t in cache.step_state()]
+    bound = cache.bound
+    try:
+        yield
+    finally:
+        cache.abandon()
+        for t, s in zip(cache.step_state(), saved, strict=True):
+            t.copy_(s)
+        cache.bound = bound
 
 
 # ------------------------------------------------------------------------------------- kept across generate calls
@@ -140,7 +182,7 @@ CAPACITY_STEP = 256  # a kept cache's capacity is a multiple of this, so prompts
 class _Pool:
     def __init__(self, weights: tuple, backend: GraphBackend) -> None:
         self.weights, self.backend = weights, backend
-        self.entries: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # least recently used first
+        self.entries: OrderedDict[tuple[int, int, bool], tuple] = OrderedDict()  # least recently used first
 
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -151,15 +193,16 @@ def _weights_key(model) -> tuple:
     return tuple((t.data_ptr(), t.dtype) for t in (*model.parameters(), *model.buffers()))
 
 
-def lease(model, batch: int, needed: int) -> tuple:
-    """(cache, step) for a generation of `batch` sequences needing `needed` slots each: the kept pair for this batch
-    and capacity, reset, or a new one (module docstring). The step replays from a graph where BACKEND can capture."""
+def lease(model, batch: int, needed: int, compiled: bool = False) -> tuple:
+    """(cache, step) for a generation of `batch` sequences needing `needed` slots each: the kept pair for this batch,
+    capacity and `compiled`, reset, or a new one (module docstring). The step replays from a graph where BACKEND
+    can capture."""
     capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
     weights = _weights_key(model)
     pool = _POOLS.get(model)
     if pool is None or pool.weights != weights or pool.backend is not BACKEND:
         pool = _POOLS[model] = _Pool(weights, BACKEND)
-    key = (batch, capacity)
+    key = (batch, capacity, bool(compiled))
     entry = pool.entries.pop(key, None)
     if entry is not None and entry[0].compacted:  # compacted during its last call: its buffers moved
         entry = None
@@ -167,7 +210,7 @@ def lease(model, batch: int, needed: int) -> tuple:
         while pool.entries and len(pool.entries) >= POOL_SIZE:  # freed before the new cache is allocated
             pool.entries.popitem(last=False)
         cache = model.new_kv_cache(batch, capacity)
-        entry = (cache, DecodeStep(model, cache, True, backend=BACKEND))
+        entry = (cache, DecodeStep(model, cache, True, backend=BACKEND, compiled=compiled))
     else:
         entry[0].reset()
     pool.entries[key] = entry

@@ -1,7 +1,7 @@
 """Batched autoregressive generation with a static KV cache.
 
     generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=(),
-             sync_every=8, graphs=None) -> one list of generated ids per prompt
+             sync_every=8, graphs=None, compile=None) -> one list of generated ids per prompt
 
 All prompts are prefilled together as one packed row (varlen attention, no padding: each prompt's numerics are
 those of its own full forward), then every decode step feeds one token per cache row. A sequence stops at its first
@@ -13,7 +13,9 @@ cache length stops advancing, its tokens are not kept) rather than copied out. T
 once every `sync_every` steps (to stop, and to compact the cache when more than half of the rows are done), and the
 outputs once at the end. With `graphs` on a CUDA device the step (the model's decode_step) is captured once per
 batch size and replayed, and the cache and captured step are kept for the next call at the same batch size and
-capacity bucket (decode_graph.lease); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off.
+capacity bucket (decode_graph.lease); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off. With `compile`
+the step's decoder layers run compiled (decode_compile.py: fewer, fused kernels per step; with graphs or without);
+None means decode_compile.COMPILE_BY_DEFAULT, or MINDVL_DECODE_COMPILE=on|off.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
 (in that order, like transformers' logits warpers) by the exponential race: token = argmax(p / E) with E ~ Exp(1)
@@ -35,7 +37,7 @@ import torch
 
 from mindvl.models import MindVL
 
-from . import decode_graph
+from . import decode_compile, decode_graph
 
 # What `graphs=None` means: replay the decode step from a CUDA graph on CUDA devices. Off until a GPU run of the
 # proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed;
@@ -45,15 +47,26 @@ GRAPHS_BY_DEFAULT = False
 GRAPHS_ENV = "MINDVL_DECODE_GRAPHS"
 
 
+def _switch(env: str, default: bool, what: str) -> bool:
+    """An on/off environment switch: its value when set, else `default`."""
+    value = os.environ.get(env, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"{env}={value!r}: set it to on or off ({what}), or unset it for the default "
+                         f"({'on' if default else 'off'})")
+    return value in ("on", "1", "true")
+
+
 def default_graphs() -> bool:
     """`graphs=None`: MINDVL_DECODE_GRAPHS (on/off) when set, else GRAPHS_BY_DEFAULT."""
-    value = os.environ.get(GRAPHS_ENV, "").strip().lower()
-    if not value:
-        return GRAPHS_BY_DEFAULT
-    if value not in ("on", "off", "1", "0", "true", "false"):
-        raise ValueError(f"{GRAPHS_ENV}={value!r}: set it to on or off (replay the decode step from a CUDA graph), "
-                         "or unset it for the default (off)")
-    return value in ("on", "1", "true")
+    return _switch(GRAPHS_ENV, GRAPHS_BY_DEFAULT, "replay the decode step from a CUDA graph")
+
+
+def default_compile() -> bool:
+    """`compile=None`: MINDVL_DECODE_COMPILE (on/off) when set, else decode_compile.COMPILE_BY_DEFAULT."""
+    return _switch(decode_compile.COMPILE_ENV, decode_compile.COMPILE_BY_DEFAULT,
+                   "run the decode step's layers compiled")
 
 
 @dataclass
@@ -133,6 +146,7 @@ def generate(
     sync_every: int = 8,
     graphs: bool | None = None,
     engine: str = "static",
+    compile: bool | None = None,
 ) -> list[list[int]]:
     """Generate up to max_new_tokens (one int, or one per prompt) for each prompt; see the module docstring."""
     if not prompts:
@@ -151,11 +165,12 @@ def generate(
     # The last generated token is never fed back, so a sequence needs prompt + budget - 1 slots.
     needed = max(n + b - 1 for n, b in zip(lengths, budgets, strict=True))
     graphs = engine == "static" and (default_graphs() if graphs is None else graphs)
+    compiled = engine == "static" and (default_compile() if compile is None else compile)
     if graphs and decode_graph.BACKEND.usable(device):  # a cache and captured step kept across calls
-        cache, step = decode_graph.lease(model, len(prompts), needed)
+        cache, step = decode_graph.lease(model, len(prompts), needed, compiled)
     else:
         cache = model.new_kv_cache(len(prompts), needed)
-        step = decode_graph.DecodeStep(model, cache, graphs=False)
+        step = decode_graph.DecodeStep(model, cache, graphs=False, compiled=compiled)
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device)

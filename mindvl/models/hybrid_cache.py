@@ -4,9 +4,9 @@ linear-attention layers.
 A linear-attention layer keeps, per sequence, its convolution window (the last K-1 inputs of the short conv,
 [B, C, K-1]) and its recurrent state ([B, Hv, dk, dv], float32): memory that does not grow with the sequence.
 Full-attention layers use the KVCache part unchanged (their `keys`/`values` entries stay None for linear layers).
-A decode step overwrites both states in place (`update_states`), so they keep their addresses (a captured graph
-replays into the same buffers); a masked (finished) row's states keep changing, which nothing reads. `keep` drops
-finished sequences from both.
+A decode step overwrites both states in place (the buffers `LayerKV.states` hands it), so they keep their
+addresses (a captured graph replays into the same buffers); a masked (finished) row's states keep changing, which
+nothing reads. `keep` drops finished sequences from both.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ class HybridCache(KVCache):
         self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
 
     def update_states(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor | None = None) -> None:
-        """Store a layer's new conv window (and recurrent state): the first prefill sets them; a decode step, and
-        the prefill of a reset cache, copy into the existing buffers (where a captured decode step reads them)."""
+        """Store a prefill's conv window (and recurrent state) of a layer: the first prefill sets them; the prefill
+        of a reset cache copies into the existing buffers (where a captured decode step reads them)."""
         for store, new in ((self.conv_states, conv), (self.recurrent_states, recurrent)):
             if new is None:
                 continue

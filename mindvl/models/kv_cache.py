@@ -140,6 +140,11 @@ class KVCache:
             raise RuntimeError("a compacted KV cache cannot be reset for reuse (its buffers were replaced)")
         self.filled, self.bound, self._step = False, 0, None
 
+    def abandon(self) -> None:
+        """Forget a forward that raised midway (its slot writes are rewritten by the next forward; the caller
+        restores `step_state`)."""
+        self._step = None
+
     def keep(self, rows: list[int] | torch.Tensor) -> None:
         """Keep only these sequences, in this order (compaction: the dropped rows' memory and compute are freed)."""
         if self._step is not None:
@@ -240,13 +245,27 @@ def _flash_over_cache(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 class LayerKV:
     """One layer's view of a cache, handed down to its attention: a GQA layer calls `attend`, an MLA layer
-    `attend_latent` (an MLACache's), each with this layer's index filled in."""
+    `attend_latent` (an MLACache's), a linear-attention layer of a decode step `states` (a HybridCache's), each with
+    this layer's index filled in.
+
+    The three are compile boundaries (run eagerly inside a compiled layer, mindvl.infer.decode_compile): the cache's
+    host state (the step's plan, the bound, this layer's index) never enters a compiled graph, so one compiled layer
+    serves every layer and every step. Traced, `self.layer` would index the cache's lists and dynamo would guard on
+    it: a recompilation per layer."""
 
     def __init__(self, cache: KVCache, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
+    @torch.compiler.disable
     def attend(self, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False) -> torch.Tensor:
         return self.cache.attend(self.layer, q, k, v, cu_seqlens, max_seqlen, backend, last_only)
 
+    @torch.compiler.disable
     def attend_latent(self, *args, **kwargs) -> torch.Tensor:
         return self.cache.attend_latent(self.layer, *args, **kwargs)
+
+    @torch.compiler.disable
+    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv window [B, C, K-1], recurrent state [B, Hv, dk, dv] float32) of this linear-attention layer, as the
+        prefill left them: a decode step updates them in place."""
+        return self.cache.conv_states[self.layer], self.cache.recurrent_states[self.layer]

@@ -83,9 +83,10 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)
         cache = kv.cache if kv is not None else None
         decode = cache is not None and not cache.is_prefill
-        if decode:
-            mixed, window = causal_conv1d_step(mixed, weight, cache.conv_states[kv.layer])
-            cache.update_states(kv.layer, window)
+        if decode:  # the states are updated in place (a captured step reads them at fixed addresses)
+            conv_state, recurrent_state = kv.states()
+            mixed, window = causal_conv1d_step(mixed, weight, conv_state)
+            conv_state.copy_(window)
         else:
             if cache is not None:
                 cache.update_states(kv.layer, conv_states(mixed, cu_seqlens, weight.shape[1] - 1))
@@ -96,8 +97,8 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if decode:
-            o, state = gated_delta_step(q, k, v, g, beta, cache.recurrent_states[kv.layer])
-            cache.update_states(kv.layer, None, state)
+            o, state = gated_delta_step(q, k, v, g, beta, recurrent_state)
+            recurrent_state.copy_(state)
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, offsets, chunk_size=self.chunk_size)
             if cache is not None:

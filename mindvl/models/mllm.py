@@ -24,7 +24,7 @@ rank runs the same collectives every step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -406,9 +406,11 @@ class MindVL(nn.Module):
         next_pos = torch.full_like(lengths, -1).scatter_reduce(0, seq, top, "amax") + 1
         return logits, next_pos
 
-    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One new token per cached sequence: input_ids [B], positions [B] -> next-token logits [B, V]."""
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                    layer_call: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """One new token per cached sequence: input_ids [B], positions [B] -> next-token logits [B, V].
+        `layer_call`: see TextModel.forward (the decoder layers run compiled)."""
         embeds = self.language_model.embed_tokens(input_ids)  # generated ids are text, even an image-pad id
         position_ids = positions.expand(3, -1) if self.config.uses_mrope else positions
-        hidden = self.language_model(embeds, position_ids, None, 1, cache=cache)
+        hidden = self.language_model(embeds, position_ids, None, 1, cache=cache, layer_call=layer_call)
         return self.language_model.logits(hidden)

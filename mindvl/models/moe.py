@@ -253,12 +253,8 @@ class RoutedExperts(nn.Module):
         if dtype is not None:  # autocast does not cast grouped_mm's operands: the GEMMs' dtype, once
             rows, gate, up, down = (t.to(dtype) for t in (rows, gate, up, down))
         grouped = self.use_grouped_mm and _grouped_mm_runs(rows, gate, up, down)
-        if not grouped:  # the per-expert loop splits its rows on the host
-            rows = rows if tokens is None else rows.index_select(0, tokens)
-            split = counts.tolist()
-            h = self.act(grouped_linear(rows, gate, counts, split, False)) * grouped_linear(rows, up, counts, split,
-                                                                                            False)
-            return grouped_linear(h, down, counts, split, False)
+        if not grouped:
+            return self._experts_by_loop(rows, counts, tokens, gate, up, down)
         n = rows.shape[0] if tokens is None else tokens.shape[0]
         dest, offsets, size = aligned_groups(counts, n)
         source = tokens if tokens is not None else torch.arange(n, device=rows.device)
@@ -268,6 +264,17 @@ class RoutedExperts(nn.Module):
         h = self.act(grouped_linear(padded, gate, offsets, None, True)) * grouped_linear(padded, up, offsets, None,
                                                                                          True)
         return grouped_linear(h, down, offsets, None, True).index_select(0, dest)
+
+    # A compile boundary: the loop splits its rows on the host (a device read), and traced, dynamo would guard on
+    # the counts' values (a recompilation per routing); compiled MoE layers (fp32, or grouped_mm absent) run it
+    # eagerly between their graphs.
+    @torch.compiler.disable
+    def _experts_by_loop(self, rows, counts, tokens, gate, up, down) -> torch.Tensor:
+        """The per-expert loop: each expert's rows through its SwiGLU (see experts_forward)."""
+        rows = rows if tokens is None else rows.index_select(0, tokens)
+        split = counts.tolist()
+        h = self.act(grouped_linear(rows, gate, counts, split, False)) * grouped_linear(rows, up, counts, split, False)
+        return grouped_linear(h, down, counts, split, False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]

@@ -32,7 +32,7 @@ differently), so the rows are taken at its end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -182,6 +182,7 @@ class TextModel(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+        layer_call: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """inputs_embeds [T, H], position_ids [T] or [3, T] -> final hidden states [T, H] (after the last norm).
 
@@ -195,6 +196,10 @@ class TextModel(nn.Module):
 
         `deepstack` (Qwen3-VL): (visual positions [n] int64, features [[n, H], ...]); feature l is added to the
         hidden states at those positions after layer l, as transformers' Qwen3VLTextModel does.
+
+        `layer_call(layer, x, cos, sin, cu_seqlens, max_seqlen, kv, rows)` (with a cache) runs each decoder layer in
+        place of `layer(...)`: how a caller runs the layers compiled (mindvl.infer.decode_compile) without the model
+        knowing of it.
         """
         cos, sin = attention_class(self.cfg).rotary(position_ids, self.cfg)
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates text in x.dtype
@@ -219,9 +224,10 @@ class TextModel(nn.Module):
         last = len(self.layers) - 1
         rows = cu_seqlens[1:].long() - 1 if last_only else None  # [B]: each prompt's last token
         narrow_last = rows is not None and len(extra) <= last  # DeepStack into the last layer needs all its rows
+        run = layer_call or _call
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i), rows if i == last and narrow_last
-                      else None)
+            x = run(layer, x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i), rows if i == last and narrow_last
+                    else None)
             if i < len(extra):
                 x = x.index_add(0, index, extra[i].to(x.dtype))
         if rows is not None and not narrow_last:
@@ -231,3 +237,7 @@ class TextModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.output_weight.T
+
+
+def _call(layer: nn.Module, *args) -> torch.Tensor:
+    return layer(*args)

@@ -1,0 +1,113 @@
+"""Kernels launched per decode step, the decoder layers eager against compiled (mindvl.infer.decode_compile), counted
+on the CPU.
+
+    PYTHONPATH=$PWD python benchmarks/decode_kernels.py [--dtype bfloat16] [--families qwen2,qwen3]
+
+Why on the CPU: at small batch an accelerator's decode step costs its weight reads plus a few microseconds per
+kernel, even replayed from a CUDA graph, so the kernel count per layer is what compilation changes. It does not
+depend on the device: inductor fuses the same elementwise chains for the CPU (C++ loops) as for CUDA (triton
+kernels), and the matmuls and the attention are library calls either way.
+
+How: torch.profiler records one decode step (`MindVL.decode_step` over a prefilled static cache) after two warm-up
+steps. A kernel is an outermost op of the profile that computes: an inductor kernel (`cpp_fused_*`, recorded with
+`inductor.config.cpp.enable_kernel_profile`) or an aten op other than those that only make views or metadata or
+allocate (`NOT_KERNELS`, `to` among them: its `_to_copy` counts when it copies), not inside another one (`linear`
+counts once, not again for its `addmm`). The per-layer figure is the difference
+between a 4-layer and a 2-layer model, halved; `fixed` is the rest (embedding, rotary tables, decode mask, final
+norm, logits). On an accelerator the proof's generate section counts the real CUDA kernels (`kernels_per_step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mindvl.infer import decode_compile
+from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
+
+NOT_KERNELS = {"aten::" + n for n in (
+    "as_strided", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias", "select", "slice",
+    "transpose", "permute", "t", "numpy_T", "detach", "empty", "empty_strided", "empty_like", "resolve_conj",
+    "resolve_neg", "to", "lift_fresh", "split", "split_with_sizes", "chunk", "narrow", "unflatten", "flatten",
+    "result_type", "unbind", "set_", "view_as", "_reshape_alias", "contiguous", "clone_", "scalar_tensor",
+)}
+
+
+def build(family: str, layers: int, dtype: torch.dtype) -> MindVL:
+    """A narrow model of the family's layer structure (the kernel count does not depend on the widths)."""
+    text = TextConfig(family=family, vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[2, 3, 3])
+    vision = VisionConfig(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[0])
+    model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=1000, video_token_id=999,
+                                vision_start_token_id=998, vision_end_token_id=997))
+    model.init_weights(seed=0)
+    return model.eval().to(dtype)
+
+
+def _computes(event) -> bool:
+    return "cpp_fused" in event.name or (event.name.startswith("aten::") and event.name not in NOT_KERNELS)
+
+
+def kernels(prof) -> collections.Counter:
+    """The kernels of a profile, by name: the outermost computing ops (see the module docstring)."""
+    out: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if not _computes(e):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not _computes(parent):
+            parent = parent.cpu_parent
+        if parent is not None:  # inside a counted op (linear -> addmm, _to_copy -> copy_): one launch
+            continue
+        out["inductor:" + e.name.split("cpp_fused_", 1)[1].rsplit("_", 1)[0] if "cpp_fused" in e.name else e.name] += 1
+    return out
+
+
+@torch.inference_mode()
+def step_kernels(family: str, layers: int, dtype: torch.dtype, compiled: bool) -> collections.Counter:
+    model = build(family, layers, dtype)
+    cache = model.new_kv_cache(2, 256)
+    cache.full_width = True  # the captured step's shapes
+    ids = torch.randint(0, 900, (20,), generator=torch.Generator().manual_seed(0))
+    logits, positions = model.prefill(ids, torch.tensor([0, 12, 20], dtype=torch.int32), cache)
+    tokens = logits.argmax(-1)
+    call = decode_compile.layer_call() if compiled else None
+    for _ in range(2):  # warm-up: compiles
+        model.decode_step(tokens, positions, cache, layer_call=call)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.decode_step(tokens, positions, cache, layer_call=call)
+    return kernels(prof)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--families", default="qwen2,qwen3")
+    args = parser.parse_args()
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for family in args.families.split(","):
+        counts = {}
+        for compiled in (False, True):
+            two, four = (step_kernels(family, n, dtype, compiled) for n in (2, 4))
+            per_layer = {k: (four[k] - two[k]) / 2 for k in four if four[k] != two[k]}
+            total_per_layer = (sum(four.values()) - sum(two.values())) / 2
+            counts[compiled] = total_per_layer
+            rows.append({"family": family, "dtype": args.dtype, "layers": "compiled" if compiled else "eager",
+                         "kernels_per_layer": total_per_layer,
+                         "fixed": sum(two.values()) - 2 * total_per_layer,
+                         "per_layer_by_op": dict(sorted(per_layer.items(), key=lambda kv: -kv[1]))})
+        rows.append({"family": family, "eager_over_compiled_per_layer": counts[False] / counts[True]})
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

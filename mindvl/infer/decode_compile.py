@@ -1,0 +1,63 @@
+"""A decode step's decoder layers run compiled (torch.compile, one layer at a time), so that each step launches
+fewer, fused kernels.
+
+    generate(model, prompts, n, compile=True)    # or MINDVL_DECODE_COMPILE=on for every caller that does not choose
+
+Why: at small batch a decode step reads every weight once, and on an accelerator its time is that read plus the
+kernels' launch and ramp-up. The eager layer is about 40 kernels (an RMSNorm is eight elementwise kernels, each
+rotary embedding five, the SwiGLU product two), and a kernel costs a few microseconds even replayed from a CUDA
+graph: a 28-layer 2048-wide model launches about 1,100 per step, milliseconds against the ~0.8 ms its 3.4 GB of
+weights take to read on an H200. Inductor fuses each norm, each rotation and the SwiGLU product into one kernel;
+`benchmarks/decode_kernels.py` counts the launches per step (eager against compiled) on the CPU.
+
+What is compiled: `layer_forward(layer, ...)`, one function for every layer of every model. The weights are inputs,
+so the layers of one kind (dense, MoE, linear attention) share one compiled graph; dynamo's guards tell the kinds
+and the models apart. The cache is a compile boundary (`LayerKV.attend`, `attend_latent`, `states` run eagerly):
+its host state (the step's plan, the bound, the layer's index) never enters a graph, so nothing recompiles per
+layer or per step, and the attention keeps its own backend choice (sdpa, flash-attn's cache kernel). Each layer is
+two graphs, before and after the attention. A second batch size (a compaction, another call) recompiles once with
+a dynamic batch (dynamo's automatic dynamic shapes). With `graphs` the compiled layers are captured like eager ones:
+the capture's warm-up run compiles them.
+
+Numerics: the matmuls are the same library calls as eager. Inductor evaluates a fused elementwise chain without
+rounding between its ops unless told to; `emulate_precision_casts` rounds where eager does (bf16 after every op),
+but a fused reduction (the norms' mean of squares) may sum in another order than eager's, so bf16 tokens can leave
+the eager path's after a near tie. That is why it is off by default until the accelerator proof's generate section
+(`graphs_compiled`: `identical`, `common_prefix`) says how often on the device; on the CPU the tests compile with a
+backend that keeps eager's ops (BACKEND = "aot_eager") and check the tokens equal.
+
+A compilation that fails (a graph inductor cannot lower, no C++ compiler or triton) turns compilation off for that
+step with a warning and the generation runs eagerly: the first compiled step runs once as a trial, its effect on
+the cache undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# What `compile=None` means when MINDVL_DECODE_COMPILE is unset (see the module docstring: off until a device run).
+COMPILE_BY_DEFAULT = False
+COMPILE_ENV = "MINDVL_DECODE_COMPILE"
+# torch.compile's backend for the layers: inductor (fused kernels); tests on the CPU use "aot_eager" (the same
+# aten ops as eager, traced: the compiled path's mechanics without code generation).
+BACKEND: str | Callable = "inductor"
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}  # round to bf16 between fused ops where eager does
+
+_CALLS: dict = {}
+
+
+def layer_forward(layer: torch.nn.Module, *args) -> torch.Tensor:
+    """The function dynamo compiles: one decoder layer (TextModel.forward's `layer_call`)."""
+    return layer(*args)
+
+
+def layer_call() -> Callable[..., torch.Tensor]:
+    """`layer_forward` compiled with BACKEND, made once per backend (dynamo keeps its graphs with the function's
+    code, so every step and every model share them)."""
+    call = _CALLS.get(BACKEND)
+    if call is None:
+        options = INDUCTOR_OPTIONS if BACKEND == "inductor" else None
+        call = _CALLS[BACKEND] = torch.compile(layer_forward, backend=BACKEND, options=options)
+    return call

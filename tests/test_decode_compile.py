@@ -1,0 +1,161 @@
+"""The decode step with its decoder layers compiled (mindvl.infer.decode_compile), for every family.
+
+On the CPU the layers compile with a backend that traces them and runs the traced aten ops (aot_eager, wrapped to
+count graphs and their runs), so the tokens must equal the eager loop's exactly; what is tested is the compiled
+path's mechanics: the cache as a compile boundary (nothing recompiles per layer or per step: the graph count does
+not grow with the layer count), a second batch size after a compaction, compiled steps kept with a captured graph
+(decode_graph.lease), and a failed compilation falling back to eager with the cache's state undone.
+Inductor's own kernels (fused, fewer per step) are counted by benchmarks/decode_kernels.py and timed on a device by
+the accelerator proof's generate section.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import TEXT, build
+from graph_replay import EmulatedGraphs
+from test_static_decode import budgets_and_stops, prompts_for
+
+from mindvl.infer import decode_compile, decode_graph, generate
+
+
+class CountingBackend:
+    """aot_eager (the layers' own aten ops, traced), counting the graphs dynamo hands it and their runs."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """decode_compile's backend replaced by a fresh CountingBackend (dynamo's caches emptied first: each test counts
+    its own compilations)."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    monkeypatch.setattr(decode_compile, "BACKEND", backend)
+    yield backend
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    backend = EmulatedGraphs()
+    monkeypatch.setattr(decode_graph, "BACKEND", backend)
+    return backend
+
+
+def decode_steps(budgets: list[int], answers: list[list[int]], sync_every: int) -> int:
+    """Decode steps the static loop takes: it stops at the first sync point after the longest answer is done, or at
+    the largest budget; the prefill made each answer's first token."""
+    return min(max(budgets), -(-max(len(t) for t in answers) // sync_every) * sync_every) - 1
+
+
+@pytest.mark.filterwarnings("error")  # a failed compilation would fall back to eager with a warning
+@pytest.mark.parametrize("name", list(TEXT))
+def test_compiled_layers_give_the_eager_loops_tokens(name, counting):
+    """Greedy, per-prompt budgets and stop tokens, a compaction to fewer rows (a second batch size: a recompilation
+    with a dynamic batch): the compiled layers give the eager loop's tokens, and every layer of every decode step
+    ran compiled code (at least one compiled graph per layer and step: no layer fell back to eager)."""
+    model = build(name)
+    prompts, budgets, stops, _, want = budgets_and_stops(model)
+    got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, compile=True)
+    assert got == want
+    steps = decode_steps(budgets, want, 3)
+    assert counting.runs >= (steps + 1) * model.config.text.num_hidden_layers  # + the trial step
+
+
+@pytest.mark.filterwarnings("error")
+def test_compiled_layers_inside_a_kept_captured_step(counting, emulated):
+    """graphs and compile together: the tokens are the eager loop's; the trial and the capture's warm-up ran the
+    compiled layers; the next call at the same batch and capacity replays the kept step (no new capture), and a call
+    without compile there takes a step of its own (`compiled` is part of the kept pair's key).
+
+    What the emulated replay runs is the eager layers' ops: its recording is a dispatch mode, under which dynamo
+    does not run compiled code. Compiled kernels in a real CUDA graph are checked on a GPU
+    (test_accelerator_device.test_compiled_decode_layers_replay_and_keep_the_tokens)."""
+    model = build("dense")
+    decode_graph.release(model)
+    prompts = prompts_for(model, 4)
+    want = generate(model, prompts, 9, engine="eager")
+    assert generate(model, prompts, 9, sync_every=16, graphs=True, compile=True) == want
+    assert counting.runs >= 2 * 2 * model.config.text.num_hidden_layers  # trial + warm-up, 2 graphs per layer
+    assert len(emulated.graphs) == 1
+    assert generate(model, prompts, 9, sync_every=16, graphs=True, compile=True) == want
+    assert len(emulated.graphs) == 1 and emulated.graphs[0].replays == 2 * 8
+    assert generate(model, prompts, 9, sync_every=16, graphs=True) == want
+    assert len(emulated.graphs) == 2
+    (key, _), = decode_graph._POOLS[model].entries.items()
+    assert key[-1] is False  # the uncompiled pair replaced the compiled one (one pair kept)
+    decode_graph.release(model)
+
+
+@pytest.mark.parametrize("name", ["dense", "qwen3_5"])
+def test_the_compiled_graphs_do_not_grow_with_the_layers_or_the_steps(name, counting):
+    """The cache is a compile boundary, so a layer's index never reaches a graph: the model with twice the layers
+    compiles exactly as many graphs, and a second call (other prompts, as long) compiles none."""
+    def graphs_for(layers: int) -> int:
+        torch._dynamo.reset()
+        counting.graphs = 0
+        text = dict(TEXT[name], num_hidden_layers=layers)
+        if "layer_types" in text:
+            text["layer_types"] = TEXT[name]["layer_types"] * (layers // len(TEXT[name]["layer_types"]))
+        model = build(name, text=text)
+        prompts = prompts_for(model, 3)
+        assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6, engine="eager")
+        compiled = counting.graphs
+        generate(model, prompts_for(model, 4)[1:], 6, compile=True)
+        assert counting.graphs == compiled, "a second call recompiled"
+        return compiled
+
+    base = TEXT[name]["num_hidden_layers"]
+    first = graphs_for(base)
+    assert first >= 2  # at least one layer's graphs before and after the attention
+    assert graphs_for(2 * base) == first
+
+
+def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(monkeypatch):
+    """A backend that fails on the first graph after one that updates a state in place: one warning, and the tokens
+    are the eager loop's. The trial step's first linear-attention layer ran compiled and updated Qwen3.5's conv state
+    before the failure; undone, or every later token would differ."""
+    updated = []
+
+    def failing(gm, example_inputs):
+        if updated:
+            raise RuntimeError("no compiler here")
+        updated.extend(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "copy_")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_compile, "BACKEND", failing)
+    model = build("qwen3_5")
+    prompts = prompts_for(model, 3)
+    want = generate(model, prompts, 8, engine="eager")
+    with pytest.warns(UserWarning, match="decode step not compiled.*no compiler here"):
+        assert generate(model, prompts, 8, compile=True) == want
+    assert updated  # the failure came after an in-place update
+    torch._dynamo.reset()
+
+
+def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(counting, monkeypatch):
+    """MINDVL_DECODE_COMPILE=on: `compile=None` compiles; off or unset does not; a bad value is a one-line error."""
+    model = build("dense")
+    prompts = prompts_for(model, 2)
+    want = generate(model, prompts, 5, engine="eager")
+    assert generate(model, prompts, 5) == want and counting.graphs == 0
+    monkeypatch.setenv("MINDVL_DECODE_COMPILE", "on")
+    assert generate(model, prompts, 5) == want and counting.graphs > 0
+    monkeypatch.setenv("MINDVL_DECODE_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="MINDVL_DECODE_COMPILE='sometimes': set it to on or off"):
+        generate(model, prompts, 5)
