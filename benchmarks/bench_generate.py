@@ -1,7 +1,7 @@
 """Greedy decode rate before and after the static KV cache (issue 39), side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py [--new 64] [--reps 3] [--batches 1,8]
-                                                          [--before-src DIR]
+                                                          [--before-src DIR] [--compiled]
 
 A random text model (Qwen2 layout: hidden 256, 4 layers, GQA 8/2, vocab 4096), fp32 on CPU, prompts of 40..160
 tokens with per-prompt budgets (one in four stops at half its budget: masked rows and compaction happen). Arms:
@@ -9,6 +9,8 @@ tokens with per-prompt budgets (one in four stops at half its budget: masked row
 - `static`: `generate` (the static cache, device-side bookkeeping, one read per 8 steps);
 - `eager`: `generate(engine="eager")`, the loop as it was before (reads every step, drops finished rows at once),
   on the static cache;
+- `compiled`: with `--compiled`, `generate(compile=True)`: the static cache with the decoder layers compiled by
+  inductor (C++ kernels on the CPU; mindvl.infer.decode_compile), its compilation in the warm-up call;
 - `before`: with `--before-src DIR` (a checkout of the commit before issue 39, e.g. `git archive 75f3c42 mindvl |
   tar -x -C DIR`), that commit's `generate`, in a child process on the same model and prompts.
 
@@ -49,10 +51,13 @@ def workload(batch: int, new: int) -> tuple[list[Prompt], list[int]]:
     return prompts, budgets
 
 
-def timed(batch: int, new: int, engine: str | None) -> tuple[float, list[list[int]]]:
+ARMS = {"static": {}, "eager": {"engine": "eager"}, "compiled": {"compile": True}}  # generate's keywords per arm
+
+
+def timed(batch: int, new: int, arm: str | None) -> tuple[float, list[list[int]]]:
     model = build()
     prompts, budgets = workload(batch, new)
-    kw = {} if engine is None else {"engine": engine}
+    kw = {} if arm is None else ARMS[arm]
     generate(model, prompts, 2, **kw)  # warm-up
     t = time.perf_counter()
     out = generate(model, prompts, budgets, **kw)
@@ -89,13 +94,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--before-src", default=None, help="a checkout of the commit before the static cache")
+    ap.add_argument("--compiled", action="store_true", help="add the arm with the layers compiled (inductor)")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); load average "
           f"{tuple(round(x, 1) for x in os.getloadavg())} on {os.cpu_count()} CPUs; {args.new} new tokens, fp32")
-    arms = ["static", "eager"] + (["before"] if args.before_src else [])
-    print("| batch | " + " | ".join(f"{a} tokens/s" for a in arms) + " | static / " + arms[-1] + " |")
-    print("| --- " * (len(arms) + 2) + "|")
+    arms = ["static", "eager"] + (["compiled"] if args.compiled else []) + (["before"] if args.before_src else [])
+    base = "before" if args.before_src else "eager"
+    extra = " compiled / static |" if args.compiled else ""
+    print("| batch | " + " | ".join(f"{a} tokens/s" for a in arms) + f" | static / {base} |" + extra)
+    print("| --- " * (len(arms) + 2 + bool(extra)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         _, budgets = workload(batch, args.new)
         pre = prefill_seconds(batch)
@@ -111,7 +119,10 @@ def main() -> None:
         made = sum(len(o) for o in outs["static"]) - batch  # the first token comes from the prefill
         rates = {a: [made / t for t in ts] for a, ts in times.items()}
         cells = [f"{statistics.median(r):.0f} ({min(r):.0f}..{max(r):.0f})" for r in rates.values()]
-        ratio = statistics.median(rates["static"]) / statistics.median(rates[arms[-1]])
+        ratio = statistics.median(rates["static"]) / statistics.median(rates[base])
+        if args.compiled:
+            cells.append(f"{ratio:.2f}x")
+            ratio = statistics.median(rates["compiled"]) / statistics.median(rates["static"])
         print(f"| {batch} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     del budgets
     print(f"load average after: {tuple(round(x, 1) for x in os.getloadavg())}")

@@ -287,8 +287,8 @@ def test_a_kept_cuda_graph_replays_the_next_calls_prompts(name, dtype):
     assert step.captures == 1
 
 
-@pytest.mark.parametrize("name,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),
-                                        ("moe_mla", torch.bfloat16), ("qwen3_5", torch.float32)])
+@pytest.mark.parametrize("name,dtype", [("dense", torch.bfloat16), ("moe_mla", torch.bfloat16),
+                                        ("qwen3_5", torch.float32)])
 def test_compiled_decode_layers_replay_and_keep_the_tokens(name, dtype):
     """Session 16: the decode step's layers compiled by inductor (mindvl.infer.decode_compile: triton kernels).
     Captured in a CUDA graph they give the tokens of the same compiled layers launched step by step (the same

@@ -58,6 +58,10 @@ def layer_call() -> Callable[..., torch.Tensor]:
     code, so every step and every model share them)."""
     call = _CALLS.get(BACKEND)
     if call is None:
-        options = INDUCTOR_OPTIONS if BACKEND == "inductor" else None
+        options = None
+        if BACKEND == "inductor":  # the options this torch's inductor has (an unknown one fails the compilation)
+            from torch._inductor import config
+
+            options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
         call = _CALLS[BACKEND] = torch.compile(layer_forward, backend=BACKEND, options=options)
     return call
