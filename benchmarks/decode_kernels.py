@@ -1,7 +1,7 @@
 """Kernels launched per decode step, the decoder layers eager against compiled (mindvl.infer.decode_compile), counted
 on the CPU.
 
-    PYTHONPATH=$PWD python benchmarks/decode_kernels.py [--dtype bfloat16] [--families qwen2,qwen3]
+    PYTHONPATH=$PWD python benchmarks/decode_kernels.py [--dtype bfloat16] [--families qwen2,qwen3] [--check-bits]
 
 Why on the CPU: at small batch an accelerator's decode step costs its weight reads plus a few microseconds per
 kernel, even replayed from a CUDA graph, so the kernel count per layer is what compilation changes. It does not
@@ -15,6 +15,10 @@ allocate (`NOT_KERNELS`, `to` among them: its `_to_copy` counts when it copies),
 counts once, not again for its `addmm`). The per-layer figure is the difference
 between a 4-layer and a 2-layer model, halved; `fixed` is the rest (embedding, rotary tables, decode mask, final
 norm, logits). On an accelerator the proof's generate section counts the real CUDA kernels (`kernels_per_step`).
+
+`--check-bits` also compares the logits of 8 decode steps (4 rows, the same teacher-forced tokens on both sides) of
+a wider model (hidden 1024, head_dim 128) eager against compiled: with decode_compile.INDUCTOR_OPTIONS they are
+equal bit for bit on the CPU; without them (inductor's defaults) they are not (`--check-bits --default-options`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,14 @@ NOT_KERNELS = {"aten::" + n for n in (
 )}
 
 
-def build(family: str, layers: int, dtype: torch.dtype) -> MindVL:
-    """A narrow model of the family's layer structure (the kernel count does not depend on the widths)."""
-    text = TextConfig(family=family, vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[2, 3, 3])
+def build(family: str, layers: int, dtype: torch.dtype, wide: bool = False) -> MindVL:
+    """A narrow model of the family's layer structure (the kernel count does not depend on the widths); `wide`:
+    hidden 1024, 8 query heads of 128 over 4 KV heads (for the bit comparison)."""
+    sizes = (dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=128, mrope_section=[16, 24, 24]) if wide else
+             dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  mrope_section=[2, 3, 3]))
+    text = TextConfig(family=family, vocab_size=1001, num_hidden_layers=layers, **sizes)
     vision = VisionConfig(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[0])
     model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=1000, video_token_id=999,
                                 vision_start_token_id=998, vision_end_token_id=997))
@@ -83,11 +91,30 @@ def step_kernels(family: str, layers: int, dtype: torch.dtype, compiled: bool) -
     return kernels(prof)
 
 
+@torch.inference_mode()
+def step_logits(family: str, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
+    """[8, 4, V] float32: 8 decode steps' logits of a wide 2-layer model, each step fed the same fixed tokens."""
+    model = build(family, 2, dtype, wide=True)
+    cache = model.new_kv_cache(4, 256)
+    ids = torch.randint(0, 900, (40,), generator=torch.Generator().manual_seed(0))
+    logits, positions = model.prefill(ids, torch.tensor([0, 12, 20, 31, 40], dtype=torch.int32), cache)
+    call = decode_compile.layer_call() if compiled else None
+    tokens, out = logits.argmax(-1), []
+    for s in range(8):
+        out.append(model.decode_step(tokens, positions + s, cache, layer_call=call).float())
+        tokens = torch.randint(0, 900, (4,), generator=torch.Generator().manual_seed(s))
+    return torch.stack(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--families", default="qwen2,qwen3")
+    parser.add_argument("--check-bits", action="store_true", help="compare eager and compiled logits bit for bit")
+    parser.add_argument("--default-options", action="store_true", help="inductor's defaults, not INDUCTOR_OPTIONS")
     args = parser.parse_args()
+    if args.default_options:
+        decode_compile.INDUCTOR_OPTIONS = {}
     import torch._inductor.config as inductor_config
 
     inductor_config.cpp.enable_kernel_profile = True
@@ -105,6 +132,12 @@ def main() -> None:
                          "fixed": sum(two.values()) - 2 * total_per_layer,
                          "per_layer_by_op": dict(sorted(per_layer.items(), key=lambda kv: -kv[1]))})
         rows.append({"family": family, "eager_over_compiled_per_layer": counts[False] / counts[True]})
+        if args.check_bits:
+            eager, compiled = (step_logits(family, dtype, c) for c in (False, True))
+            diff = (eager - compiled).abs()
+            rows.append({"family": family, "dtype": args.dtype, "inductor_options": decode_compile.INDUCTOR_OPTIONS,
+                         "logits_equal_bitwise": torch.equal(eager, compiled), "max_abs_diff": diff.max().item(),
+                         "fraction_differing": (diff > 0).float().mean().item()})
     for row in rows:
         print(json.dumps(row))
 

@@ -159,3 +159,31 @@ def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(cou
     monkeypatch.setenv("MINDVL_DECODE_COMPILE", "sometimes")
     with pytest.raises(ValueError, match="MINDVL_DECODE_COMPILE='sometimes': set it to on or off"):
         generate(model, prompts, 5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense", "qwen3_vl"])
+def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(name, monkeypatch):
+    """The real backend (inductor, C++ kernels on the CPU) with decode_compile.INDUCTOR_OPTIONS: six bf16 decode
+    steps (rows of different lengths, the same teacher-forced tokens on both sides) give the eager step's logits bit
+    for bit: the fused norms, rotations and SwiGLU round as eager does, and the residual stays a separate add.
+    (Inductor's defaults change most of them: benchmarks/decode_kernels.py --check-bits --default-options.) Qwen2's
+    biases and Qwen3's q/k norms both."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_compile, "BACKEND", "inductor")
+    model = build(name).to(torch.bfloat16)
+
+    @torch.inference_mode()
+    def logits(call) -> torch.Tensor:
+        cache = model.new_kv_cache(3, 64)
+        ids = torch.randint(0, 190, (21,), generator=torch.Generator().manual_seed(0))
+        out, positions = model.prefill(ids, torch.tensor([0, 9, 13, 21], dtype=torch.int32), cache)
+        tokens, steps = out.argmax(-1), []
+        for s in range(6):
+            steps.append(model.decode_step(tokens, positions + s, cache, layer_call=call))
+            tokens = torch.randint(0, 190, (3,), generator=torch.Generator().manual_seed(s))
+        return torch.stack(steps)
+
+    eager, compiled = logits(None), logits(decode_compile.layer_call())
+    assert torch.equal(eager, compiled), (eager - compiled).abs().max()
+    torch._dynamo.reset()
