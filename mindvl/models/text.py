@@ -197,12 +197,12 @@ class TextModel(nn.Module):
         `deepstack` (Qwen3-VL): (visual positions [n] int64, features [[n, H], ...]); feature l is added to the
         hidden states at those positions after layer l, as transformers' Qwen3VLTextModel does.
 
-        `layer_call(layer, x, cos, sin, cu_seqlens, max_seqlen, kv, rows)` (with a cache) runs each decoder layer in
-        place of `layer(...)`: how a caller runs the layers compiled (mindvl.infer.decode_compile) without the model
-        knowing of it.
+        `layer_call(fn, *args)` (with a cache) runs the pieces of the forward in place of `fn(*args)`: the rotary
+        tables, each decoder layer (`layer(x, cos, sin, cu_seqlens, max_seqlen, kv, rows)`) and the final norm. It is
+        how a caller runs them compiled (mindvl.infer.decode_compile) without the model knowing of it.
         """
-        cos, sin = attention_class(self.cfg).rotary(position_ids, self.cfg)
-        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)  # transformers rotates text in x.dtype
+        run = layer_call or _call
+        cos, sin = run(self.rotary_tables, position_ids, inputs_embeds.dtype)
         x = inputs_embeds
         index, extra = deepstack if deepstack is not None else (None, [])
         if cache is None:
@@ -224,7 +224,6 @@ class TextModel(nn.Module):
         last = len(self.layers) - 1
         rows = cu_seqlens[1:].long() - 1 if last_only else None  # [B]: each prompt's last token
         narrow_last = rows is not None and len(extra) <= last  # DeepStack into the last layer needs all its rows
-        run = layer_call or _call
         for i, layer in enumerate(self.layers):
             x = run(layer, x, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i), rows if i == last and narrow_last
                     else None)
@@ -233,11 +232,16 @@ class TextModel(nn.Module):
         if rows is not None and not narrow_last:
             x = x[rows]
         cache.commit()
-        return self.norm(x)
+        return run(self.norm, x)
+
+    def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [T] or [3, T] -> cos, sin [T, rotary dim] in `dtype` (transformers rotates text in x.dtype)."""
+        cos, sin = attention_class(self.cfg).rotary(position_ids, self.cfg)
+        return cos.to(dtype), sin.to(dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.output_weight.T
 
 
-def _call(layer: nn.Module, *args) -> torch.Tensor:
-    return layer(*args)
+def _call(fn, *args):
+    return fn(*args)
