@@ -98,10 +98,6 @@ class DecodeStep:
     def model(self):
         return self._model()
 
-    @property
-    def compiled(self) -> bool:
-        return self.layer_call is not None
-
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(tokens, positions, self.cache, layer_call=self.layer_call)
 

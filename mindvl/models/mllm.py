@@ -409,7 +409,7 @@ class MindVL(nn.Module):
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     layer_call: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """One new token per cached sequence: input_ids [B], positions [B] -> next-token logits [B, V].
-        `layer_call`: see TextModel.forward (the decoder layers run compiled)."""
+        `layer_call`: see TextModel.forward (how the step's layers, rotary tables and final norm run compiled)."""
         embeds = self.language_model.embed_tokens(input_ids)  # generated ids are text, even an image-pad id
         position_ids = positions.expand(3, -1) if self.config.uses_mrope else positions
         hidden = self.language_model(embeds, position_ids, None, 1, cache=cache, layer_call=layer_call)

@@ -197,9 +197,9 @@ class TextModel(nn.Module):
         `deepstack` (Qwen3-VL): (visual positions [n] int64, features [[n, H], ...]); feature l is added to the
         hidden states at those positions after layer l, as transformers' Qwen3VLTextModel does.
 
-        `layer_call(fn, *args)` (with a cache) runs the pieces of the forward in place of `fn(*args)`: the rotary
-        tables, each decoder layer (`layer(x, cos, sin, cu_seqlens, max_seqlen, kv, rows)`) and the final norm. It is
-        how a caller runs them compiled (mindvl.infer.decode_compile) without the model knowing of it.
+        `layer_call(fn, *args)` runs pieces of the forward in place of `fn(*args)`: the rotary tables, and with a
+        cache each decoder layer (`layer(x, cos, sin, cu_seqlens, max_seqlen, kv, rows)`) and the final norm. It is
+        how the decode step runs them compiled (mindvl.infer.decode_compile) without the model knowing of it.
         """
         run = layer_call or _call
         cos, sin = run(self.rotary_tables, position_ids, inputs_embeds.dtype)
