@@ -73,6 +73,9 @@ The AC-off arms cost about what their full-AC arms took for as many steps (mindv
 the first arm's compiled blocks; hf_packed: 4 steps, ~10 s at the H200's 2.5 s steps) and fit in the default limits
 (mindvl 240 s, hf_packed 90 s) only when the full-AC arms are quick; when proof.json says `ac_off.skipped`, get them
 with `--sections prepare,mindvl,hf_packed --section-limit mindvl=360 --section-limit hf_packed=150 --budget-s 420`.
+Issue 39 (generation) first: `--sections environment,prepare,generate --budget-s 420` (prepare 20 s on the H200,
+generate up to its 300 s: six mindvl arms at batch 1 and 32, inductor compiling the decode layers twice, the two
+transformers arms), then the rest (`--sections tests,prepare,mindvl,profile,...`) with what is left.
 Not yet known: how long inductor takes for the mid model's blocks (the H200 run of 2026-11-28 compiled nothing: the
 blocks' graph breaks inside checkpoint wrappers ran them eagerly, fixed since); the first run's proof.json has it.
 """
