@@ -67,13 +67,18 @@ def decode_steps(budgets: list[int], answers: list[list[int]], sync_every: int) 
 def test_compiled_layers_give_the_eager_loops_tokens(name, counting):
     """Greedy, per-prompt budgets and stop tokens, a compaction to fewer rows (a second batch size: a recompilation
     with a dynamic batch): the compiled layers give the eager loop's tokens, and every layer of every decode step
-    ran compiled code (at least one compiled graph per layer and step: no layer fell back to eager)."""
+    ran compiled code (at least one compiled graph per layer and step: no layer fell back to eager). A second call
+    skips the trial step."""
     model = build(name)
     prompts, budgets, stops, _, want = budgets_and_stops(model)
     got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, compile=True)
     assert got == want
     steps = decode_steps(budgets, want, 3)
-    assert counting.runs >= (steps + 1) * model.config.text.num_hidden_layers  # + the trial step
+    first = counting.runs
+    assert first >= (steps + 1) * model.config.text.num_hidden_layers  # + the trial step
+    # A second call runs no trial (the model passed it): the same graphs per step, one step fewer.
+    assert generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, compile=True) == want
+    assert (counting.runs - first) * (steps + 1) == first * steps
 
 
 @pytest.mark.filterwarnings("error")

@@ -31,12 +31,14 @@ eager path's after a near tie. That is why it is off by default until the accele
 that keeps eager's ops (BACKEND = "aot_eager"): the compiled path's mechanics, quickly.
 
 A compilation that fails (a graph inductor cannot lower, no C++ compiler or triton) turns compilation off for that
-step with a warning and the generation runs eagerly: the first compiled step runs once as a trial, its effect on
-the cache undone.
+step with a warning and the generation runs eagerly: the first compiled step of a model runs once as a trial, its
+effect on the cache undone (`passed_trial` remembers the models whose trial passed, so later calls skip it; a
+recompilation for a new batch size after that is not guarded).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,16 @@ BACKEND: str | Callable = "inductor"
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "pattern_matcher": False}
 
 _CALLS: dict = {}
+_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the backends its trial passed with
+
+
+def passed_trial(model) -> bool:
+    """Whether a trial step of this model already ran compiled with BACKEND."""
+    return BACKEND in _PASSED.get(model, ())
+
+
+def note_trial_passed(model) -> None:
+    _PASSED.setdefault(model, set()).add(BACKEND)
 
 
 def layer_forward(fn, *args):

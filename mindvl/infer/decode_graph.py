@@ -19,7 +19,8 @@ in CI without a GPU.
 Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
 
 With `compiled` the decoder layers run compiled (decode_compile.py: fused kernels, fewer per step), captured or not.
-Its first step is a trial whose effect on the cache is undone: a compilation that fails turns it off, warned.
+A model's first compiled step is a trial whose effect on the cache is undone: a compilation that fails turns it off,
+warned.
 
 Captured steps are kept across `generate` calls (`lease`): per model, the last POOL_SIZE (batch, capacity) pairs
 (one by default) keep their cache and captured step, the capacity rounded up to CAPACITY_STEP slots. A call at a
@@ -103,7 +104,9 @@ class DecodeStep:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.layer_call is not None and not self._tried:
-            self._try_compiled(tokens, positions)
+            self._tried = True
+            if not decode_compile.passed_trial(self.model):
+                self._try_compiled(tokens, positions)
         if self.graphs and self._graph is None and not self.backend.usable(tokens.device):
             self.graphs = False
         if not self.graphs:
@@ -122,10 +125,10 @@ class DecodeStep:
     def _try_compiled(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Run the compiled step once (compiling it), its effect on the cache undone: a compilation that fails
         turns compilation off instead of failing the generation."""
-        self._tried = True
         with _undone(self.cache):
             try:
                 self._run(tokens, positions)
+                decode_compile.note_trial_passed(self.model)
             except Exception as error:  # noqa: BLE001 - any compile failure means: run the layers eagerly
                 while error.__cause__ is not None:  # dynamo wraps the backend's own error
                     error = error.__cause__
