@@ -38,6 +38,7 @@ recompilation for a new batch size after that is not guarded).
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 
@@ -73,9 +74,24 @@ def layer_forward(fn, *args):
     return fn(*args)
 
 
+def _kind(fn) -> str:
+    """What a piece is (DecoderLayer, RMSNorm, rotary_tables, ...): each kind is compiled as its own function."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _forward_for(kind: str) -> Callable:
+    """A copy of `layer_forward` with code of its own. Dynamo keeps a function's graphs with its code, at most
+    `recompile_limit` (8) of them, after which it runs the function eagerly; one shared code for the rotary tables,
+    the norm and every layer kind (dense, MoE, linear attention), each static and then with a dynamic batch, would
+    reach that."""
+    code = layer_forward.__code__.replace(co_name=f"decode_{kind}")
+    return types.FunctionType(code, layer_forward.__globals__, code.co_name)
+
+
 def layer_call() -> Callable[..., torch.Tensor]:
-    """`layer_forward` compiled with BACKEND, made once per backend (dynamo keeps its graphs with the function's
-    code, so every step and every model share them)."""
+    """The compiled `layer_call` for BACKEND, made once per backend (dynamo keeps its graphs with the compiled
+    functions' code, so every step and every model share them): each kind of piece goes to its own compiled copy of
+    `layer_forward`."""
     call = _CALLS.get(BACKEND)
     if call is None:
         options = None
@@ -83,5 +99,14 @@ def layer_call() -> Callable[..., torch.Tensor]:
             from torch._inductor import config
 
             options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
-        call = _CALLS[BACKEND] = torch.compile(layer_forward, backend=BACKEND, options=options)
+        compiled: dict[str, Callable] = {}
+        backend = BACKEND
+
+        def call(fn, *args):
+            kind = _kind(fn)
+            if kind not in compiled:
+                compiled[kind] = torch.compile(_forward_for(kind), backend=backend, options=options)
+            return compiled[kind](fn, *args)
+
+        _CALLS[BACKEND] = call
     return call
