@@ -35,7 +35,8 @@ def test_dry_run_every_section_succeeds(tmp_path):
     for row in sections["generate"]["batches"].values():
         assert row["identical"] == dict.fromkeys(("static", "graphs", "graphs_compiled", "static_no_cudnn",
                                                   "graphs_no_cudnn"), True)
-        assert row["graphs_compiled"]["common_prefix"] == 8 and row["graphs_compiled"]["warmup_s"] > 0
+        compiled = row["graphs_compiled"]
+        assert compiled["compiled"] and compiled["common_prefix"] == 8 and compiled["warmup_s"] > 0
         assert row["capture"]["first_call_s"] > 0 and row["sdpa"] and "transformers_no_cudnn" in row
     assert sections["environment"]["missing_packages"] == []
     assert sections["tests"]["skipped"] >= 10 and sections["tests"]["failure"] == 0  # no CUDA here: all skip
