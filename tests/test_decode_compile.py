@@ -159,6 +159,8 @@ def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(cou
     prompts = prompts_for(model, 2)
     want = generate(model, prompts, 5, engine="eager")
     assert generate(model, prompts, 5) == want and counting.graphs == 0
+    monkeypatch.setenv("MINDVL_DECODE_COMPILE", "off")
+    assert generate(model, prompts, 5) == want and counting.graphs == 0
     monkeypatch.setenv("MINDVL_DECODE_COMPILE", "on")
     assert generate(model, prompts, 5) == want and counting.graphs > 0
     monkeypatch.setenv("MINDVL_DECODE_COMPILE", "sometimes")
