@@ -26,7 +26,12 @@ def run_proof(out: Path, *extra: str, env_extra: dict | None = None) -> tuple[in
 
 @pytest.mark.slow
 def test_dry_run_every_section_succeeds(tmp_path):
-    rc, proof, output = run_proof(tmp_path)
+    # The sections start forked from the tests' fork server (tests/prefork.py: torch and mindvl imported once) rather
+    # than as fresh interpreters, which test_a_crashing_section_is_recorded_and_the_next_runs still starts.
+    import prefork
+
+    launcher = prefork.command([], dict(os.environ))
+    rc, proof, output = run_proof(tmp_path, env_extra={"MINDVL_PROOF_LAUNCHER": json.dumps(launcher)})
     sections = proof["sections"]
     failed = {k: v.get("error") for k, v in sections.items() if not v.get("ok")}
     assert rc == 0 and not failed, (failed, output[-3000:])
