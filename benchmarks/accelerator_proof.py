@@ -111,6 +111,10 @@ SECTIONS.insert(3, ("generate", 300, 240))
 PLAN_TIMEOUT = (240, 300)  # the planner runs in the background from after `prepare`
 PROFILE = "profile"  # the switch that adds a profiled step to the mindvl and moe sections (see the docstring)
 FAIL_ENV = "MINDVL_PROOF_FAIL"  # a section name: that section raises at once (tests of the failure isolation)
+# A JSON list: the command that starts a section's interpreter, in place of this Python (its script and arguments
+# follow). Unset on the GPU; the dry run's CI test forks the sections from its fork server (tests/prefork.py:
+# torch already imported, ~3-4 s less per section; its output, exit code and kill-on-timeout are a process's).
+LAUNCHER_ENV = "MINDVL_PROOF_LAUNCHER"
 
 
 # ------------------------------------------------------------------------------------------------------ shapes
@@ -1065,7 +1069,8 @@ def child_env(dry: bool) -> dict:
 
 def start(name: str, args, work: Path, log, limit: float) -> tuple[subprocess.Popen, Path, float]:
     result = work / f"{name}.result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--result",
+    launcher = json.loads(os.environ.get(LAUNCHER_ENV) or "null") or [sys.executable]
+    cmd = [*launcher, str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--result",
            str(result), "--limit", str(int(limit))] + (["--dry-run"] if args.dry_run else []) + (
            ["--profile"] if args.profile else [])
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args.dry_run), cwd=ROOT,

@@ -18,15 +18,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
 
-# The files that take longest (benchmarks/RESULTS.md "CI cost after session 13", an idle run), longest first; then
+# The files that take longest (benchmarks/RESULTS.md "CI cost after session 13", an idle run, re-ranked after the
+# ablate --jobs parity test joined test_ablate_tower.py's module fixture), longest first; then
 # every other file with a `slow` test; then the rest. xdist (`--dist loadfile --no-loadscope-reorder`) hands files to
 # the workers in this order, so the long multi-process files start first rather than leaving one worker busy alone at
 # the end.
 HEAVIEST = ("train/test_requeue.py", "test_readme_commands.py", "test_accelerator_proof.py",
-            "train/test_longrun_processes.py", "ablate/test_ablate_smoke.py", "ablate/test_ablate_tower.py",
-            "ablate/test_ablate_jobs.py", "train/test_tensor_parallel.py", "train/test_expert_parallel.py",
-            "plan/test_plan_torch_independent.py", "train/test_context_parallel.py", "train/test_checkpoint_trust.py",
-            "plan/test_plan_vs_proof.py", "test_accelerator_standins.py")
+            "ablate/test_ablate_tower.py", "ablate/test_ablate_smoke.py", "train/test_longrun_processes.py",
+            "train/test_tensor_parallel.py", "train/test_expert_parallel.py", "train/test_context_parallel.py",
+            "train/test_checkpoint_trust.py", "plan/test_plan_vs_proof.py", "test_accelerator_standins.py",
+            "plan/test_plan_torch_independent.py")
 
 
 def pytest_collection_modifyitems(config, items):

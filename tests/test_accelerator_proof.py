@@ -14,19 +14,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "accelerator_proof.py"
+LAUNCHER_ENV = "MINDVL_PROOF_LAUNCHER"  # the script's LAUNCHER_ENV: how it starts its sections
 
 
-def run_proof(out: Path, *extra: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
+def run_proof(out: Path, *extra: str, env_extra: dict | None = None, forked: bool = False) -> tuple[int, dict, str]:
+    """The dry run; `forked`: the driver and every section forked from the tests' fork server (tests/prefork.py:
+    torch and mindvl imported once) rather than started as fresh interpreters."""
     env = {**os.environ, **(env_extra or {})}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--dry-run", *extra], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1800)
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--dry-run", *extra]
+    if forked:
+        import prefork
+
+        env[LAUNCHER_ENV] = json.dumps(prefork.command([], env))
+        cmd = prefork.command(cmd[1:], env)
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     proof = json.loads((out / "proof.json").read_text()) if (out / "proof.json").exists() else {}
     return run.returncode, proof, run.stdout + run.stderr
 
 
 @pytest.mark.slow
 def test_dry_run_every_section_succeeds(tmp_path):
-    rc, proof, output = run_proof(tmp_path)
+    # Forked (~50 s less): test_a_crashing_section_is_recorded_and_the_next_runs still starts the driver and its
+    # sections as fresh interpreters.
+    rc, proof, output = run_proof(tmp_path, forked=True)
     sections = proof["sections"]
     failed = {k: v.get("error") for k, v in sections.items() if not v.get("ok")}
     assert rc == 0 and not failed, (failed, output[-3000:])

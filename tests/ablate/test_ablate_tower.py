@@ -79,6 +79,22 @@ def test_every_seed_starts_from_its_text_model_with_the_tower(trained):
     assert analysis["training"].keys() == set(stages_for(["lm-merged"])) <= set(STAGES)
 
 
+def test_parallel_seeds_match_one_process(tmp_path, trained):
+    """`mindvl ablate --jobs 2`: seeds trained in parallel processes give the numbers of the one-process run of the
+    same ablation and budget (the module's `trained` run: lm-merge over 2 seeds with the tower's chain). lm-merge's
+    chain (text, warm-up, multitask, one SFT) is the shortest that has every kind of stage: a trained one from
+    seeded init, trained ones from a parent, and a merge."""
+    recipes, _, one, _ = trained
+    two = run_ablation(["lm-merge"], 2, tmp_path / "two", TWO, recipes, verdicts=False, log=quiet, jobs=2)
+    assert two["claims"]["lm-merge"]["seeds"] == [0, 1]
+    assert set(one["training"]) == {"text", "warmup", "multitask", "sft-1024"}
+    for stage, t in one["training"].items():
+        assert two["training"][stage]["steps"] == t["steps"]
+        # Another thread count may reorder float sums, nothing more: the same data, init and steps per seed.
+        assert two["training"][stage]["first_loss"] == pytest.approx(t["first_loss"], rel=1e-4), stage
+        assert two["training"][stage]["last_loss"] == pytest.approx(t["last_loss"], rel=1e-3), stage
+
+
 def test_rerun_reuses_the_tower_and_a_changed_tower_budget_is_refused(trained):
     recipes, out, _, _ = trained
     lines: list[str] = []

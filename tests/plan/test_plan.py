@@ -6,8 +6,9 @@ import contextlib
 import dataclasses
 import json
 import math
-import sys
+import os
 
+import prefork
 import pytest
 import torch
 
@@ -83,8 +84,10 @@ def test_plan_cli_at_8_ranks_prints_json(tmp_path):
     recipe = reduced_recipe(tmp_path, 16)
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe.to_dict()))
-    cmd = [sys.executable, "-c", "import sys; from mindvl.cli import main; sys.exit(main())", "plan", str(path),
-           "--world-size", "8", "--device", "910b2-64g", "--json"]
+    argv = ["-c", "import sys; from mindvl.cli import main; sys.exit(main())", "plan", str(path),
+            "--world-size", "8", "--device", "910b2-64g", "--json"]
+    # forked with torch and mindvl imported (tests/prefork.py): the CLI's output and exit code as from `python -c`
+    cmd = prefork.command(argv, dict(os.environ))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)

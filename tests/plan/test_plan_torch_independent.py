@@ -34,6 +34,11 @@ def small_recipe(tmp_path):
 
 
 def _plan(tmp_path):
+    r = _plan_result(tmp_path)
+    return r.peak_bytes_per_rank, r.breakdown, r.params["trainable"]
+
+
+def _plan_result(tmp_path):
     # DTensor caches its sharding propagation per op and shapes (in Python and in its C++ fast path), across plans
     # in one process: start from none, so each plan propagates its optimizer step afresh
     from torch.distributed.tensor import DTensor
@@ -45,8 +50,14 @@ def _plan(tmp_path):
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
         torch._C._clear_DTensor_sharding_propagator_cache()
-    r = plan(small_recipe(tmp_path), 1, get_device("h100-80g"))
-    return r.peak_bytes_per_rank, r.breakdown, r.params["trainable"]
+    return plan(small_recipe(tmp_path), 1, get_device("h100-80g"))
+
+
+@pytest.fixture(scope="module")
+def unplanted(tmp_path_factory):
+    """The plan with nothing planted (computed once, before any test plants anything): what every planted plan must
+    equal."""
+    return _plan_result(tmp_path_factory.mktemp("unplanted"))
 
 
 @contextlib.contextmanager
@@ -75,8 +86,8 @@ def unguarded(monkeypatch) -> None:
     monkeypatch.setattr(simulate, "device_optimizer_memory", lambda tracker: contextlib.nullcontext())
 
 
-def test_an_out_of_place_optimizer_kernel_leaves_the_plan_unchanged(tmp_path, monkeypatch):
-    peak, breakdown, trainable = _plan(tmp_path)
+def test_an_out_of_place_optimizer_kernel_leaves_the_plan_unchanged(tmp_path, monkeypatch, unplanted):
+    peak, breakdown, trainable = unplanted.peak_bytes_per_rank, unplanted.breakdown, unplanted.params["trainable"]
     assert breakdown["optimizer_state"] == pytest.approx(8 * trainable, rel=0.01)  # two fp32 moments
     with out_of_place_fused_adamw():
         planted_peak, planted, _ = _plan(tmp_path)
@@ -87,11 +98,11 @@ def test_an_out_of_place_optimizer_kernel_leaves_the_plan_unchanged(tmp_path, mo
     assert inflated["optimizer_state"] == pytest.approx(24 * trainable, rel=0.01) and inflated_peak > peak
 
 
-def test_sharding_propagation_under_the_trace_fake_mode_leaves_the_plan_unchanged(tmp_path, monkeypatch):
+def test_sharding_propagation_under_the_trace_fake_mode_leaves_the_plan_unchanged(tmp_path, monkeypatch, unplanted):
     """DTensor's sharding propagation run under the trace's own fake mode (the planner's private mode for it not
     taking effect, as the module-level patch cannot where a torch looks the mode up elsewhere): its fake copies of
     every fused-AdamW argument go through the tracker."""
-    peak, breakdown, trainable = _plan(tmp_path)
+    peak, breakdown = unplanted.peak_bytes_per_rank, unplanted.breakdown
     monkeypatch.setattr(fake_module, "_dtensor_own_fake_mode", contextlib.nullcontext)
     assert _plan(tmp_path)[:2] == (peak, breakdown)
     unguarded(monkeypatch)
@@ -99,9 +110,9 @@ def test_sharding_propagation_under_the_trace_fake_mode_leaves_the_plan_unchange
     assert inflated["optimizer_state"] > 1.5 * breakdown["optimizer_state"] and inflated_peak > peak
 
 
-def test_the_report_names_its_torch(tmp_path):
+def test_the_report_names_its_torch(unplanted):
     from mindvl.plan import format_report
 
-    r = plan(small_recipe(tmp_path), 1, get_device("h100-80g"))
+    r = unplanted
     assert r.torch_version == torch.__version__ and r.to_dict()["torch"] == torch.__version__
     assert f"traced with torch {torch.__version__}" in format_report(r)

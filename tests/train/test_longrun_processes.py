@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import CLI, env, finish, launch, load_weights, raw_recipe, write_recipe
+from train_helpers import CLI, env, finish, launch, load_weights, python, raw_recipe, write_recipe
 
 from mindvl.checkpoint.training import export_checkpoint, read_latest
 from mindvl.data.sources import ReaderState, slot_units
@@ -202,7 +202,9 @@ def test_a_second_signal_exits_at_once(tmp_path):
     raw = raw_recipe(tmp_path / "run", tmp_path / "cache", budget={"max_steps": 200}, checkpoint={"every": None})
     script = tmp_path / "cli.py"
     script.write_text(CLI + "\n")
-    proc = subprocess.Popen([sys.executable, str(script), "train", str(write_recipe(tmp_path / "r.yaml", raw))],
+    # forked from the tests' fork server (train_helpers.python): Ctrl-C reaches the run through its launch, which
+    # ends as the run did (exit 130, or a traceback if a KeyboardInterrupt escaped)
+    proc = subprocess.Popen(python([str(script), "train", str(write_recipe(tmp_path / "r.yaml", raw))]),
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     first_seen = threading.Event()

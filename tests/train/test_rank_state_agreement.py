@@ -4,25 +4,16 @@ or falls back to the same older checkpoint (resume=auto); two gloo processes."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
+
+from train_helpers import run_ranks
 
 WORKER = Path(__file__).with_name("rank_state_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_ranks_damaged_state_is_agreed(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(WORKER), str(tmp_path / "ckpts")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # 2 ranks with torchrun's environment, forked from the tests' fork server (train_helpers.run_ranks: no launcher)
+    r = run_ranks(tmp_path, 2, [str(tmp_path / "ckpts")], timeout=240, script=WORKER)
     assert r.returncode == 0, r.stderr[-3000:]
     out = [json.loads((tmp_path / f"out_{rank}.json").read_text()) for rank in (0, 1)]
     # resume=PATH: the same one-line error on both ranks, naming the file and the rank that found it
