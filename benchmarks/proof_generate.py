@@ -20,13 +20,14 @@ transformers needs no padding) and 64 greedy tokens each:
 `capture` times one short call (2 tokens) with the kept step released (a capture) and again (a replay);
 `sdpa` lists the backend torch picks for each attention call of one static call, and the distinct shapes.
 `kernels_per_step` counts the device kernels of one decode step (torch.profiler: a 2-token call less a 1-token one)
-with the layers eager and compiled: the launches a CUDA graph replays. Every mindvl arm should give the eager loop's
-tokens (`identical`; the compiled arm can leave them after a near tie, see decode_compile: `common_prefix` says
-where); transformers' agreement is reported as the common prefix (bf16 kernels differ). Tokens/s is B x 64 / wall
-time of the call (prefill included); `step_ms` is (wall - prefill) / 63 and `decode_tokens_per_s` B / step time.
-The bandwidth bound of a decode step is the language model's weight bytes over the measured device copy bandwidth
-(read + write of a 1 GiB buffer): batch 1 cannot beat bw / weight bytes tokens/s, batch B (KV reads aside) B times
-that.
+with the layers eager and compiled: the launches a CUDA graph replays; `us_per_kernel_beyond_weights` is a graph
+arm's step time less one read of the weights, per kernel (what fewer kernels would save). Every mindvl arm should
+give the eager loop's tokens (`identical`; the compiled arm can leave them after a near tie, see decode_compile:
+`common_prefix` says where); transformers' agreement is reported as the common prefix (bf16 kernels differ).
+Tokens/s is B x 64 / wall time of the call (prefill included); `step_ms` is (wall - prefill) / 63 and
+`decode_tokens_per_s` B / step time. The bandwidth bound of a decode step is the language model's weight bytes over
+the measured device copy bandwidth (read + write of a 1 GiB buffer): batch 1 cannot beat bw / weight bytes tokens/s,
+batch B (KV reads aside) B times that.
 """
 
 from __future__ import annotations
@@ -198,9 +199,13 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
                                                              zip(tokens["eager"], ref, strict=True))}
             row["graphs_over_transformers"] = row["graphs"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             best_hf = max(row["transformers"]["tokens_per_s"], row["transformers_no_cudnn"]["tokens_per_s"])
-        for arm in ("graphs", "graphs_compiled"):
+        weights_ms = 1000 * out["weights_bytes"] / out["copy_bytes_per_s"]  # one read of the weights
+        for arm, kernels in (("graphs", "eager_layers"), ("graphs_compiled", "compiled_layers")):
             decode = row[arm]["decode_tokens_per_s"]
             row[f"{arm}_over_bound"] = decode / (b * out["bound_tokens_per_s_batch1"]) if decode else None
+            if "kernels_per_step" in row:  # what a replayed kernel costs beyond the weight read, microseconds
+                n = row["kernels_per_step"][kernels]["decode_step"]
+                row[arm]["us_per_kernel_beyond_weights"] = 1000 * (row[arm]["step_ms"] - weights_ms) / max(n, 1)
             if hf is not None:
                 row[f"{arm}_over_best_transformers"] = row[arm]["tokens_per_s"] / best_hf
     return out
