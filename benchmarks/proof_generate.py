@@ -172,7 +172,7 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
                 row[name]["common_prefix"] = min(common_prefix(a, e) for a, e in
                                                  zip(tokens[name], tokens["eager"], strict=True))
             if kw.get("compile"):  # False: the compilation failed and the arm ran eagerly (its warning is logged)
-                row[name]["compiled"] = decode_compile.passed_trial(model)
+                row[name]["compiled"] = decode_compile.passed_trial(model, b)
         row["identical"] = {name: tokens[name] == tokens["eager"] for name in arms if name != "eager"}
         if save_partial is not None:
             save_partial(args, out, f"batch {b}, capture, sdpa and transformers")

@@ -69,17 +69,19 @@ def test_compiled_layers_give_the_eager_loops_tokens(name, counting):
     with a dynamic batch): the compiled layers give the eager loop's tokens, and every layer of every decode step
     ran compiled code: per step at least 4 graphs per layer (dynamo splits a layer at the attention and at its
     submodules' frames; dense: exactly 4) and the rotary tables' and the final norm's, so a layer that fell back to
-    eager would be missed. A second call skips the trial step."""
+    eager would be missed. Each batch size's first step is a trial (undone); a second call skips them."""
     model = build(name)
     prompts, budgets, stops, _, want = budgets_and_stops(model)
     got = generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, compile=True)
     assert got == want
     steps = decode_steps(budgets, want, 3)
     first = counting.runs
-    assert first >= (steps + 1) * (4 * model.config.text.num_hidden_layers + 2)  # + the trial step
-    # A second call runs no trial (the model passed it): the same graphs per step, one step fewer.
+    trials = len(decode_compile._PASSED[model])  # one per batch size: 5 rows, then the compacted sizes
+    assert trials >= 2
+    assert first >= (steps + trials) * (4 * model.config.text.num_hidden_layers + 2)
+    # A second call runs no trial (the model passed them at these sizes): the same graphs per step, no extra steps.
     assert generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, compile=True) == want
-    assert (counting.runs - first) * (steps + 1) == first * steps
+    assert (counting.runs - first) * (steps + trials) == first * steps
 
 
 @pytest.mark.filterwarnings("error")
@@ -151,6 +153,29 @@ def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(m
     with pytest.warns(UserWarning, match="decode step not compiled.*no compiler here"):
         assert generate(model, prompts, 8, compile=True) == want
     assert updated  # the failure came after an in-place update
+    torch._dynamo.reset()
+
+
+def test_a_recompilation_that_fails_at_a_new_batch_size_runs_eagerly(monkeypatch):
+    """The trial passes at 3 rows; a later call at 2 rows needs a recompilation (a dynamic batch), which this
+    backend refuses: a warning, that call runs eagerly with the eager loop's tokens (Qwen3.5's states undone), and
+    the first size still runs compiled."""
+    refuse = []
+
+    def backend(gm, example_inputs):
+        if refuse:
+            raise RuntimeError("no dynamic shapes here")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_compile, "BACKEND", backend)
+    model = build("qwen3_5")
+    prompts = prompts_for(model, 3)
+    assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6, engine="eager")
+    refuse.append(True)
+    with pytest.warns(UserWarning, match="decode step not compiled.*no dynamic shapes here"):
+        assert generate(model, prompts[1:], 6, compile=True) == generate(model, prompts[1:], 6, engine="eager")
+    assert decode_compile.passed_trial(model, 3) and not decode_compile.passed_trial(model, 2)
     torch._dynamo.reset()
 
 

@@ -31,9 +31,9 @@ eager path's after a near tie. That is why it is off by default until the accele
 that keeps eager's ops (BACKEND = "aot_eager"): the compiled path's mechanics, quickly.
 
 A compilation that fails (a graph inductor cannot lower, no C++ compiler or triton) turns compilation off for that
-step with a warning and the generation runs eagerly: the first compiled step of a model runs once as a trial, its
-effect on the cache undone (`passed_trial` remembers the models whose trial passed, so later calls skip it; a
-recompilation for a new batch size after that is not guarded).
+step with a warning and the generation runs eagerly: the first compiled step of a model at each batch size (what
+makes dynamo compile again) runs once as a trial, its effect on the cache undone; `passed_trial` remembers the
+(model, batch) pairs whose trial passed, so later calls skip it.
 """
 
 from __future__ import annotations
@@ -56,16 +56,17 @@ BACKEND: str | Callable = "inductor"
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "pattern_matcher": False}
 
 _CALLS: dict = {}
-_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the backends its trial passed with
+# model -> the (backend, batch size) pairs whose trial step passed
+_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def passed_trial(model) -> bool:
-    """Whether a trial step of this model already ran compiled with BACKEND."""
-    return BACKEND in _PASSED.get(model, ())
+def passed_trial(model, batch: int) -> bool:
+    """Whether a trial step of this model at this batch size already ran compiled with BACKEND."""
+    return (BACKEND, batch) in _PASSED.get(model, ())
 
 
-def note_trial_passed(model) -> None:
-    _PASSED.setdefault(model, set()).add(BACKEND)
+def note_trial_passed(model, batch: int) -> None:
+    _PASSED.setdefault(model, set()).add((BACKEND, batch))
 
 
 def layer_forward(fn, *args):

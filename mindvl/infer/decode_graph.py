@@ -19,8 +19,8 @@ in CI without a GPU.
 Sampling stays outside the graph (generate.py): its generator and filters are a handful of kernels.
 
 With `compiled` the decoder layers run compiled (decode_compile.py: fused kernels, fewer per step), captured or not.
-A model's first compiled step is a trial whose effect on the cache is undone: a compilation that fails turns it off,
-warned.
+A model's first compiled step at each batch size (a recompilation) is a trial whose effect on the cache is undone:
+a compilation that fails turns it off, warned.
 
 Captured steps are kept across `generate` calls (`lease`): per model, the last POOL_SIZE (batch, capacity) pairs
 (one by default) keep their cache and captured step, the capacity rounded up to CAPACITY_STEP slots. A call at a
@@ -91,9 +91,8 @@ class DecodeStep:
         self._batch = -1
         self._tokens = self._positions = self._logits = None
         self.captures = 0
-        # the compiled layer call (decode_compile), None when the layers run eagerly; `_tried`: its trial ran
+        # the compiled layer call (decode_compile), None when the layers run eagerly
         self.layer_call = decode_compile.layer_call() if compiled else None
-        self._tried = False
 
     @property
     def model(self):
@@ -103,10 +102,8 @@ class DecodeStep:
         return self.model.decode_step(tokens, positions, self.cache, layer_call=self.layer_call)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.layer_call is not None and not self._tried:
-            self._tried = True
-            if not decode_compile.passed_trial(self.model):
-                self._try_compiled(tokens, positions)
+        if self.layer_call is not None and not decode_compile.passed_trial(self.model, tokens.shape[0]):
+            self._try_compiled(tokens, positions)
         if self.graphs and self._graph is None and not self.backend.usable(tokens.device):
             self.graphs = False
         if not self.graphs:
@@ -128,7 +125,7 @@ class DecodeStep:
         with _undone(self.cache):
             try:
                 self._run(tokens, positions)
-                decode_compile.note_trial_passed(self.model)
+                decode_compile.note_trial_passed(self.model, tokens.shape[0])
             except Exception as error:  # noqa: BLE001 - any compile failure means: run the layers eagerly
                 while error.__cause__ is not None:  # dynamo wraps the backend's own error
                     error = error.__cause__
