@@ -11,6 +11,8 @@ the accelerator proof's generate section.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from family_models import TEXT, build
@@ -136,7 +138,7 @@ def test_the_compiled_graphs_do_not_grow_with_the_layers_or_the_steps(name, coun
 def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(monkeypatch):
     """A backend that fails on the first graph after one that updates a state in place: one warning, and the tokens
     are the eager loop's. The trial step's first linear-attention layer ran compiled and updated Qwen3.5's conv state
-    before the failure; undone, or every later token would differ."""
+    before the failure; undone, or every later token would differ. The next call does not try again."""
     updated = []
 
     def failing(gm, example_inputs):
@@ -153,6 +155,9 @@ def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(m
     with pytest.warns(UserWarning, match="decode step not compiled.*no compiler here"):
         assert generate(model, prompts, 8, compile=True) == want
     assert updated  # the failure came after an in-place update
+    with warnings.catch_warnings():  # the model is not compiled again: no second warning, no second attempt
+        warnings.simplefilter("error")
+        assert generate(model, prompts, 8, compile=True) == want
     torch._dynamo.reset()
 
 

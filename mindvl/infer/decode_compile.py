@@ -33,7 +33,8 @@ that keeps eager's ops (BACKEND = "aot_eager"): the compiled path's mechanics, q
 A compilation that fails (a graph inductor cannot lower, no C++ compiler or triton) turns compilation off for that
 step with a warning and the generation runs eagerly: the first compiled step of a model at each batch size (what
 makes dynamo compile again) runs once as a trial, its effect on the cache undone; `passed_trial` remembers the
-(model, batch) pairs whose trial passed, so later calls skip it.
+(model, batch) pairs whose trial passed, so later calls skip it, and a model whose trial failed is not compiled
+again in this process (`failed_trial`: one warning, not one failed compilation per call).
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def passed_trial(model, batch: int) -> bool:
 
 def note_trial_passed(model, batch: int) -> None:
     _PASSED.setdefault(model, set()).add((BACKEND, batch))
+
+
+_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the backends its trial failed with
+
+
+def failed_trial(model) -> bool:
+    """Whether a trial step of this model failed to compile with BACKEND (its steps then run eagerly)."""
+    return BACKEND in _FAILED.get(model, ())
+
+
+def note_trial_failed(model) -> None:
+    _FAILED.setdefault(model, set()).add(BACKEND)
 
 
 def layer_forward(fn, *args):

@@ -91,8 +91,9 @@ class DecodeStep:
         self._batch = -1
         self._tokens = self._positions = self._logits = None
         self.captures = 0
-        # the compiled layer call (decode_compile), None when the layers run eagerly
-        self.layer_call = decode_compile.layer_call() if compiled else None
+        # the compiled layer call (decode_compile), None when the layers run eagerly (also once a trial failed)
+        self.layer_call = (decode_compile.layer_call() if compiled and not decode_compile.failed_trial(model)
+                           else None)
 
     @property
     def model(self):
@@ -131,7 +132,8 @@ class DecodeStep:
                     error = error.__cause__
                 why = " ".join(str(error).split())[:300]
                 warnings.warn(f"decode step not compiled ({type(error).__name__}: {why}); running its layers "
-                              "eagerly", stacklevel=3)
+                              "eagerly from now on", stacklevel=3)
+                decode_compile.note_trial_failed(self.model)
                 self.layer_call = None
 
     def _capture(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
