@@ -78,7 +78,7 @@ def test_compiled_layers_give_the_eager_loops_tokens(name, counting):
     assert got == want
     steps = decode_steps(budgets, want, 3)
     first = counting.runs
-    trials = len(decode_compile._PASSED[model])  # one per batch size: 5 rows, then the compacted sizes
+    trials = len(decode_compile._TRIALS[model])  # one per batch size: 5 rows, then the compacted sizes
     assert trials >= 2
     assert first >= (steps + trials) * (4 * model.config.text.num_hidden_layers + 2)
     # A second call runs no trial (the model passed them at these sizes): the same graphs per step, no extra steps.

@@ -57,29 +57,22 @@ BACKEND: str | Callable = "inductor"
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "pattern_matcher": False}
 
 _CALLS: dict = {}
-# model -> the (backend, batch size) pairs whose trial step passed
-_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {(backend, batch size): whether that trial step compiled}
+_TRIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def passed_trial(model, batch: int) -> bool:
     """Whether a trial step of this model at this batch size already ran compiled with BACKEND."""
-    return (BACKEND, batch) in _PASSED.get(model, ())
-
-
-def note_trial_passed(model, batch: int) -> None:
-    _PASSED.setdefault(model, set()).add((BACKEND, batch))
-
-
-_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the backends its trial failed with
+    return _TRIALS.get(model, {}).get((BACKEND, batch), False)
 
 
 def failed_trial(model) -> bool:
     """Whether a trial step of this model failed to compile with BACKEND (its steps then run eagerly)."""
-    return BACKEND in _FAILED.get(model, ())
+    return any(not ok for (backend, _), ok in _TRIALS.get(model, {}).items() if backend == BACKEND)
 
 
-def note_trial_failed(model) -> None:
-    _FAILED.setdefault(model, set()).add(BACKEND)
+def note_trial(model, batch: int, compiled: bool) -> None:
+    _TRIALS.setdefault(model, {})[(BACKEND, batch)] = compiled
 
 
 def layer_forward(fn, *args):
