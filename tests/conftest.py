@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # tests/ helpers (hf_tiny) are plain modules next to the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -41,3 +43,16 @@ def pytest_collection_modifyitems(config, items):
         return len(HEAVIEST) + (0 if item.path in slow_files else 1)
 
     items.sort(key=rank)  # stable: a file's tests stay together and in their order
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """DecodeStep's graph backend replaced by the CPU emulation of capture and replay (graph_replay.py), for the
+    decode tests (test_static_decode.py, test_decode_compile.py)."""
+    from graph_replay import EmulatedGraphs
+
+    from mindvl.infer import decode_graph
+
+    backend = EmulatedGraphs()
+    monkeypatch.setattr(decode_graph, "BACKEND", backend)
+    return backend

@@ -45,6 +45,18 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if ON_CUDA else torch.device(DEVICE)
 
 
+def family_on_device(name: str, dtype: torch.dtype, n: int) -> tuple:
+    """(a family_models model on the device in `dtype`, n of test_static_decode's prompts with pixels in `dtype`)."""
+    from test_static_decode import build, prompts_for
+
+    model = build(name).to(device(), dtype)
+    prompts = prompts_for(model, n)
+    for p in prompts:
+        if p.pixel_values is not None:
+            p.pixel_values = p.pixel_values.to(dtype)
+    return model, prompts
+
+
 # ---------------------------------------------------------------------------------------------------- attention
 
 LENGTHS = [140, 140, 150, 9, 300, 5, 257]
@@ -235,19 +247,12 @@ def test_decode_replayed_from_a_cuda_graph_gives_the_eager_loops_tokens(name, dt
     back to a per-expert loop that reads the counts, which cannot be captured)."""
     import warnings
 
-    from test_static_decode import build, prompts_for
+    from test_static_decode import budgets_and_stops
 
     from mindvl.infer import generate
 
-    model = build(name).to(device(), dtype)
-    ps = prompts_for(model, 5)
-    for p in ps:
-        if p.pixel_values is not None:
-            p.pixel_values = p.pixel_values.to(dtype)
-    budgets = [14, 3, 9, 2, 12]
-    free = generate(model, ps, budgets, engine="eager")
-    stops = sorted({free[0][6], free[2][4]})
-    want = generate(model, ps, budgets, stop_token_ids=stops, engine="eager")
+    model, ps = family_on_device(name, dtype, 5)
+    _, budgets, stops, _, want = budgets_and_stops(model, ps)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a capture that falls back to eager warns: fail on it
         got = generate(model, ps, budgets, stop_token_ids=stops, sync_every=2, graphs=ON_CUDA)
@@ -264,15 +269,9 @@ def test_a_kept_cuda_graph_replays_the_next_calls_prompts(name, dtype):
     cuDNN, whose plans are built per shape: the kept graph must replay with the plan it captured."""
     import warnings
 
-    from test_static_decode import build, prompts_for
-
     from mindvl.infer import decode_graph, generate
 
-    model = build(name).to(device(), dtype)
-    everything = prompts_for(model, 7)
-    for p in everything:
-        if p.pixel_values is not None:
-            p.pixel_values = p.pixel_values.to(dtype)
+    model, everything = family_on_device(name, dtype, 7)
     calls = (everything[:5], everything[2:], everything[:5])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -297,21 +296,15 @@ def test_compiled_decode_layers_replay_and_keep_the_tokens(name, dtype):
     bf16 against eager is the proof's `graphs_compiled` figure, not asserted (a near tie may flip: decode_compile)."""
     import warnings
 
-    from test_static_decode import build, prompts_for
+    from test_static_decode import budgets_and_stops
 
     from mindvl.infer import decode_graph, generate
 
     if not ON_CUDA:
         pytest.skip("inductor's decode kernels are checked on CUDA")
     pytest.importorskip("triton")
-    model = build(name).to(device(), dtype)
-    ps = prompts_for(model, 5)
-    for p in ps:
-        if p.pixel_values is not None:
-            p.pixel_values = p.pixel_values.to(dtype)
-    budgets = [14, 3, 9, 2, 12]
-    free = generate(model, ps, budgets, engine="eager")
-    stops = sorted({free[0][6], free[2][4]})
+    model, ps = family_on_device(name, dtype, 5)
+    _, budgets, stops, _, want = budgets_and_stops(model, ps)
     kw = dict(stop_token_ids=stops, sync_every=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed compilation or capture falls back with a warning: fail on it
@@ -320,7 +313,7 @@ def test_compiled_decode_layers_replay_and_keep_the_tokens(name, dtype):
         replayed = generate(model, ps, budgets, graphs=True, compile=True, **kw)
     assert replayed == launched
     if dtype == torch.float32:
-        assert launched == generate(model, ps, budgets, engine="eager", **kw)
+        assert launched == want
 
 
 # ------------------------------------------------------------------------------------------------ grouped experts

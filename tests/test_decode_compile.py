@@ -16,8 +16,7 @@ import warnings
 import pytest
 import torch
 from family_models import TEXT, build
-from graph_replay import EmulatedGraphs
-from test_static_decode import budgets_and_stops, prompts_for
+from test_static_decode import budgets_and_stops, decode_steps, prompts_for
 
 from mindvl.infer import decode_compile, decode_graph, generate
 
@@ -49,19 +48,6 @@ def counting(monkeypatch):
     monkeypatch.setattr(decode_compile, "BACKEND", backend)
     yield backend
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    backend = EmulatedGraphs()
-    monkeypatch.setattr(decode_graph, "BACKEND", backend)
-    return backend
-
-
-def decode_steps(budgets: list[int], answers: list[list[int]], sync_every: int) -> int:
-    """Decode steps the static loop takes: it stops at the first sync point after the longest answer is done, or at
-    the largest budget; the prefill made each answer's first token."""
-    return min(max(budgets), -(-max(len(t) for t in answers) // sync_every) * sync_every) - 1
 
 
 @pytest.mark.filterwarnings("error")  # a failed compilation would fall back to eager with a warning

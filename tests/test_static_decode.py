@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_models import END, IMAGE, START, TEXT, VOCAB, build
-from graph_replay import EmulatedGraphs, read_or_data_shaped
+from graph_replay import read_or_data_shaped
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,10 +46,10 @@ def prompts_for(model: MindVL, n: int = 5) -> list[Prompt]:
 # ---------------------------------------------------------------------------------------------- greedy tokens
 
 
-def budgets_and_stops(model: MindVL):
-    """Five prompts with budgets of 2..14 and two stop tokens taken from the free run (so some rows stop early):
-    (prompts, budgets, stops, the eager loop's tokens without stops, and with them)."""
-    prompts = prompts_for(model)
+def budgets_and_stops(model: MindVL, prompts: list[Prompt] | None = None):
+    """Five prompts (prompts_for's, unless given) with budgets of 2..14 and two stop tokens taken from the free run
+    (so some rows stop early): (prompts, budgets, stops, the eager loop's tokens without stops, and with them)."""
+    prompts = prompts or prompts_for(model)
     budgets = [14, 3, 9, 2, 12]
     free = generate(model, prompts, budgets, engine="eager")
     stops = sorted({free[0][6], free[2][4]})
@@ -277,16 +277,6 @@ def test_the_read_counter_sees_reads_and_data_shaped_ops(inference):
 # ------------------------------------------------------------------- the replayed step (graphs, emulated on CPU)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """DecodeStep's graph backend replaced by the CPU emulation of capture and replay (graph_replay.py)."""
-    from mindvl.infer import decode_graph
-
-    backend = EmulatedGraphs()
-    monkeypatch.setattr(decode_graph, "BACKEND", backend)
-    return backend
-
-
 @pytest.mark.filterwarnings("error")  # a capture that failed would fall back to eager with a warning: a failure here
 def test_the_replayed_step_gives_the_eager_loops_tokens(family, emulated):
     """Every family, greedy, per-prompt budgets and stop tokens: the step captured once and replayed (rows masked as
@@ -297,10 +287,13 @@ def test_the_replayed_step_gives_the_eager_loops_tokens(family, emulated):
     assert got == want
     batches = [g.batch for g in emulated.graphs]
     assert batches[0] == 5 and batches[-1] < 5  # captured, and captured again after a compaction
-    # Every decode step was a replay: the loop stops at the first sync point (every 3 tokens) after the longest
-    # answer is done, or at the largest budget; the prefill made each answer's first token.
-    steps = min(max(budgets), -(-max(len(t) for t in want) // 3) * 3) - 1
-    assert sum(g.replays for g in emulated.graphs) == steps
+    assert sum(g.replays for g in emulated.graphs) == decode_steps(budgets, want, 3)  # every decode step replayed
+
+
+def decode_steps(budgets: list[int], answers: list[list[int]], sync_every: int) -> int:
+    """Decode steps the static loop takes: it stops at the first sync point after the longest answer is done, or at
+    the largest budget; the prefill made each answer's first token."""
+    return min(max(budgets), -(-max(len(t) for t in answers) // sync_every) * sync_every) - 1
 
 
 @pytest.mark.filterwarnings("error")
