@@ -75,14 +75,19 @@ def kernels(prof) -> collections.Counter:
     return out
 
 
+def prefilled(model: MindVL, offsets: list[int]) -> tuple:
+    """(cache, each row's first token [B], next positions [B]) after prefilling random prompts split at `offsets`."""
+    cache = model.new_kv_cache(len(offsets) - 1, 256)
+    ids = torch.randint(0, 900, (offsets[-1],), generator=torch.Generator().manual_seed(0))
+    logits, positions = model.prefill(ids, torch.tensor(offsets, dtype=torch.int32), cache)
+    return cache, logits.argmax(-1), positions
+
+
 @torch.inference_mode()
 def step_kernels(family: str, layers: int, dtype: torch.dtype, compiled: bool) -> collections.Counter:
     model = build(family, layers, dtype)
-    cache = model.new_kv_cache(2, 256)
+    cache, tokens, positions = prefilled(model, [0, 12, 20])
     cache.full_width = True  # the captured step's shapes
-    ids = torch.randint(0, 900, (20,), generator=torch.Generator().manual_seed(0))
-    logits, positions = model.prefill(ids, torch.tensor([0, 12, 20], dtype=torch.int32), cache)
-    tokens = logits.argmax(-1)
     call = decode_compile.layer_call() if compiled else None
     for _ in range(2):  # warm-up: compiles
         model.decode_step(tokens, positions, cache, layer_call=call)
@@ -95,11 +100,9 @@ def step_kernels(family: str, layers: int, dtype: torch.dtype, compiled: bool) -
 def step_logits(family: str, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
     """[8, 4, V] float32: 8 decode steps' logits of a wide 2-layer model, each step fed the same fixed tokens."""
     model = build(family, 2, dtype, wide=True)
-    cache = model.new_kv_cache(4, 256)
-    ids = torch.randint(0, 900, (40,), generator=torch.Generator().manual_seed(0))
-    logits, positions = model.prefill(ids, torch.tensor([0, 12, 20, 31, 40], dtype=torch.int32), cache)
+    cache, tokens, positions = prefilled(model, [0, 12, 20, 31, 40])
     call = decode_compile.layer_call() if compiled else None
-    tokens, out = logits.argmax(-1), []
+    out = []
     for s in range(8):
         out.append(model.decode_step(tokens, positions + s, cache, layer_call=call).float())
         tokens = torch.randint(0, 900, (4,), generator=torch.Generator().manual_seed(s))
