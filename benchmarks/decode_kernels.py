@@ -1,5 +1,6 @@
-"""Kernels launched per decode step, the decoder layers eager against compiled (mindvl.infer.decode_compile), counted
-on the CPU.
+"""Kernels launched per decode step, the decoder layers eager against compiled (mindvl.infer.decode_compile), and
+compiled with q/k/v and gate/up as one matmul each (mindvl.infer.fused_projections: what a compiled generation
+runs), counted on the CPU.
 
     PYTHONPATH=$PWD python benchmarks/decode_kernels.py [--dtype bfloat16] [--families qwen2,qwen3] [--check-bits]
 
@@ -17,20 +18,23 @@ between a 4-layer and a 2-layer model, halved; `fixed` is the rest (embedding, r
 norm, logits). On an accelerator the proof's generate section counts the real CUDA kernels (`kernels_per_step`).
 
 `--check-bits` also compares the logits of 8 decode steps (4 rows, the same teacher-forced tokens on both sides) of
-a wider model (hidden 1024, head_dim 128) eager against compiled: with decode_compile.INDUCTOR_OPTIONS they are
-equal bit for bit on the CPU; without them (inductor's defaults) they are not (`--check-bits --default-options`).
+a wider model (hidden 1024, head_dim 128) eager against compiled, fused or not: with decode_compile.INDUCTOR_OPTIONS
+they are equal bit for bit on the CPU; without them (inductor's defaults) they are not (`--check-bits
+--default-options`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mindvl.infer import decode_compile
+from mindvl.infer.fused_projections import fused_projections
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 NOT_KERNELS = {"aten::" + n for n in (
@@ -83,29 +87,37 @@ def prefilled(model: MindVL, offsets: list[int]) -> tuple:
     return cache, logits.argmax(-1), positions
 
 
+# name -> (layers compiled, projections fused)
+ARMS = {"eager": (False, False), "compiled": (True, False), "compiled_fused": (True, True)}
+
+
 @torch.inference_mode()
-def step_kernels(family: str, layers: int, dtype: torch.dtype, compiled: bool) -> collections.Counter:
+def step_kernels(family: str, layers: int, dtype: torch.dtype, arm: str) -> collections.Counter:
+    compiled, fused = ARMS[arm]
     model = build(family, layers, dtype)
-    cache, tokens, positions = prefilled(model, [0, 12, 20])
-    cache.full_width = True  # the captured step's shapes
-    call = decode_compile.layer_call() if compiled else None
-    for _ in range(2):  # warm-up: compiles
-        model.decode_step(tokens, positions, cache, layer_call=call)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model.decode_step(tokens, positions, cache, layer_call=call)
+    with fused_projections(model) if fused else contextlib.nullcontext():
+        cache, tokens, positions = prefilled(model, [0, 12, 20])
+        cache.full_width = True  # the captured step's shapes
+        call = decode_compile.layer_call() if compiled else None
+        for _ in range(2):  # warm-up: compiles
+            model.decode_step(tokens, positions, cache, layer_call=call)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model.decode_step(tokens, positions, cache, layer_call=call)
     return kernels(prof)
 
 
 @torch.inference_mode()
-def step_logits(family: str, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
+def step_logits(family: str, dtype: torch.dtype, arm: str) -> torch.Tensor:
     """[8, 4, V] float32: 8 decode steps' logits of a wide 2-layer model, each step fed the same fixed tokens."""
+    compiled, fused = ARMS[arm]
     model = build(family, 2, dtype, wide=True)
-    cache, tokens, positions = prefilled(model, [0, 12, 20, 31, 40])
-    call = decode_compile.layer_call() if compiled else None
-    out = []
-    for s in range(8):
-        out.append(model.decode_step(tokens, positions + s, cache, layer_call=call).float())
-        tokens = torch.randint(0, 900, (4,), generator=torch.Generator().manual_seed(s))
+    with fused_projections(model) if fused else contextlib.nullcontext():
+        cache, tokens, positions = prefilled(model, [0, 12, 20, 31, 40])
+        call = decode_compile.layer_call() if compiled else None
+        out = []
+        for s in range(8):
+            out.append(model.decode_step(tokens, positions + s, cache, layer_call=call).float())
+            tokens = torch.randint(0, 900, (4,), generator=torch.Generator().manual_seed(s))
     return torch.stack(out)
 
 
@@ -125,22 +137,25 @@ def main() -> None:
     rows = []
     for family in args.families.split(","):
         counts = {}
-        for compiled in (False, True):
-            two, four = (step_kernels(family, n, dtype, compiled) for n in (2, 4))
-            per_layer = {k: (four[k] - two[k]) / 2 for k in four if four[k] != two[k]}
+        for arm in ARMS:
+            two, four = (step_kernels(family, n, dtype, arm) for n in (2, 4))
+            per_layer = {k: (four[k] - two[k]) / 2 for k in set(four) | set(two) if four[k] != two[k]}
             total_per_layer = (sum(four.values()) - sum(two.values())) / 2
-            counts[compiled] = total_per_layer
-            rows.append({"family": family, "dtype": args.dtype, "layers": "compiled" if compiled else "eager",
+            counts[arm] = total_per_layer
+            rows.append({"family": family, "dtype": args.dtype, "layers": arm,
                          "kernels_per_layer": total_per_layer,
                          "fixed": sum(two.values()) - 2 * total_per_layer,
                          "per_layer_by_op": dict(sorted(per_layer.items(), key=lambda kv: -kv[1]))})
-        rows.append({"family": family, "eager_over_compiled_per_layer": counts[False] / counts[True]})
+        rows.append({"family": family, **{f"eager_over_{arm}_per_layer": counts["eager"] / counts[arm]
+                                          for arm in ARMS if arm != "eager"}})
         if args.check_bits:
-            eager, compiled = (step_logits(family, dtype, c) for c in (False, True))
-            diff = (eager - compiled).abs()
-            rows.append({"family": family, "dtype": args.dtype, "inductor_options": decode_compile.INDUCTOR_OPTIONS,
-                         "logits_equal_bitwise": torch.equal(eager, compiled), "max_abs_diff": diff.max().item(),
-                         "fraction_differing": (diff > 0).float().mean().item()})
+            eager = step_logits(family, dtype, "eager")
+            for arm in ("compiled", "compiled_fused"):
+                diff = (eager - step_logits(family, dtype, arm)).abs()
+                rows.append({"family": family, "dtype": args.dtype, "arm": arm,
+                             "inductor_options": decode_compile.INDUCTOR_OPTIONS,
+                             "logits_equal_bitwise": bool((diff == 0).all()), "max_abs_diff": diff.max().item(),
+                             "fraction_differing": (diff > 0).float().mean().item()})
     for row in rows:
         print(json.dumps(row))
 

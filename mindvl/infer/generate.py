@@ -14,7 +14,8 @@ once every `sync_every` steps (to stop, and to compact the cache when more than 
 outputs once at the end. With `graphs` on a CUDA device the step (the model's decode_step) is captured once per
 batch size and replayed, and the cache and captured step are kept for the next call at the same batch size and
 capacity bucket (decode_graph.lease); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off. With `compile`
-the step's decoder layers run compiled (decode_compile.py: fewer, fused kernels per step; with graphs or without);
+the step's decoder layers run compiled (decode_compile.py: fewer, fused kernels per step; with graphs or without),
+and q/k/v and gate/up run as one matmul each (fused_projections.py; MINDVL_DECODE_FUSE=off keeps them apart);
 None means decode_compile.COMPILE_BY_DEFAULT, or MINDVL_DECODE_COMPILE=on|off.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
@@ -29,6 +30,7 @@ rows from the cache at once, torch.multinomial): the benchmark's baseline and th
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ import torch
 
 from mindvl.models import MindVL
 
-from . import decode_compile, decode_graph
+from . import decode_compile, decode_graph, fused_projections
 
 # What `graphs=None` means: replay the decode step from a CUDA graph on CUDA devices. Off until a GPU run of the
 # proof's generate section (benchmarks/proof_generate.py) and `pytest -m accelerator` confirm tokens and speed;
@@ -166,24 +168,28 @@ def generate(
     needed = max(n + b - 1 for n, b in zip(lengths, budgets, strict=True))
     graphs = engine == "static" and (default_graphs() if graphs is None else graphs)
     compiled = engine == "static" and (default_compile() if compile is None else compile)
-    if graphs and decode_graph.BACKEND.usable(device):  # a cache and captured step kept across calls
-        cache, step = decode_graph.lease(model, len(prompts), needed, compiled)
-    else:
-        cache = model.new_kv_cache(len(prompts), needed)
-        step = decode_graph.DecodeStep(model, cache, graphs=False, compiled=compiled)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()  # non-deterministic, without touching torch's global RNG
+    # Compiled steps also run q/k/v and gate/up as one matmul each (fused_projections; MINDVL_DECODE_FUSE=off
+    # keeps them apart). Before the lease: the first fusion moves the parameters, and a kept step reads them.
+    fuse = compiled and _switch(fused_projections.FUSE_ENV, True, "fuse a compiled decode step's projections")
+    with fused_projections.fused_projections(model) if fuse else contextlib.nullcontext():
+        if graphs and decode_graph.BACKEND.usable(device):  # a cache and captured step kept across calls
+            cache, step = decode_graph.lease(model, len(prompts), needed, compiled)
         else:
-            generator.manual_seed(seed)
-    logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache,
-                                      packed["pixel_values"], packed["image_grid_thw"], packed["second_per_grid_ts"])
-    sampling = (temperature, top_p, top_k, generator)
-    if engine == "eager":
-        return _eager_loop(model, cache, logits, positions, budgets, set(stop_token_ids), sampling)
-    return _static_loop(step, logits, positions, budgets, stop_token_ids, sampling, sync_every)
+            cache = model.new_kv_cache(len(prompts), needed)
+            step = decode_graph.DecodeStep(model, cache, graphs=False, compiled=compiled)
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=device)
+            if seed is None:
+                generator.seed()  # non-deterministic, without touching torch's global RNG
+            else:
+                generator.manual_seed(seed)
+        logits, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache, packed["pixel_values"],
+                                          packed["image_grid_thw"], packed["second_per_grid_ts"])
+        sampling = (temperature, top_p, top_k, generator)
+        if engine == "eager":
+            return _eager_loop(model, cache, logits, positions, budgets, set(stop_token_ids), sampling)
+        return _static_loop(step, logits, positions, budgets, stop_token_ids, sampling, sync_every)
 
 
 def race_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, noise: torch.Tensor

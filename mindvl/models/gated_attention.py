@@ -20,7 +20,7 @@ from .attention import attend
 from .config import TextConfig
 from .hybrid_cache import HybridCache
 from .kv_cache import LayerKV
-from .layers import OffsetRMSNorm, apply_rotary, rope_cos_sin
+from .layers import OffsetRMSNorm, apply_rotary, rope_cos_sin, split_linear
 
 
 def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,6 +38,7 @@ class GatedAttention(nn.Module):
 
     cache_class = HybridCache
     attend = staticmethod(attend)
+    fused_qkv: tuple | None = None  # as GQAttention's (layers.split_linear)
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -55,9 +56,12 @@ class GatedAttention(nn.Module):
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H]; with `rows` [B] (prefill) -> [B, H] (see GQAttention)."""
         xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
-        q, gate = self.q_proj(xq).unflatten(-1, (-1, 2 * self.head_dim)).chunk(2, dim=-1)
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.fused_qkv is not None and kv is not None and rows is None:
+            qg, k, v = split_linear(x, self.fused_qkv)
+        else:
+            qg, k, v = self.q_proj(xq), self.k_proj(x), self.v_proj(x)
+        q, gate = qg.unflatten(-1, (-1, 2 * self.head_dim)).chunk(2, dim=-1)
+        k, v = k.unflatten(-1, (-1, self.head_dim)), v.unflatten(-1, (-1, self.head_dim))
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_partial_rotary(q, cos_q, sin_q), apply_partial_rotary(k, cos, sin)
         if kv is None:

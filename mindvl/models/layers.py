@@ -71,8 +71,23 @@ class OffsetRMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def split_linear(x: torch.Tensor, fused: tuple) -> tuple[torch.Tensor, ...]:
+    """Several projections of one input as one matmul: x [..., in] -> one [..., width] per projection.
+
+    `fused` = (weight [sum(widths), in], bias [sum(widths)] or None, widths): views of the projections' own
+    parameters, laid out one after another (mindvl.infer.fused_projections attaches them for a generation: one
+    kernel instead of two or three in a decode step, the same values)."""
+    weight, bias, widths = fused
+    return F.linear(x, weight, bias).split(widths, dim=-1)
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): the SwiGLU MLP of Qwen's LLMs (no bias) and vision blocks (bias)."""
+    """down(act(gate(x)) * up(x)): the SwiGLU MLP of Qwen's LLMs (no bias) and vision blocks (bias).
+
+    `fused_gate_up` (None unless mindvl.infer.fused_projections attached it, for a generation): gate and up as one
+    matmul, see `split_linear`."""
+
+    fused_gate_up: tuple | None = None
 
     def __init__(self, dim: int, hidden: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
@@ -82,6 +97,9 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None:
+            gate, up = split_linear(x, self.fused_gate_up)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

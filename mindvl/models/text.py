@@ -42,7 +42,7 @@ from .config import TextConfig
 from .gated_attention import GatedAttention
 from .host import as_segments
 from .kv_cache import KVCache, LayerKV
-from .layers import GatedMLP, OffsetRMSNorm, RMSNorm, apply_rotary, rope_cos_sin
+from .layers import GatedMLP, OffsetRMSNorm, RMSNorm, apply_rotary, rope_cos_sin, split_linear
 from .linear_attention import GatedDeltaNet
 from .mla import MLAttention
 from .moe import MoE
@@ -56,6 +56,9 @@ class GQAttention(nn.Module):
         return rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
     cache_class = KVCache  # per-head keys and values
+    # q/k/v as one matmul in a cached forward without `rows` (a decode step): None unless
+    # mindvl.infer.fused_projections attached it for a generation (layers.split_linear).
+    fused_qkv: tuple | None = None
     # The varlen attention core; parallelism applied from outside may replace it per instance (context parallelism:
     # mindvl.train.context_parallel swaps in an all-to-all over heads around it).
     attend = staticmethod(attend)
@@ -79,9 +82,12 @@ class GQAttention(nn.Module):
         xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
         # Head counts come from the projections' widths, not the config: a tensor-parallel rank (applied from
         # outside, mindvl.train.tensor_parallel) holds num_heads / tp query heads and num_kv_heads / tp KV heads.
-        q = self.q_proj(xq).unflatten(-1, (-1, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.fused_qkv is not None and kv is not None and rows is None:
+            q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in split_linear(x, self.fused_qkv))
+        else:
+            q = self.q_proj(xq).unflatten(-1, (-1, self.head_dim))
+            k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+            v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:  # Qwen3 normalises per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
