@@ -19,17 +19,22 @@ from family_models import TEXT, build
 from test_static_decode import budgets_and_stops, decode_steps, prompts_for
 
 from mindvl.infer import decode_compile, decode_graph, generate
+from mindvl.infer.fused_projections import fused_projections
 
 
 class CountingBackend:
-    """aot_eager (the layers' own aten ops, traced), counting the graphs dynamo hands it and their runs."""
+    """aot_eager (the layers' own aten ops, traced), counting the graphs dynamo hands it and their runs, and keeping
+    the names of the functions each graph calls."""
 
     def __init__(self) -> None:
         self.graphs = 0
         self.runs = 0
+        self.calls: list[set[str]] = []
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
+        self.calls.append({getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                           if n.op in ("call_function", "call_method")})
         compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
         def run(*args):
@@ -121,6 +126,22 @@ def test_the_compiled_graphs_do_not_grow_with_the_layers_or_the_steps(name, coun
     assert graphs_for(2 * base) == first
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("name", ["dense", "qwen3_vl", "qwen3_5"])
+def test_a_decode_steps_cache_writes_are_traced_with_its_projections_and_rotation(name, counting):
+    """A decode step's K/V writes (kv_cache.store) are in the graph that projects and rotates q/k/v, one matmul
+    for the three (fused_projections), so the compiled code writes the cache in the rotation's kernel rather than
+    in two of its own at the compile boundary: benchmarks/decode_kernels.py counts the kernels (a layer 10). Not
+    in any other graph; and the tokens are the eager loop's."""
+    model = build(name)
+    prompts = prompts_for(model, 3)
+    assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6, engine="eager")
+    writing = [calls for calls in counting.calls if "setitem" in calls]
+    assert writing, "no compiled graph writes the cache"
+    for calls in writing:
+        assert {"linear", "split", "cat", "neg"} <= calls, calls  # the fused projection, the rotation
+
+
 def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(monkeypatch):
     """A backend that fails on the first graph after one that updates a state in place: one warning, and the tokens
     are the eager loop's. The trial step's first linear-attention layer ran compiled and updated Qwen3.5's conv state
@@ -187,11 +208,12 @@ def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(cou
 
 @pytest.mark.slow
 def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(monkeypatch):
-    """The real backend (inductor, C++ kernels on the CPU) with decode_compile.INDUCTOR_OPTIONS: six bf16 decode
-    steps of the dense (Qwen2: q/k/v biases) model, rows of different lengths, the same teacher-forced tokens on
-    both sides, give the eager step's logits bit for bit: the fused norms, rotations and SwiGLU round as eager does,
-    and the residual stays a separate add. (Inductor's defaults change most of them, and Qwen3's q/k norms keep the
-    bits too: benchmarks/decode_kernels.py --check-bits [--default-options].)"""
+    """The real backend (inductor, C++ kernels on the CPU) with decode_compile.INDUCTOR_OPTIONS and the fused
+    projections (a compiled generation's step): six bf16 decode steps of the dense (Qwen2: q/k/v biases) model,
+    rows of different lengths, the same teacher-forced tokens on both sides, give the eager step's logits bit for
+    bit: the fused norms, rotations and SwiGLU round as eager does, and the residual stays a separate add.
+    (Inductor's defaults change most of them, and Qwen3's q/k norms keep the bits too:
+    benchmarks/decode_kernels.py --check-bits [--default-options].)"""
     torch._dynamo.reset()
     monkeypatch.setattr(decode_compile, "BACKEND", "inductor")
     model = build("dense").to(torch.bfloat16)
@@ -207,6 +229,8 @@ def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(monkeypatch):
             tokens = torch.randint(0, 190, (3,), generator=torch.Generator().manual_seed(s))
         return torch.stack(steps)
 
-    eager, compiled = logits(None), logits(decode_compile.layer_call())
+    eager = logits(None)
+    with fused_projections(model):  # what a compiled generation runs
+        compiled = logits(decode_compile.layer_call())
     assert torch.equal(eager, compiled), (eager - compiled).abs().max()
     torch._dynamo.reset()

@@ -7,16 +7,20 @@ Why: at small batch a decode step reads every weight once, and on an accelerator
 kernels' launch and ramp-up. The eager layer is about 40 kernels (an RMSNorm is eight elementwise kernels, each
 rotary embedding five, the SwiGLU product two), and a kernel costs a few microseconds even replayed from a CUDA
 graph: a 28-layer 2048-wide model launches about 1,100 per step, milliseconds against the ~0.8 ms its 3.4 GB of
-weights take to read on an H200. Inductor fuses each norm, each rotation and the SwiGLU product into one kernel;
-`benchmarks/decode_kernels.py` counts the launches per step on the CPU: a Qwen2.5-VL decoder layer is 40 eager and
-15 compiled (Qwen3's 56 and 16), and the rest of the step 26 and 6.
+weights take to read on an H200. Inductor fuses each norm, each rotation and the SwiGLU product into one kernel, a
+generation's compiled step runs q/k/v and gate/up as one matmul each (fused_projections.py), and the step's K/V
+writes happen in the kernel that rotates the keys; `benchmarks/decode_kernels.py` counts the launches per step on
+the CPU: a Qwen2.5-VL decoder layer is 40 eager and 10 compiled (Qwen3's 56 and 10: four matmuls, the attention,
+two norms, the rotation with the writes, the SwiGLU product, the residual add), and the rest of the step 26 and 6.
 
 What is compiled: `layer_forward(fn, ...)`, one function for every layer of every model (and for the step's rotary
 tables and final norm: TextModel.forward's `layer_call`). The weights are inputs, so the layers of one kind (dense,
 MoE, linear attention) share their compiled graphs; dynamo's guards tell the kinds and the models apart. The cache
-is a compile boundary (`LayerKV.attend`, `attend_latent`, `states` run eagerly): its host state (the step's plan,
-the bound, the layer's index) never enters a graph, so nothing recompiles per layer or per step, and the attention
-keeps its own backend choice (sdpa, flash-attn's cache kernel). A layer is a few graphs, split at the attention. A
+is a compile boundary (`LayerKV.decode_target`, `attend`, `attend_latent`, `states` run eagerly): its host state
+(the step's plan, the bound, the layer's index) never enters a graph, so nothing recompiles per layer or per step,
+and the attention keeps its own backend choice (sdpa, flash-attn's cache kernel). Only tensors cross it: a GQA
+layer asks for this step's K/V buffers and slots first and writes them in its graph (kv_cache.store; inductor
+writes in place, in the rotation's kernel). A layer is a few graphs, split at the cache's calls. A
 second batch size (a compaction, another call) recompiles once with a dynamic batch (dynamo's automatic dynamic
 shapes). With `graphs` the compiled layers are captured like eager ones: the capture's warm-up run compiles them.
 

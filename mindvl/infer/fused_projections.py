@@ -18,10 +18,15 @@ shapes, not their identity); parameters moved since (`model.to(...)`, a load wit
 
 Fused only where it changes nothing but the kernel count: exactly nn.Linear projections (not LoRA's, whose adapter
 the fused matmul would skip) without hooks (global ones included), plain tensors (not DTensor: FSDP and tensor
-parallelism shard them), all of one device and dtype (and all inference tensors, made under inference mode, or none). On the CPU the fused matmul's values are bit-identical to the
-separate ones' (tests/test_fused_projections.py); on a GPU the library may pick another kernel for the wider matrix,
-which is why this rides with compilation (decode_compile: checked on the device by the accelerator proof's compiled
-arm) and MINDVL_DECODE_FUSE=off turns it off there.
+parallelism shard them), all of one device and dtype, and all made under inference mode or none (inference tensors
+are moved and viewed inside it).
+
+Numerics: each output is the same dot product, but the matmul library picks its kernel by shape, and a wider matrix
+may get another one: on the CPU a bf16 decode step's logits are bit-identical fused (tests/test_fused_projections.py;
+`benchmarks/decode_kernels.py --check-bits`, hidden 1024), while MKL's fp32 path for an 8-wide output sums in
+another order (the test model's k/v; last-bit differences, the tokens unchanged). On a GPU cuBLAS may likewise pick
+another kernel for the wider matrix, which is why this rides with compilation (decode_compile: checked on the
+device by the accelerator proof's compiled arm) and MINDVL_DECODE_FUSE=off turns it off there.
 """
 
 from __future__ import annotations

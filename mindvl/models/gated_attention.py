@@ -19,7 +19,7 @@ from torch import nn
 from .attention import attend
 from .config import TextConfig
 from .hybrid_cache import HybridCache
-from .kv_cache import LayerKV
+from .kv_cache import LayerKV, store
 from .layers import OffsetRMSNorm, apply_rotary, rope_cos_sin, split_linear
 
 
@@ -55,6 +55,9 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV | None = None,
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H]; with `rows` [B] (prefill) -> [B, H] (see GQAttention)."""
+        # A decode step's K/V slots, asked for first (a compile boundary: a compiled layer's graph resumes after it,
+        # so the writes below fuse with the rotation; kv_cache.LayerKV).
+        target = kv.decode_target() if kv is not None and rows is None else None
         xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
         if self.fused_qkv is not None and kv is not None and rows is None:
             qg, k, v = split_linear(x, self.fused_qkv)
@@ -67,5 +70,8 @@ class GatedAttention(nn.Module):
         if kv is None:
             out = self.attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
         else:
-            out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None)
+            if target is not None:
+                store(target, k, v)
+            out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None,
+                            stored=target is not None)
         return self.o_proj((out * torch.sigmoid(gate)).flatten(1))

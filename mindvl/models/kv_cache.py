@@ -178,9 +178,20 @@ class KVCache:
         capture must save and restore around its warm-up runs."""
         return [self.lengths_dev]
 
-    def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False
-               ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of this forward's tokens -> [T, Hq, D]; stores k/v first.
+    def decode_target(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """In a decode step: (keys, values [B, Hkv, capacity, D], rows [B], slots [B]), where the caller stores its
+        token's k/v (`store`) before `attend(..., stored=True)`; else (a prefill) None. A compiled layer then
+        writes the cache inside its graph, in the kernel that rotates the keys (decode_compile: two kernels fewer
+        per layer) rather than in two of their own at the compile boundary."""
+        step = self._step
+        if step is None or step.mask is None or self.keys[layer] is None:
+            return None
+        return self.keys[layer], self.values[layer], step.rows, step.slots
+
+    def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False,
+               stored: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this forward's tokens -> [T, Hq, D]; stores k/v first (unless
+        `stored`: the caller did, into `decode_target`).
 
         `last_only` (a prefill): q [B, Hq, D] holds each sequence's last query only, which sees all of its
         sequence's keys, so it attends over the just-written cache like a decode step -> [B, Hq, D]."""
@@ -190,8 +201,8 @@ class KVCache:
             self.keys[layer] = k.new_zeros(*shape, k.shape[2])
             self.values[layer] = v.new_zeros(*shape, v.shape[2])
         keys, values = self.keys[layer], self.values[layer]
-        keys[step.rows, :, step.slots] = k  # advanced indices around a slice: the indexed view is [T, Hkv, D]
-        values[step.rows, :, step.slots] = v
+        if not stored:
+            store((keys, values, step.rows, step.slots), k, v)
         mask = step.mask
         if mask is None and not last_only:
             # The prefill attends within the new tokens only: the training path's varlen attention.
@@ -208,6 +219,14 @@ class KVCache:
             q.view(b, hkv, hq // hkv, d), keys[:, :, :width], values[:, :, :width], attn_mask=mask
         )
         return out.reshape(b, hq, values.shape[-1])
+
+
+def store(target: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] into the cache at target = (keys, values, rows [T], slots [T]) (decode_target), in
+    place."""
+    keys, values, rows, slots = target
+    keys[rows, :, slots] = k  # advanced indices around a slice: the indexed view is [T, Hkv, D]
+    values[rows, :, slots] = v
 
 
 class _Step:
@@ -248,17 +267,25 @@ class LayerKV:
     `attend_latent` (an MLACache's), a linear-attention layer of a decode step `states` (a HybridCache's), each with
     this layer's index filled in.
 
-    The three are compile boundaries (run eagerly inside a compiled layer, mindvl.infer.decode_compile): the cache's
+    They are compile boundaries (run eagerly inside a compiled layer, mindvl.infer.decode_compile): the cache's
     host state (the step's plan, the bound, this layer's index) never enters a compiled graph, so one compiled layer
     serves every layer and every step. Traced, `self.layer` would index the cache's lists and dynamo would guard on
-    it: a recompilation per layer."""
+    it: a recompilation per layer. `decode_target` hands out tensors only (this layer's buffers and the step's
+    slots), so a decode step's K/V writes (`store`) can be traced with the layer without its host state."""
 
     def __init__(self, cache: KVCache, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
     @torch.compiler.disable
-    def attend(self, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False) -> torch.Tensor:
-        return self.cache.attend(self.layer, q, k, v, cu_seqlens, max_seqlen, backend, last_only)
+    def decode_target(self) -> tuple[torch.Tensor, ...] | None:
+        """Where a decode step's k/v go (KVCache.decode_target), None in a prefill: the attention asks first and
+        stores with kv_cache.store, traced, so that a compiled layer writes them in its own kernels."""
+        return self.cache.decode_target(self.layer)
+
+    @torch.compiler.disable
+    def attend(self, q, k, v, cu_seqlens, max_seqlen, backend: str, last_only: bool = False,
+               stored: bool = False) -> torch.Tensor:
+        return self.cache.attend(self.layer, q, k, v, cu_seqlens, max_seqlen, backend, last_only, stored)
 
     @torch.compiler.disable
     def attend_latent(self, *args, **kwargs) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .attention import attend
 from .config import TextConfig
 from .gated_attention import GatedAttention
 from .host import as_segments
-from .kv_cache import KVCache, LayerKV
+from .kv_cache import KVCache, LayerKV, store
 from .layers import GatedMLP, OffsetRMSNorm, RMSNorm, apply_rotary, rope_cos_sin, split_linear
 from .linear_attention import GatedDeltaNet
 from .mla import MLAttention
@@ -79,6 +79,9 @@ class GQAttention(nn.Module):
                 rows: torch.Tensor | None = None):
         """x [T, H] -> [T, H]; with `rows` [B] (each cached sequence's last token, prefill only) -> [B, H]: keys and
         values for all T tokens go into the cache, queries only for those rows."""
+        # A decode step's K/V slots, asked for first (a compile boundary: a compiled layer's graph resumes after it,
+        # so the writes below fuse with the rotation; kv_cache.LayerKV).
+        target = kv.decode_target() if kv is not None and rows is None else None
         xq, cos_q, sin_q = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
         # Head counts come from the projections' widths, not the config: a tensor-parallel rank (applied from
         # outside, mindvl.train.tensor_parallel) holds num_heads / tp query heads and num_kv_heads / tp KV heads.
@@ -94,7 +97,10 @@ class GQAttention(nn.Module):
         if kv is None:
             out = self.attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.backend)
         else:
-            out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None)
+            if target is not None:
+                store(target, k, v)
+            out = kv.attend(q, k, v, cu_seqlens, max_seqlen, self.backend, last_only=rows is not None,
+                            stored=target is not None)
         return self.o_proj(out.flatten(1))
 
 
