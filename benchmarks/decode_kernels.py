@@ -1,6 +1,6 @@
 """Kernels launched per decode step, the decoder layers eager against compiled (mindvl.infer.decode_compile), and
 compiled with q/k/v and gate/up as one matmul each (mindvl.infer.fused_projections: what a compiled generation
-runs), counted on the CPU.
+runs), counted on the CPU; and the kernels that pick and record a greedy step's tokens, eager and compiled.
 
     PYTHONPATH=$PWD python benchmarks/decode_kernels.py [--dtype bfloat16] [--families qwen2,qwen3] [--check-bits]
 
@@ -35,13 +35,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from mindvl.infer import decode_compile
 from mindvl.infer.fused_projections import fused_projections
+from mindvl.infer.generate import greedy_tokens
 from mindvl.models import MindVL, MindVLConfig, TextConfig, VisionConfig
 
 NOT_KERNELS = {"aten::" + n for n in (
     "as_strided", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias", "select", "slice",
     "transpose", "permute", "t", "numpy_T", "detach", "empty", "empty_strided", "empty_like", "resolve_conj",
     "resolve_neg", "to", "lift_fresh", "split", "split_with_sizes", "chunk", "narrow", "unflatten", "flatten",
-    "result_type", "unbind", "set_", "view_as", "_reshape_alias", "contiguous", "clone_", "scalar_tensor",
+    "result_type", "unbind", "set_", "view_as", "_reshape_alias", "contiguous", "clone_", "scalar_tensor", "expand_as",
 )}
 
 
@@ -121,6 +122,22 @@ def step_logits(family: str, dtype: torch.dtype, arm: str) -> torch.Tensor:
     return torch.stack(out)
 
 
+@torch.inference_mode()
+def token_kernels(compiled: bool) -> collections.Counter:
+    """The kernels that pick and record a greedy step's tokens (generate.greedy_tokens: 4 rows, 1001 logits), eager
+    or compiled whole (what a compiled generation runs between its decode steps)."""
+    rows, width = 4, 16
+    args = (torch.randn(rows, 1001, dtype=torch.bfloat16), torch.zeros(rows, width, dtype=torch.long),
+            torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool), torch.tensor([4, 2, 6, 9]),
+            torch.tensor([3, 5]), torch.arange(rows), torch.zeros((), dtype=torch.long))
+    fn = decode_compile.whole(greedy_tokens) if compiled else greedy_tokens
+    for _ in range(2):
+        fn(*args)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return kernels(prof)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -156,6 +173,10 @@ def main() -> None:
                              "inductor_options": decode_compile.INDUCTOR_OPTIONS,
                              "logits_equal_bitwise": bool((diff == 0).all()), "max_abs_diff": diff.max().item(),
                              "fraction_differing": (diff > 0).float().mean().item()})
+    for compiled in (False, True):
+        picked = token_kernels(compiled)
+        rows.append({"greedy_tokens": "compiled" if compiled else "eager", "kernels": sum(picked.values()),
+                     "by_op": dict(picked)})
     for row in rows:
         print(json.dumps(row))
 

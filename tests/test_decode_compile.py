@@ -23,22 +23,29 @@ from mindvl.infer.fused_projections import fused_projections
 
 
 class CountingBackend:
-    """aot_eager (the layers' own aten ops, traced), counting the graphs dynamo hands it and their runs, and keeping
-    the names of the functions each graph calls."""
+    """aot_eager (the layers' own aten ops, traced), counting the graphs dynamo hands it and their runs (`runs`: the
+    layers' graphs; `token_runs`: the graph that picks greedy tokens, generate.greedy_tokens, the only one with an
+    argmax), and keeping the names of the functions each graph calls."""
 
     def __init__(self) -> None:
         self.graphs = 0
         self.runs = 0
+        self.token_runs = 0
         self.calls: list[set[str]] = []
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        self.calls.append({getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
-                           if n.op in ("call_function", "call_method")})
+        calls = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                 if n.op in ("call_function", "call_method")}
+        self.calls.append(calls)
         compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        picks = "argmax" in calls
 
         def run(*args):
-            self.runs += 1
+            if picks:
+                self.token_runs += 1
+            else:
+                self.runs += 1
             return compiled(*args)
 
         return run
@@ -72,9 +79,12 @@ def test_compiled_layers_give_the_eager_loops_tokens(name, counting):
     trials = len(decode_compile._TRIALS[model])  # one per batch size: 5 rows, then the compacted sizes
     assert trials >= 2
     assert first >= (steps + trials) * (4 * model.config.text.num_hidden_layers + 2)
+    # The tokens of every step were picked by compiled code (the loop picks once more than it steps: the last).
+    assert counting.token_runs == steps + 1
     # A second call runs no trial (the model passed them at these sizes): the same graphs per step, no extra steps.
     assert generate(model, prompts, budgets, stop_token_ids=stops, sync_every=3, compile=True) == want
     assert (counting.runs - first) * (steps + trials) == first * steps
+    assert counting.token_runs == 2 * (steps + 1)
 
 
 @pytest.mark.filterwarnings("error")
@@ -136,7 +146,7 @@ def test_a_decode_steps_cache_writes_are_traced_with_its_projections_and_rotatio
     model = build(name)
     prompts = prompts_for(model, 3)
     assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6, engine="eager")
-    writing = [calls for calls in counting.calls if "setitem" in calls]
+    writing = [calls for calls in counting.calls if "setitem" in calls and "argmax" not in calls]  # not the tokens
     assert writing, "no compiled graph writes the cache"
     for calls in writing:
         assert {"linear", "split", "cat", "neg"} <= calls, calls  # the fused projection, the rotation
@@ -165,6 +175,33 @@ def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(m
     with warnings.catch_warnings():  # the model is not compiled again: no second warning, no second attempt
         warnings.simplefilter("error")
         assert generate(model, prompts, 8, compile=True) == want
+    torch._dynamo.reset()
+
+
+def test_greedy_tokens_that_fail_to_compile_are_picked_eagerly(monkeypatch):
+    """A backend that refuses the graph picking the tokens (generate.greedy_tokens, compiled whole): one warning
+    naming it and the backend's error, the eager loop's tokens, the layers still compiled; the next call does not
+    try again (no warning)."""
+    layers = []
+
+    def backend(gm, example_inputs):
+        if any(n.target == "argmax" for n in gm.graph.nodes):  # a method call: its name
+            raise RuntimeError("no argmax here")
+        layers.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_compile, "BACKEND", backend)
+    model = build("dense")
+    prompts = prompts_for(model, 3)
+    want = generate(model, prompts, 7, engine="eager")
+    with pytest.warns(UserWarning, match=r"^greedy_tokens not compiled \(RuntimeError: no argmax here\); running it "
+                                         r"eagerly from now on$"):
+        assert generate(model, prompts, 7, compile=True) == want
+    assert layers and decode_compile.passed_trial(model, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate(model, prompts, 7, compile=True) == want
     torch._dynamo.reset()
 
 

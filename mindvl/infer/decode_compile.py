@@ -44,6 +44,7 @@ again in this process (`failed_trial`: one warning, not one failed compilation p
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -99,19 +100,23 @@ def _forward_for(kind: str) -> Callable:
     return types.FunctionType(code, layer_forward.__globals__, code.co_name)
 
 
+def _options() -> dict | None:
+    """INDUCTOR_OPTIONS that this torch's inductor has (an unknown one fails the compilation); None for others."""
+    if BACKEND != "inductor":
+        return None
+    from torch._inductor import config
+
+    return {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
+
+
 def layer_call() -> Callable[..., torch.Tensor]:
     """The compiled `layer_call` for BACKEND, made once per backend (dynamo keeps its graphs with the compiled
     functions' code, so every step and every model share them): each kind of piece goes to its own compiled copy of
     `layer_forward`."""
     call = _CALLS.get(BACKEND)
     if call is None:
-        options = None
-        if BACKEND == "inductor":  # the options this torch's inductor has (an unknown one fails the compilation)
-            from torch._inductor import config
-
-            options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
+        options, backend = _options(), BACKEND
         compiled: dict[str, Callable] = {}
-        backend = BACKEND
 
         def call(fn, *args):
             kind = _kind(fn)
@@ -121,3 +126,31 @@ def layer_call() -> Callable[..., torch.Tensor]:
 
         _CALLS[BACKEND] = call
     return call
+
+
+# (BACKEND, fn) -> fn compiled whole, or None once its compilation failed (then it runs eagerly in this process)
+_WHOLE: dict = {}
+
+
+def whole(fn: Callable) -> Callable | None:
+    """fn compiled in one graph with BACKEND (fullgraph: a call runs compiled code or raises before running any of
+    it, so a caller may fall back to fn on the same inputs); None if an earlier compilation of fn failed."""
+    key = (BACKEND, fn)
+    if key not in _WHOLE:
+        _WHOLE[key] = torch.compile(fn, backend=BACKEND, options=_options(), fullgraph=True)
+    return _WHOLE[key]
+
+
+def why(error: BaseException) -> str:
+    """A failed compilation's cause in one line: the backend's own error (dynamo wraps it), without dynamo's
+    advice on debugging it."""
+    while (inner := error.__cause__ or getattr(error, "inner_exception", None)) is not None:
+        error = inner
+    text = " ".join(str(error).split()).split(" Set TORCHDYNAMO_VERBOSE")[0]
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def whole_failed(fn: Callable, error: BaseException) -> None:
+    """fn's compilation failed (`whole`): one warning, and fn runs eagerly from now on with this BACKEND."""
+    warnings.warn(f"{fn.__name__} not compiled ({why(error)}); running it eagerly from now on", stacklevel=3)
+    _WHOLE[(BACKEND, fn)] = None

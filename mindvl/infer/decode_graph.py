@@ -128,10 +128,7 @@ class DecodeStep:
                 self._run(tokens, positions)
                 decode_compile.note_trial(self.model, tokens.shape[0], True)
             except Exception as error:  # noqa: BLE001 - any compile failure means: run the layers eagerly
-                while error.__cause__ is not None:  # dynamo wraps the backend's own error
-                    error = error.__cause__
-                why = " ".join(str(error).split())[:300]
-                warnings.warn(f"decode step not compiled ({type(error).__name__}: {why}); running its layers "
+                warnings.warn(f"decode step not compiled ({decode_compile.why(error)}); running its layers "
                               "eagerly from now on", stacklevel=3)
                 decode_compile.note_trial(self.model, tokens.shape[0], False)
                 self.layer_call = None

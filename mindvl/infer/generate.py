@@ -15,7 +15,8 @@ outputs once at the end. With `graphs` on a CUDA device the step (the model's de
 batch size and replayed, and the cache and captured step are kept for the next call at the same batch size and
 capacity bucket (decode_graph.lease); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off. With `compile`
 the step's decoder layers run compiled (decode_compile.py: fewer, fused kernels per step; with graphs or without),
-and q/k/v and gate/up run as one matmul each (fused_projections.py; MINDVL_DECODE_FUSE=off keeps them apart);
+and q/k/v and gate/up run as one matmul each (fused_projections.py; MINDVL_DECODE_FUSE=off keeps them apart), and
+a greedy step's tokens are picked and recorded by one compiled function (greedy_tokens: 3 kernels, not 15);
 None means decode_compile.COMPILE_BY_DEFAULT, or MINDVL_DECODE_COMPILE=on|off.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
@@ -217,17 +218,15 @@ def _static_loop(step, logits: torch.Tensor, positions: torch.Tensor, budgets: l
         cache.advance = torch.ones(n, dtype=torch.long, device=device)
     else:  # a kept cache: in place, where its captured step reads it
         cache.advance.fill_(1)
+    counter = torch.zeros((), dtype=torch.long, device=device)  # the step index on the device (greedy_tokens)
     for s in range(width):
+        books = (out, made, done, budget, stops, rows)
         if temperature == 0:
-            tokens = logits.argmax(-1)
+            tokens = _greedy_step(step, logits, books, counter)
         else:
             noise = torch.empty(n, logits.shape[-1], device=device).exponential_(generator=generator)
             tokens = race_tokens(logits, temperature, top_p, top_k, noise[rows].clamp_(min=torch.finfo().tiny))
-        running = ~done[rows]
-        out[rows, s] = tokens
-        made.index_add_(0, rows, running.long())
-        finished = torch.isin(tokens, stops) | (budget[rows] <= s + 1)
-        done[rows] = ~running | finished
+            record_tokens(tokens, *books, s)
         if s + 1 == width:
             break
         if (s + 1) % sync_every == 0:
@@ -243,6 +242,42 @@ def _static_loop(step, logits: torch.Tensor, positions: torch.Tensor, budgets: l
         logits = step(tokens, positions)
         positions = positions + 1
     return [ids[:k] for ids, k in zip(out.tolist(), made.tolist(), strict=True)]
+
+
+def record_tokens(tokens: torch.Tensor, out: torch.Tensor, made: torch.Tensor, done: torch.Tensor,
+                  budget: torch.Tensor, stops: torch.Tensor, rows: torch.Tensor, s: int | torch.Tensor) -> None:
+    """Step s's tokens [B] (cache row order) into the per-prompt buffers, in place: out [N, width] (a finished
+    prompt's extra tokens land past its `made`), made [N], done [N] (a stop token or the budget reached). `s`: an
+    int, or a 0-d device tensor."""
+    running = ~done[rows]
+    # A 0-d tensor index would be read as an int by compiled code (a data-dependent guard): index with [B] instead.
+    out[rows, s.expand_as(rows) if isinstance(s, torch.Tensor) else s] = tokens
+    made.index_add_(0, rows, running.long())
+    finished = torch.isin(tokens, stops) | (budget[rows] <= s + 1)
+    done[rows] = ~running | finished
+
+
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor, made: torch.Tensor, done: torch.Tensor,
+                  budget: torch.Tensor, stops: torch.Tensor, rows: torch.Tensor, counter: torch.Tensor
+                  ) -> torch.Tensor:
+    """logits [B, V] -> the greedy tokens [B], recorded (record_tokens) as step `counter` (a 0-d device tensor,
+    advanced in place: compiled code would otherwise be specialised to each step's int, one graph per step)."""
+    tokens = logits.argmax(-1)
+    record_tokens(tokens, out, made, done, budget, stops, rows, counter)
+    counter.add_(1)
+    return tokens
+
+
+def _greedy_step(step, logits: torch.Tensor, books: tuple, counter: torch.Tensor) -> torch.Tensor:
+    """greedy_tokens, compiled whole when the decode step's layers are (two or three kernels in place of a dozen
+    small ones per step); a compilation that fails raises before running anything, so it runs eagerly instead."""
+    compiled = decode_compile.whole(greedy_tokens) if step.layer_call is not None else None
+    if compiled is not None:
+        try:
+            return compiled(logits, *books, counter)
+        except Exception as error:  # noqa: BLE001 - any compile failure means: run it eagerly
+            decode_compile.whole_failed(greedy_tokens, error)
+    return greedy_tokens(logits, *books, counter)
 
 
 def _eager_loop(model: MindVL, cache, logits: torch.Tensor, positions: torch.Tensor, budgets: list[int],
