@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 # MINDVL_ACCELERATOR_TEST_DEVICE=cpu runs these checks on the CPU against the same references: a check of the tests
-# themselves (the proof's --dry-run uses it), not of any accelerator.
+# themselves, not of any accelerator (nothing in CI sets it; run it after changing this file:
+# `MINDVL_ACCELERATOR_TEST_DEVICE=cpu python -m pytest tests/test_accelerator_device.py`).
 DEVICE = os.environ.get("MINDVL_ACCELERATOR_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE == "cuda"
 pytestmark = [pytest.mark.accelerator,
