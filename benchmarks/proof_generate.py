@@ -14,7 +14,7 @@ transformers needs no padding) and 64 greedy tokens each:
 - the same with the step's decoder layers compiled by inductor (`graphs_compiled`: compile=True,
   mindvl.infer.decode_compile; fused kernels, fewer per step, q/k/v and gate/up one matmul each
   (mindvl.infer.fused_projections), the K/V writes in the rotation's kernel, the greedy tokens picked and recorded
-  in 3 kernels (generate.greedy_tokens, compiled whole); counted on the CPU, a layer is 10 kernels against eager's
+  in 3 kernels (generate.greedy_tokens, compiled whole); counted on the CPU, a layer is 9 kernels against eager's
   40; the warm-up call compiles, `warmup_s` says how long);
 - the two static arms again with cuDNN taken out of sdpa's choice (`*_no_cudnn`): on Hopper torch gives bf16 sdpa
   to cuDNN first, whose plans are built per shape (kv_cache.WINDOW_STEP);

@@ -141,7 +141,7 @@ def test_the_compiled_graphs_do_not_grow_with_the_layers_or_the_steps(name, coun
 def test_a_decode_steps_cache_writes_are_traced_with_its_projections_and_rotation(name, counting):
     """A decode step's K/V writes (kv_cache.store) are in the graph that projects and rotates q/k/v, one matmul
     for the three (fused_projections), so the compiled code writes the cache in the rotation's kernel rather than
-    in two of its own at the compile boundary: benchmarks/decode_kernels.py counts the kernels (a layer 10). Not
+    in two of its own at the compile boundary: benchmarks/decode_kernels.py counts the kernels (a layer 9). Not
     in any other graph; and the tokens are the eager loop's."""
     model = build(name)
     prompts = prompts_for(model, 3)

@@ -8,10 +8,12 @@ kernels' launch and ramp-up. The eager layer is about 40 kernels (an RMSNorm is 
 rotary embedding five, the SwiGLU product two), and a kernel costs a few microseconds even replayed from a CUDA
 graph: a 28-layer 2048-wide model launches about 1,100 per step, milliseconds against the ~0.8 ms its 3.4 GB of
 weights take to read on an H200. Inductor fuses each norm, each rotation and the SwiGLU product into one kernel, a
-generation's compiled step runs q/k/v and gate/up as one matmul each (fused_projections.py), and the step's K/V
-writes happen in the kernel that rotates the keys; `benchmarks/decode_kernels.py` counts the launches per step on
-the CPU: a Qwen2.5-VL decoder layer is 40 eager and 10 compiled (Qwen3's 56 and 10: four matmuls, the attention,
-two norms, the rotation with the writes, the SwiGLU product, the residual add), and the rest of the step 26 and 6.
+generation's compiled step runs q/k/v and gate/up as one matmul each (fused_projections.py), the step's K/V writes
+happen in the kernel that rotates the keys, and each residual add in the kernel of the norm that reads it (the
+layer's last one in the next layer's: DecoderLayer.decode_forward); `benchmarks/decode_kernels.py` counts the
+launches per step on the CPU: a Qwen2.5-VL decoder layer is 40 eager and 9 compiled (Qwen3's 56 and 9: four
+matmuls, the attention, two norms, the rotation with the writes, the SwiGLU product), and the rest of the step 26
+and 6.
 
 What is compiled: `layer_forward(fn, ...)`, one function for every layer of every model (and for the step's rotary
 tables and final norm: TextModel.forward's `layer_call`). The weights are inputs, so the layers of one kind (dense,

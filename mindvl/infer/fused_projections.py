@@ -4,8 +4,8 @@
         generate(model, prompts, n)
 
 Why: at small batch a decode step's time is one read of the weights plus a cost per kernel (decode_compile.py).
-Compiled, a Qwen2.5-VL decoder layer is 15 kernels, seven of them matmuls; with q/k/v as one and gate/up as one it
-is 10 (`benchmarks/decode_kernels.py`: three matmuls fewer, and the q and k rotations, with the cache writes, one
+Compiled, a Qwen2.5-VL decoder layer is 14 kernels, seven of them matmuls; with q/k/v as one and gate/up as one it
+is 9 (`benchmarks/decode_kernels.py`: three matmuls fewer, and the q and k rotations, with the cache writes, one
 kernel), and a wide matmul reads its weights closer to the memory's bandwidth than a narrow one (k_proj and v_proj
 of a GQA model are an eighth of q_proj's width).
 

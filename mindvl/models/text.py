@@ -161,6 +161,17 @@ class DecoderLayer(nn.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x if rows is None or early is not None else x[rows]
 
+    def decode_forward(self, x, pending, cos, sin, cu_seqlens, max_seqlen, kv: LayerKV):
+        """A decode step's layer with its last residual add left to the next one: x [B, H] and `pending` (the
+        previous layer's MLP output [B, H], or None for the first layer) -> (h, mlp_out), this layer's output being
+        h + mlp_out. The same ops as `forward`, in the same order; compiled (mindvl.infer.decode_compile), each add
+        then shares the kernel of the norm that reads it: one kernel per layer fewer."""
+        if pending is not None:
+            x = x + pending
+        mixer = getattr(self, self.token_mixer)
+        h = x + mixer(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, kv, None)
+        return h, self.mlp(self.post_attention_layernorm(h))
+
 
 # ------------------------------------------------------------------------------------------------------- model
 
@@ -210,8 +221,9 @@ class TextModel(nn.Module):
         hidden states at those positions after layer l, as transformers' Qwen3VLTextModel does.
 
         `layer_call(fn, *args)` runs pieces of the forward in place of `fn(*args)`: the rotary tables, and with a
-        cache each decoder layer (`layer(x, cos, sin, cu_seqlens, max_seqlen, kv, rows)`) and the final norm. It is
-        how the decode step runs them compiled (mindvl.infer.decode_compile) without the model knowing of it.
+        cache each decoder layer (`layer(x, cos, sin, cu_seqlens, max_seqlen, kv, rows)`; in a decode step
+        `layer.decode_forward`, each residual add left to the next layer's norm) and the final norm. It is how the
+        decode step runs them compiled (mindvl.infer.decode_compile) without the model knowing of it.
         """
         run = layer_call or _call
         cos, sin = run(self.rotary_tables, position_ids, inputs_embeds.dtype)
@@ -233,6 +245,13 @@ class TextModel(nn.Module):
         if last_only and (cu_seqlens is None or cache.filled):
             raise ValueError("last_only applies to a prefill into an empty cache (with cu_seqlens)")
         cache.begin(x.shape[0], cu_seqlens, x.device)
+        if layer_call is not None and cache.filled and not last_only and not extra:
+            # A compiled decode step: each residual add joins the next norm's kernel (DecoderLayer.decode_forward).
+            pending = None
+            for i, layer in enumerate(self.layers):
+                x, pending = run(layer.decode_forward, x, pending, cos, sin, cu_seqlens, max_seqlen, LayerKV(cache, i))
+            cache.commit()
+            return run(residual_norm, self.norm, x, pending)
         last = len(self.layers) - 1
         rows = cu_seqlens[1:].long() - 1 if last_only else None  # [B]: each prompt's last token
         narrow_last = rows is not None and len(extra) <= last  # DeepStack into the last layer needs all its rows
@@ -257,3 +276,8 @@ class TextModel(nn.Module):
 
 def _call(fn, *args):
     return fn(*args)
+
+
+def residual_norm(norm: nn.Module, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """The last layer's output (x + its MLP's, DecoderLayer.decode_forward) through the final norm."""
+    return norm(x + pending)
