@@ -254,6 +254,44 @@ def test_decode_attention_shapes_repeat(family, window_step, monkeypatch):
     assert len(shapes.shapes) == len(want)  # one (query, key) shape per width: every layer's call is alike
 
 
+class AttentionMasks(TorchFunctionMode):
+    """(query dtype, mask) of every sdpa call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            self.calls.append((args[0].dtype, kwargs.get("attn_mask")))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_makes_its_attention_mask_once_in_the_querys_dtype(family, dtype):
+    """Every full-attention layer of a decode step gets the same additive mask (0 where a row sees the slot, -inf
+    elsewhere, exactly what sdpa would make of the boolean one), in the query's dtype: given a boolean mask, sdpa
+    converts it in every call, a kernel per layer on a GPU."""
+    name, model = family
+    model = build(name).to(dtype) if dtype != torch.float32 else model
+    with torch.inference_mode():
+        cache, logits, positions = prefilled(model, prompts_for(model))
+        with AttentionMasks() as rec:
+            model.decode_step(logits.argmax(-1), positions, cache)
+    full = sum(kind != "linear_attention" for kind in (model.config.text.layer_kind(i) for i in
+                                                       range(model.config.text.num_hidden_layers)))
+    assert len(rec.calls) == full >= 2
+    masks = {id(mask) for _, mask in rec.calls}
+    assert len(masks) == 1
+    q_dtype, mask = rec.calls[0]
+    assert mask.dtype == q_dtype == dtype
+    lengths = torch.tensor(cache.lengths)  # after the step: each row's slots, the new token's included
+    seen = torch.arange(mask.shape[-1])[None, :] < lengths[:, None]
+    want = torch.where(seen, 0.0, float("-inf")).to(dtype)[:, None, None, :]
+    assert torch.equal(mask, want)
+
+
 @pytest.mark.parametrize("inference", [False, True])
 def test_the_read_counter_sees_reads_and_data_shaped_ops(inference):
     """The counter itself: each of these is one read (or a data-shaped op), and shape-static ops are none; under

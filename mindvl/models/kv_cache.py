@@ -209,14 +209,13 @@ class KVCache:
             return attend(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=backend)
         if resolve_backend(backend, q, packed=False) == "flash":
             return _flash_over_cache(q, keys, values, step.seen)
-        if mask is None:
-            mask = step.last_mask()
+        bias = step.bias(q.dtype)
         # One query per sequence, so the query heads sharing a KV head can stand in for query positions:
         # [B, Hkv, group, D] against [B, Hkv, width, D] is GQA without expanding K/V, and is a plain sdpa call.
         b, hq, d = q.shape
-        hkv, width = k.shape[1], mask.shape[-1]
+        hkv, width = k.shape[1], bias.shape[-1]
         out = F.scaled_dot_product_attention(
-            q.view(b, hkv, hq // hkv, d), keys[:, :, :width], values[:, :, :width], attn_mask=mask
+            q.view(b, hkv, hq // hkv, d), keys[:, :, :width], values[:, :, :width], attn_mask=bias
         )
         return out.reshape(b, hq, values.shape[-1])
 
@@ -237,6 +236,18 @@ class _Step:
                  host: list[int] | None, width: int) -> None:
         self.rows, self.slots, self.new_lengths, self.bound, self.mask, self.host, self.width = (
             rows, slots, new_lengths, bound, mask, host, width)
+        self._bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, 1, width] in `dtype`: 0 where a row's query sees the slot, -inf elsewhere: the decode mask (a
+        prefill's: its last queries' mask) as sdpa's additive mask, made once per forward and dtype. Given the
+        boolean mask, sdpa makes exactly this tensor itself, in every layer's call: a kernel per layer."""
+        bias = self._bias.get(dtype)
+        if bias is None:
+            mask = self.mask if self.mask is not None else self.last_mask()
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._bias[dtype] = bias
+        return bias
 
     def last_mask(self) -> torch.Tensor:
         """[B, 1, 1, width]: each row's last token sees every slot of its sequence (a prefill's last query)."""

@@ -53,7 +53,7 @@ class MLACache(KVCache):
         q_latent = torch.einsum("bhn,hnr->bhr", q_pass, w_uk)  # [B, nh, r]
         q = torch.cat([q_latent, q_rot], dim=-1)[:, None]  # [B, 1, nh, r + rope]: heads as query positions
         k = cached[:, None, :step.width]  # [B, 1, width, r + rope], a view
-        out_latent = F.scaled_dot_product_attention(q, k, k[..., :r], attn_mask=step.mask,
+        out_latent = F.scaled_dot_product_attention(q, k, k[..., :r], attn_mask=step.bias(q.dtype),
                                                     scale=scale)  # [B, 1, nh, r]
         return torch.einsum("bhr,hvr->bhv", out_latent[:, 0], w_uv)  # [B, nh, v]
 
