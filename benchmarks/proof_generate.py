@@ -26,7 +26,8 @@ transformers needs no padding) and 64 greedy tokens each:
 with the layers eager and compiled: the launches a CUDA graph replays; `us_per_kernel_beyond_weights` is a graph
 arm's step time less one read of the weights, per kernel (what fewer kernels would save). Every mindvl arm should
 give the eager loop's tokens (`identical`; the compiled arm can leave them after a near tie, see decode_compile:
-`common_prefix` says where); transformers' agreement is reported as the common prefix (bf16 kernels differ).
+`common_prefix` says where; `compiled_step_bits` compares the two step's logits, teacher-forced, and the fused
+q/k/v matmul alone); transformers' agreement is reported as the common prefix (bf16 kernels differ).
 Tokens/s is B x 64 / wall time of the call (prefill included); `step_ms` is (wall - prefill) / 63 and
 `decode_tokens_per_s` B / step time. The bandwidth bound of a decode step is the language model's weight bytes over
 the measured device copy bandwidth (read + write of a 1 GiB buffer): batch 1 cannot beat bw / weight bytes tokens/s,
@@ -177,6 +178,11 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
             if kw.get("compile"):  # False: the compilation failed and the arm ran eagerly (its warning is logged)
                 row[name]["compiled"] = decode_compile.passed_trial(model, b)
         row["identical"] = {name: tokens[name] == tokens["eager"] for name in arms if name != "eager"}
+        if b == batches[0]:
+            try:  # a diagnosis: its failure must not cost the section's other figures
+                row["compiled_step_bits"] = compiled_step_bits(model, prompts, tokens["eager"], min(new, 8))
+            except Exception as exc:  # noqa: BLE001
+                row["compiled_step_bits"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         if save_partial is not None:
             save_partial(args, out, f"batch {b}, capture, sdpa and transformers")
         decode_graph.release(model)
@@ -214,6 +220,53 @@ def sec_generate(args, work: Path, save_partial=None) -> dict:
     return out
 
 
+def compiled_step_bits(model, prompts, eager_tokens: list[list[int]], steps: int) -> dict:
+    """Does compilation keep eager's bits on this device? Teacher-forced: the logits of `steps` decode steps, each
+    fed the eager loop's token, with the layers eager and as a compiled generation runs them (fused projections,
+    decode_compile's layers): `equal`, `max_abs_diff`, `fraction_differing`, `argmax_differs` (steps whose token
+    would differ). `fused_matmul_equal`: the first layer's q/k/v as one matmul against three, alone (whether the
+    matmul library picks another kernel for the wider matrix). Run after the compiled arm, so nothing compiles."""
+    import torch
+    import torch.nn.functional as F
+
+    from mindvl.infer import decode_compile, decode_graph
+    from mindvl.infer.fused_projections import fused_projections
+    from mindvl.infer.generate import pack_prompts
+
+    device = model.language_model.embed_tokens.weight.device
+    packed = pack_prompts(prompts, device)
+    needed = max(len(p.input_ids) for p in prompts) + steps - 1
+    step = decode_graph.CAPACITY_STEP  # the capacity of the compiled arm's kept cache: nothing recompiles
+    capacity = -(-needed // step) * step
+
+    @torch.inference_mode()
+    def logits(call) -> torch.Tensor:
+        cache = model.new_kv_cache(len(prompts), capacity)
+        out, positions = model.prefill(packed["input_ids"], packed["cu_seqlens"], cache)
+        rows = [out.float()]
+        for s in range(steps - 1):
+            fed = torch.tensor([t[s] for t in eager_tokens], device=device)
+            rows.append(model.decode_step(fed, positions + s, cache, layer_call=call).float())
+        return torch.stack(rows[1:])
+
+    eager = logits(None)
+    with fused_projections(model):
+        compiled = logits(decode_compile.layer_call())
+    diff = (eager - compiled).abs()
+    attn = model.language_model.layers[0].self_attn
+    with torch.inference_mode():
+        x = torch.randn(len(prompts), attn.q_proj.in_features, dtype=attn.q_proj.weight.dtype, device=device)
+        apart = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        bias = (torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+                if attn.q_proj.bias is not None else None)
+        together = F.linear(x, weight, bias)
+    return {"steps": steps - 1, "equal": bool((diff == 0).all()), "max_abs_diff": diff.max().item(),
+            "fraction_differing": (diff > 0).float().mean().item(),
+            "argmax_differs": int((eager.argmax(-1) != compiled.argmax(-1)).any(-1).sum()),
+            "fused_matmul_equal": torch.equal(apart, together)}
+
+
 def kernels_per_step(call) -> dict:
     """Device kernels of one decode step: call(2) (a prefill and one step) less call(1) (the prefill), counted by
     torch.profiler's CUDA activity."""
@@ -248,7 +301,7 @@ def generate_summary(data: dict) -> str:
             cells.append(f"capture {row['capture']['capture_s']:.3f} s")
         if "graphs_compiled" in row:
             cells.append(f"compile warm-up {row['graphs_compiled']['warmup_s']:.1f} s")
-        for key in ("kernels_per_step", "sdpa", "identical"):
+        for key in ("kernels_per_step", "sdpa", "identical", "compiled_step_bits"):
             if key in row:
                 cells.append(f"{key} {row[key]}")
         parts.append(f"b{b}: " + ", ".join(cells))

@@ -48,6 +48,8 @@ def test_dry_run_every_section_succeeds(tmp_path):
         compiled = row["graphs_compiled"]
         assert compiled["compiled"] and compiled["common_prefix"] == 8 and compiled["warmup_s"] > 0
         assert row["capture"]["first_call_s"] > 0 and row["sdpa"] and "transformers_no_cudnn" in row
+    bits = sections["generate"]["batches"]["1"]["compiled_step_bits"]  # aot_eager runs eager's ops: equal
+    assert bits["equal"] and bits["steps"] == 7 and bits["fused_matmul_equal"] and bits["argmax_differs"] == 0
     assert sections["environment"]["missing_packages"] == []
     assert sections["tests"]["skipped"] >= 10 and sections["tests"]["failure"] == 0  # no CUDA here: all skip
     mid = sections["mindvl"]
