@@ -124,12 +124,14 @@ def step_logits(family: str, dtype: torch.dtype, arm: str) -> torch.Tensor:
 
 @torch.inference_mode()
 def token_kernels(compiled: bool) -> collections.Counter:
-    """The kernels that pick and record a greedy step's tokens (generate.greedy_tokens: 4 rows, 1001 logits), eager
-    or compiled whole (what a compiled generation runs between its decode steps)."""
+    """The kernels that pick and record a greedy step's tokens and set the cache's advance flags
+    (generate.greedy_tokens: 4 rows, 1001 logits), eager or compiled whole (what a compiled generation runs between
+    its decode steps)."""
     rows, width = 4, 16
     args = (torch.randn(rows, 1001, dtype=torch.bfloat16), torch.zeros(rows, width, dtype=torch.long),
             torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool), torch.tensor([4, 2, 6, 9]),
-            torch.tensor([3, 5]), torch.arange(rows), torch.zeros((), dtype=torch.long))
+            torch.tensor([3, 5]), torch.arange(rows), torch.ones(rows, dtype=torch.long),
+            torch.zeros((), dtype=torch.long))
     fn = decode_compile.whole(greedy_tokens) if compiled else greedy_tokens
     for _ in range(2):
         fn(*args)

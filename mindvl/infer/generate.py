@@ -16,7 +16,7 @@ batch size and replayed, and the cache and captured step are kept for the next c
 capacity bucket (decode_graph.lease); None means GRAPHS_BY_DEFAULT, or MINDVL_DECODE_GRAPHS=on|off. With `compile`
 the step's decoder layers run compiled (decode_compile.py: fewer, fused kernels per step; with graphs or without),
 and q/k/v and gate/up run as one matmul each (fused_projections.py; MINDVL_DECODE_FUSE=off keeps them apart), and
-a greedy step's tokens are picked and recorded by one compiled function (greedy_tokens: 3 kernels, not 15);
+a greedy step's tokens are picked and recorded by one compiled function (greedy_tokens: 3 kernels, not 19);
 None means decode_compile.COMPILE_BY_DEFAULT, or MINDVL_DECODE_COMPILE=on|off.
 
 `temperature == 0` is greedy (argmax). Otherwise tokens are sampled after temperature, top-k and top-p filtering
@@ -220,7 +220,7 @@ def _static_loop(step, logits: torch.Tensor, positions: torch.Tensor, budgets: l
         cache.advance.fill_(1)
     counter = torch.zeros((), dtype=torch.long, device=device)  # the step index on the device (greedy_tokens)
     for s in range(width):
-        books = (out, made, done, budget, stops, rows)
+        books = (out, made, done, budget, stops, rows, cache.advance)
         if temperature == 0:
             tokens = _greedy_step(step, logits, books, counter)
         else:
@@ -238,32 +238,34 @@ def _static_loop(step, logits: torch.Tensor, positions: torch.Tensor, budgets: l
                 index = torch.tensor(keep, device=device)
                 cache.keep(keep)
                 tokens, positions, rows = tokens[index], positions[index], rows[index]
-        cache.advance.copy_((~done[rows]).long())  # in place: a captured step reads it at a fixed address
         logits = step(tokens, positions)
         positions = positions + 1
     return [ids[:k] for ids, k in zip(out.tolist(), made.tolist(), strict=True)]
 
 
 def record_tokens(tokens: torch.Tensor, out: torch.Tensor, made: torch.Tensor, done: torch.Tensor,
-                  budget: torch.Tensor, stops: torch.Tensor, rows: torch.Tensor, s: int | torch.Tensor) -> None:
+                  budget: torch.Tensor, stops: torch.Tensor, rows: torch.Tensor, advance: torch.Tensor,
+                  s: int | torch.Tensor) -> None:
     """Step s's tokens [B] (cache row order) into the per-prompt buffers, in place: out [N, width] (a finished
-    prompt's extra tokens land past its `made`), made [N], done [N] (a stop token or the budget reached). `s`: an
-    int, or a 0-d device tensor."""
+    prompt's extra tokens land past its `made`), made [N], done [N] (a stop token or the budget reached), and the
+    cache's `advance` [B] (1 for a row still running; in place: a captured step reads it at a fixed address). `s`:
+    an int, or a 0-d device tensor."""
     running = ~done[rows]
     # A 0-d tensor index would be read as an int by compiled code (a data-dependent guard): index with [B] instead.
     out[rows, s.expand_as(rows) if isinstance(s, torch.Tensor) else s] = tokens
     made.index_add_(0, rows, running.long())
     finished = torch.isin(tokens, stops) | (budget[rows] <= s + 1)
     done[rows] = ~running | finished
+    advance.copy_((running & ~finished).long())
 
 
 def greedy_tokens(logits: torch.Tensor, out: torch.Tensor, made: torch.Tensor, done: torch.Tensor,
-                  budget: torch.Tensor, stops: torch.Tensor, rows: torch.Tensor, counter: torch.Tensor
-                  ) -> torch.Tensor:
+                  budget: torch.Tensor, stops: torch.Tensor, rows: torch.Tensor, advance: torch.Tensor,
+                  counter: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> the greedy tokens [B], recorded (record_tokens) as step `counter` (a 0-d device tensor,
     advanced in place: compiled code would otherwise be specialised to each step's int, one graph per step)."""
     tokens = logits.argmax(-1)
-    record_tokens(tokens, out, made, done, budget, stops, rows, counter)
+    record_tokens(tokens, out, made, done, budget, stops, rows, advance, counter)
     counter.add_(1)
     return tokens
 
