@@ -208,3 +208,16 @@ def test_a_compiled_generation_fuses_unless_switched_off(fuse, aot_eager, monkey
     assert generate(model, prompts, 6, compile=True) == want
     mlp = model.language_model.layers[1].mlp
     assert adjacent(mlp.gate_proj.weight, mlp.up_proj.weight) == (fuse != "off")
+
+
+def test_a_nested_fusion_leaves_the_outer_ones_attachments():
+    """generate(compile=True) inside a caller's own fused_projections: the inner context fuses nothing more and
+    detaches nothing; the outer one detaches everything."""
+    model = build("dense")
+    mlp = model.language_model.layers[0].mlp
+    with fused_projections(model) as outer:
+        attached = mlp.fused_gate_up
+        with fused_projections(model) as inner:
+            assert inner == 0 and mlp.fused_gate_up is attached
+        assert outer == 4 and mlp.fused_gate_up is attached
+    assert mlp.fused_gate_up is None
