@@ -23,11 +23,12 @@ transformers needs no padding) and 64 greedy tokens each:
 `capture` times one short call (2 tokens) with the kept step released (a capture) and again (a replay);
 `sdpa` lists the backend torch picks for each attention call of one static call, and the distinct shapes.
 `kernels_per_step` counts the device kernels of one decode step (torch.profiler: a 2-token call less a 1-token one)
-with the layers eager and compiled: the launches a CUDA graph replays; `us_per_kernel_beyond_weights` is a graph
-arm's step time less one read of the weights, per kernel (what fewer kernels would save). Every mindvl arm should
-give the eager loop's tokens (`identical`; the compiled arm can leave them after a near tie, see decode_compile:
-`common_prefix` says where; `compiled_step_bits` compares the two step's logits, teacher-forced, and the fused
-q/k/v matmul alone); transformers' agreement is reported as the common prefix (bf16 kernels differ).
+with the layers eager and compiled, the launches a CUDA graph replays, and names the 12 taking the most time;
+`us_per_kernel_beyond_weights` is a graph arm's step time less one read of the weights, per kernel (what fewer
+kernels would save). Every mindvl arm should give the eager loop's tokens (`identical`; the compiled arm can leave
+them after a near tie, see decode_compile: `common_prefix` says where; `compiled_step_bits` compares the two
+steps' logits, teacher-forced, and the fused q/k/v matmul alone); transformers' agreement is reported as the
+common prefix (bf16 kernels differ).
 Tokens/s is B x 64 / wall time of the call (prefill included); `step_ms` is (wall - prefill) / 63 and
 `decode_tokens_per_s` B / step time. The bandwidth bound of a decode step is the language model's weight bytes over
 the measured device copy bandwidth (read + write of a 1 GiB buffer): batch 1 cannot beat bw / weight bytes tokens/s,
@@ -267,21 +268,38 @@ def compiled_step_bits(model, prompts, eager_tokens: list[list[int]], steps: int
             "fused_matmul_equal": torch.equal(apart, together)}
 
 
-def kernels_per_step(call) -> dict:
+def kernels_per_step(call, top: int = 12, device: str = "cuda") -> dict:
     """Device kernels of one decode step: call(2) (a prefill and one step) less call(1) (the prefill), counted by
-    torch.profiler's CUDA activity."""
+    torch.profiler's CUDA activity; `by_kernel`: the step's `top` kernel names by device time (count, microseconds),
+    where the next lever is. (`device="cpu"` counts CPU ops instead: how the tests check this function.)"""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    def count(n: int) -> int:
-        call(n)  # warm (compilation, allocator)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call(n)
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
 
-    one, two = count(1), count(2)
-    return {"prefill": one, "decode_step": two - one}
+    def kernels(n: int) -> collections.Counter:
+        call(n)  # warm (compilation, allocator)
+        with profile(activities=[activity]) as prof:
+            call(n)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        found: collections.Counter = collections.Counter()
+        for e in prof.events():
+            if e.device_type == kind:
+                found[(e.name[:90], "n")] += 1
+                found[(e.name[:90], "us")] += e.time_range.elapsed_us()
+        return found
+
+    one, two = kernels(1), kernels(2)
+    step = {key: two[key] - one[key] for key in two}
+    names = sorted({name for name, _ in step}, key=lambda name: -step.get((name, "us"), 0))
+    return {"prefill": sum(v for (_, kind), v in one.items() if kind == "n"),
+            "decode_step": sum(v for (_, kind), v in step.items() if kind == "n"),
+            "by_kernel": [{"name": name, "count": step[(name, "n")], "us": round(step[(name, "us")], 1)}
+                          for name in names[:top]]}
 
 
 def generate_summary(data: dict) -> str:
@@ -301,7 +319,9 @@ def generate_summary(data: dict) -> str:
             cells.append(f"capture {row['capture']['capture_s']:.3f} s")
         if "graphs_compiled" in row:
             cells.append(f"compile warm-up {row['graphs_compiled']['warmup_s']:.1f} s")
-        for key in ("kernels_per_step", "sdpa", "identical", "compiled_step_bits"):
+        if "kernels_per_step" in row:
+            cells.append(f"kernels_per_step { {arm: k['decode_step'] for arm, k in row['kernels_per_step'].items()} }")
+        for key in ("sdpa", "identical", "compiled_step_bits"):
             if key in row:
                 cells.append(f"{key} {row[key]}")
         parts.append(f"b{b}: " + ", ".join(cells))

@@ -174,6 +174,31 @@ def test_profiled_step_splits_the_step_on_cpu():
     json.dumps(out)  # goes into proof.json as it is
 
 
+def test_kernels_per_step_is_the_difference_of_two_calls():
+    """The generate section's kernel count (CUDA there) counted with CPU ops: call(n) runs n matmuls and n additions
+    after a fixed prefix, so one step is one matmul and one addition, named, with their time."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("proof_generate", ROOT / "benchmarks" / "proof_generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    x = torch.randn(64, 64)
+
+    def call(n: int) -> None:
+        y = x.sin()  # the "prefill": in both calls
+        for _ in range(n):
+            y = (y @ x).add(1.0)
+
+    out = generate.kernels_per_step(call, top=50, device="cpu")  # every name (CPU ops nest: matmul -> mm)
+    named = {k["name"]: k for k in out["by_kernel"]}
+    assert named["aten::mm"]["count"] == named["aten::add"]["count"] == 1
+    assert isinstance(named["aten::mm"]["us"], float)  # a CPU op's time is noisy; a kernel's is not
+    assert out["decode_step"] == sum(k["count"] for k in out["by_kernel"]) and out["prefill"] > out["decode_step"]
+    json.dumps(out)
+
+
 def test_busy_fraction_is_the_union_of_kernel_intervals():
     proof = load_proof_module()
     assert proof.busy_fraction([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 0.5  # [0,3] [5,6] [9,10]
