@@ -248,7 +248,7 @@ def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(monkeypatch):
     """The real backend (inductor, C++ kernels on the CPU) with decode_compile.INDUCTOR_OPTIONS and the fused
     projections (a compiled generation's step): six bf16 decode steps of the dense (Qwen2: q/k/v biases) model,
     rows of different lengths, the same teacher-forced tokens on both sides, give the eager step's logits bit for
-    bit: the fused norms, rotations and SwiGLU round as eager does, and the residual stays a separate add.
+    bit: the fused norms, rotations and SwiGLU round as eager does, and no residual add is folded into a matmul.
     (Inductor's defaults change most of them, and Qwen3's q/k norms keep the bits too:
     benchmarks/decode_kernels.py --check-bits [--default-options].)"""
     torch._dynamo.reset()
