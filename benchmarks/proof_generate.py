@@ -236,9 +236,8 @@ def compiled_step_bits(model, prompts, eager_tokens: list[list[int]], steps: int
 
     device = model.language_model.embed_tokens.weight.device
     packed = pack_prompts(prompts, device)
-    needed = max(len(p.input_ids) for p in prompts) + steps - 1
-    step = decode_graph.CAPACITY_STEP  # the capacity of the compiled arm's kept cache: nothing recompiles
-    capacity = -(-needed // step) * step
+    # the capacity of the compiled arm's kept cache: nothing recompiles
+    capacity = decode_graph.bucket(max(len(p.input_ids) for p in prompts) + steps - 1)
 
     @torch.inference_mode()
     def logits(call) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from family_models import TEXT, build
 from test_static_decode import budgets_and_stops, decode_steps, prompts_for
 
-from mindvl.infer import decode_compile, decode_graph, generate
+from mindvl.infer import Prompt, decode_compile, decode_graph, generate
 from mindvl.infer.fused_projections import fused_projections
 
 
@@ -134,6 +134,24 @@ def test_the_compiled_graphs_do_not_grow_with_the_layers_or_the_steps(name, coun
     first = graphs_for(base)
     assert first >= 2  # at least one layer's graphs before and after the attention
     assert graphs_for(2 * base) == first
+
+
+@pytest.mark.filterwarnings("error")
+def test_calls_of_other_lengths_compile_nothing_new(counting):
+    """The compiled graphs see the cache's buffers (the K/V writes are traced), so a compiled generation's cache is
+    bucketed (decode_graph.bucket): prompts of other lengths in the same bucket reuse every graph. (Sized to each
+    call's need, the second call recompiles.)"""
+    model = build("dense")
+
+    def prompts(length: int) -> list[Prompt]:
+        return [Prompt(torch.arange(3, 3 + length)), Prompt(torch.arange(40, 40 + length - 2))]
+
+    for length in (5, 9, 14):
+        want = generate(model, prompts(length), 6, engine="eager")
+        assert generate(model, prompts(length), 6, compile=True) == want
+        if length == 5:
+            compiled = counting.graphs
+    assert counting.graphs == compiled
 
 
 @pytest.mark.filterwarnings("error")

@@ -174,6 +174,12 @@ POOL_SIZE = 1
 CAPACITY_STEP = 256  # a kept cache's capacity is a multiple of this, so prompts of nearby lengths share it
 
 
+def bucket(needed: int) -> int:
+    """`needed` slots rounded up to CAPACITY_STEP: the capacity of a kept cache, and of a compiled step's cache
+    (whose buffers' shapes its graphs see: calls of nearby lengths then compile nothing new)."""
+    return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+
+
 class _Pool:
     def __init__(self, weights: tuple, backend: GraphBackend) -> None:
         self.weights, self.backend = weights, backend
@@ -192,7 +198,7 @@ def lease(model, batch: int, needed: int, compiled: bool = False) -> tuple:
     """(cache, step) for a generation of `batch` sequences needing `needed` slots each: the kept pair for this batch,
     capacity and `compiled`, reset, or a new one (module docstring). The step replays from a graph where BACKEND
     can capture."""
-    capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+    capacity = bucket(needed)
     weights = _weights_key(model)
     pool = _POOLS.get(model)
     if pool is None or pool.weights != weights or pool.backend is not BACKEND:

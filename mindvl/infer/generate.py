@@ -175,8 +175,8 @@ def generate(
     with fused_projections.fused_projections(model) if fuse else contextlib.nullcontext():
         if graphs and decode_graph.BACKEND.usable(device):  # a cache and captured step kept across calls
             cache, step = decode_graph.lease(model, len(prompts), needed, compiled)
-        else:
-            cache = model.new_kv_cache(len(prompts), needed)
+        else:  # a compiled step's graphs see the cache's shape: bucketed, calls of nearby lengths share them
+            cache = model.new_kv_cache(len(prompts), decode_graph.bucket(needed) if compiled else needed)
             step = decode_graph.DecodeStep(model, cache, graphs=False, compiled=compiled)
         generator = None
         if temperature > 0:
