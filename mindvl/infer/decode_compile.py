@@ -135,8 +135,9 @@ _WHOLE: dict = {}
 
 
 def whole(fn: Callable) -> Callable | None:
-    """fn compiled in one graph with BACKEND (fullgraph: a call runs compiled code or raises before running any of
-    it, so a caller may fall back to fn on the same inputs); None if an earlier compilation of fn failed."""
+    """fn compiled in one graph with BACKEND (fullgraph: a call runs compiled code or raises one of dynamo's errors
+    before running any of it, so a caller may fall back to fn on the same inputs); None if an earlier compilation
+    of fn failed."""
     key = (BACKEND, fn)
     if key not in _WHOLE:
         _WHOLE[key] = torch.compile(fn, backend=BACKEND, options=_options(), fullgraph=True)

@@ -272,12 +272,15 @@ def greedy_tokens(logits: torch.Tensor, out: torch.Tensor, made: torch.Tensor, d
 
 def _greedy_step(step, logits: torch.Tensor, books: tuple, counter: torch.Tensor) -> torch.Tensor:
     """greedy_tokens, compiled whole when the decode step's layers are (3 kernels per step in place of 19); a
-    compilation that fails raises before running anything, so it runs eagerly instead."""
+    compilation that fails raises before running anything (dynamo's errors), so it runs eagerly instead. An error
+    while the compiled code runs may have updated some of the buffers, so it is raised as it is."""
     compiled = decode_compile.whole(greedy_tokens) if step.layer_call is not None else None
     if compiled is not None:
+        from torch._dynamo.exc import TorchDynamoException  # loaded by torch.compile already
+
         try:
             return compiled(logits, *books, counter)
-        except Exception as error:  # noqa: BLE001 - any compile failure means: run it eagerly
+        except TorchDynamoException as error:  # tracing or the backend failed: nothing ran
             decode_compile.whole_failed(greedy_tokens, error)
     return greedy_tokens(logits, *books, counter)
 
