@@ -295,8 +295,8 @@ def kernels_per_step(call, top: int = 12, device: str = "cuda") -> dict:
     one, two = kernels(1), kernels(2)
     step = {key: two[key] - one[key] for key in two}
     names = sorted({name for name, _ in step}, key=lambda name: -step.get((name, "us"), 0))
-    return {"prefill": sum(v for (_, kind), v in one.items() if kind == "n"),
-            "decode_step": sum(v for (_, kind), v in step.items() if kind == "n"),
+    return {"prefill": sum(v for (_, what), v in one.items() if what == "n"),
+            "decode_step": sum(v for (_, what), v in step.items() if what == "n"),
             "by_kernel": [{"name": name, "count": step[(name, "n")], "us": round(step[(name, "us")], 1)}
                           for name in names[:top]]}
 

@@ -56,3 +56,16 @@ def emulated(monkeypatch):
     backend = EmulatedGraphs()
     monkeypatch.setattr(decode_graph, "BACKEND", backend)
     return backend
+
+
+@pytest.fixture
+def use_backend(monkeypatch):
+    """use_backend(backend): mindvl.infer.decode_compile's backend replaced by `backend` (a name or a callable),
+    dynamo's caches emptied before (each test compiles its own graphs) and after the test, passed or not."""
+    import torch
+
+    from mindvl.infer import decode_compile
+
+    torch._dynamo.reset()
+    yield lambda backend: monkeypatch.setattr(decode_compile, "BACKEND", backend)
+    torch._dynamo.reset()

@@ -52,14 +52,22 @@ class CountingBackend:
 
 
 @pytest.fixture
-def counting(monkeypatch):
-    """decode_compile's backend replaced by a fresh CountingBackend (dynamo's caches emptied first: each test counts
-    its own compilations)."""
-    torch._dynamo.reset()
+def counting(use_backend):
+    """decode_compile's backend replaced by a fresh CountingBackend."""
     backend = CountingBackend()
-    monkeypatch.setattr(decode_compile, "BACKEND", backend)
-    yield backend
-    torch._dynamo.reset()
+    use_backend(backend)
+    return backend
+
+
+def warns_once_then_compiles_no_more(model, prompts, n: int, match: str) -> None:
+    """The first compiled call warns (match) and still gives the eager loop's tokens; the second gives them without a
+    warning (the failed compilation is not tried again)."""
+    want = generate(model, prompts, n, engine="eager")
+    with pytest.warns(UserWarning, match=match):
+        assert generate(model, prompts, n, compile=True) == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate(model, prompts, n, compile=True) == want
 
 
 @pytest.mark.filterwarnings("error")  # a failed compilation would fall back to eager with a warning
@@ -170,7 +178,7 @@ def test_a_decode_steps_cache_writes_are_traced_with_its_projections_and_rotatio
         assert {"linear", "split", "cat", "neg"} <= calls, calls  # the fused projection, the rotation
 
 
-def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(monkeypatch):
+def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(use_backend):
     """A backend that fails on the first graph after one that updates a state in place: one warning, and the tokens
     are the eager loop's. The trial step's first linear-attention layer ran compiled and updated Qwen3.5's conv state
     before the failure; undone, or every later token would differ. The next call does not try again."""
@@ -182,21 +190,13 @@ def test_a_failed_compilation_runs_the_layers_eagerly_with_the_cache_as_it_was(m
         updated.extend(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "copy_")
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
-    torch._dynamo.reset()
-    monkeypatch.setattr(decode_compile, "BACKEND", failing)
+    use_backend(failing)
     model = build("qwen3_5")
-    prompts = prompts_for(model, 3)
-    want = generate(model, prompts, 8, engine="eager")
-    with pytest.warns(UserWarning, match="decode step not compiled.*no compiler here"):
-        assert generate(model, prompts, 8, compile=True) == want
+    warns_once_then_compiles_no_more(model, prompts_for(model, 3), 8, "decode step not compiled.*no compiler here")
     assert updated  # the failure came after an in-place update
-    with warnings.catch_warnings():  # the model is not compiled again: no second warning, no second attempt
-        warnings.simplefilter("error")
-        assert generate(model, prompts, 8, compile=True) == want
-    torch._dynamo.reset()
 
 
-def test_greedy_tokens_that_fail_to_compile_are_picked_eagerly(monkeypatch):
+def test_greedy_tokens_that_fail_to_compile_are_picked_eagerly(use_backend):
     """A backend that refuses the graph picking the tokens (generate.greedy_tokens, compiled whole): one warning
     naming it and the backend's error, the eager loop's tokens, the layers still compiled; the next call does not
     try again (no warning)."""
@@ -208,22 +208,14 @@ def test_greedy_tokens_that_fail_to_compile_are_picked_eagerly(monkeypatch):
         layers.append(gm)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
-    torch._dynamo.reset()
-    monkeypatch.setattr(decode_compile, "BACKEND", backend)
+    use_backend(backend)
     model = build("dense")
-    prompts = prompts_for(model, 3)
-    want = generate(model, prompts, 7, engine="eager")
-    with pytest.warns(UserWarning, match=r"^greedy_tokens not compiled \(RuntimeError: no argmax here\); running it "
-                                         r"eagerly from now on$"):
-        assert generate(model, prompts, 7, compile=True) == want
+    warns_once_then_compiles_no_more(model, prompts_for(model, 3), 7, r"^greedy_tokens not compiled \(RuntimeError: "
+                                     r"no argmax here\); running it eagerly from now on$")
     assert layers and decode_compile.passed_trial(model, 3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert generate(model, prompts, 7, compile=True) == want
-    torch._dynamo.reset()
 
 
-def test_a_recompilation_that_fails_at_a_new_batch_size_runs_eagerly(monkeypatch):
+def test_a_recompilation_that_fails_at_a_new_batch_size_runs_eagerly(use_backend):
     """The trial passes at 3 rows; a later call at 2 rows needs a recompilation (a dynamic batch), which this
     backend refuses: a warning, that call runs eagerly with the eager loop's tokens (Qwen3.5's states undone), and
     the first size still runs compiled."""
@@ -234,8 +226,7 @@ def test_a_recompilation_that_fails_at_a_new_batch_size_runs_eagerly(monkeypatch
             raise RuntimeError("no dynamic shapes here")
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
-    torch._dynamo.reset()
-    monkeypatch.setattr(decode_compile, "BACKEND", backend)
+    use_backend(backend)
     model = build("qwen3_5")
     prompts = prompts_for(model, 3)
     assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6, engine="eager")
@@ -243,7 +234,6 @@ def test_a_recompilation_that_fails_at_a_new_batch_size_runs_eagerly(monkeypatch
     with pytest.warns(UserWarning, match="decode step not compiled.*no dynamic shapes here"):
         assert generate(model, prompts[1:], 6, compile=True) == generate(model, prompts[1:], 6, engine="eager")
     assert decode_compile.passed_trial(model, 3) and not decode_compile.passed_trial(model, 2)
-    torch._dynamo.reset()
 
 
 def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(counting, monkeypatch):
@@ -262,15 +252,14 @@ def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(cou
 
 
 @pytest.mark.slow
-def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(monkeypatch):
+def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(use_backend):
     """The real backend (inductor, C++ kernels on the CPU) with decode_compile.INDUCTOR_OPTIONS and the fused
     projections (a compiled generation's step): six bf16 decode steps of the dense (Qwen2: q/k/v biases) model,
     rows of different lengths, the same teacher-forced tokens on both sides, give the eager step's logits bit for
     bit: the fused norms, rotations and SwiGLU round as eager does, and no residual add is folded into a matmul.
     (Inductor's defaults change most of them, and Qwen3's q/k norms keep the bits too:
     benchmarks/decode_kernels.py --check-bits [--default-options].)"""
-    torch._dynamo.reset()
-    monkeypatch.setattr(decode_compile, "BACKEND", "inductor")
+    use_backend("inductor")
     model = build("dense").to(torch.bfloat16)
 
     @torch.inference_mode()
@@ -288,4 +277,3 @@ def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(monkeypatch):
     with fused_projections(model):  # what a compiled generation runs
         compiled = logits(decode_compile.layer_call())
     assert torch.equal(eager, compiled), (eager - compiled).abs().max()
-    torch._dynamo.reset()

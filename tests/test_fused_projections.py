@@ -18,7 +18,7 @@ from test_static_decode import budgets_and_stops, prefilled, prompts_for
 from torch.overrides import TorchFunctionMode
 
 from mindvl.checkpoint import load_model, save_pretrained
-from mindvl.infer import decode_compile, generate
+from mindvl.infer import generate
 from mindvl.infer.fused_projections import FUSE_ENV, fused_projections
 from mindvl.models.gated_attention import GatedAttention
 from mindvl.models.layers import GatedMLP
@@ -117,12 +117,9 @@ def test_the_parameters_stay_the_same_objects_values_and_checkpoint(tmp_path):
 
 
 @pytest.fixture
-def aot_eager(monkeypatch):
-    """Compiled decode steps with the traced aten ops (dynamo's caches emptied before and after)."""
-    torch._dynamo.reset()
-    monkeypatch.setattr(decode_compile, "BACKEND", "aot_eager")
-    yield
-    torch._dynamo.reset()
+def aot_eager(use_backend):
+    """Compiled decode steps with the traced aten ops (conftest's use_backend)."""
+    use_backend("aot_eager")
 
 
 def test_training_after_a_fused_generation_matches_an_untouched_copy(aot_eager):
