@@ -112,6 +112,42 @@ def test_aligned_groups_layout():
     assert offsets.tolist() == [32, 48, 96] and size == 112
 
 
+def test_a_few_rows_over_many_experts_get_a_layout_of_a_few_tiles():
+    """A decode step's rows (tokens x k, fewer than the experts): at most that many groups are not empty, so the
+    padded layout is bounded by the rows, not by E pad groups (8 rows over 256 experts: 144 rows, not 3,856), and
+    the last group still ends below the bound for every routing, the worst one (every row its own expert) too."""
+    assert aligned_groups(torch.zeros(256, dtype=torch.long).index_fill_(0, torch.arange(8) * 31, 1), 8)[2] == 144
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 3, 8, 40, 63, 64, 65, 200):
+        bound = -(-(n + min(64, n) * 15 + 1) // 16) * 16
+        worst = torch.zeros(64, dtype=torch.long)
+        worst[:min(n, 64)] = 1
+        worst[0] += n - min(n, 64)
+        routings = [worst, torch.zeros(64, dtype=torch.long).index_fill_(0, torch.tensor([5]), n)]
+        routings += [torch.zeros(64, dtype=torch.long).index_add_(0, torch.randint(0, 64, (n,), generator=g),
+                                                                  torch.ones(n, dtype=torch.long))
+                     for _ in range(20)]
+        for counts in routings:
+            dest, offsets, size = aligned_groups(counts, n)
+            assert size == bound and int(offsets[-1]) < size and int(dest.max()) < int(offsets[-1])
+        if n <= 64:  # every row its own expert: n whole tiles, the most n rows can need
+            assert int(aligned_groups(worst, n)[1][-1]) == 16 * n
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sized_batches_through_grouped_experts_equal_the_loop(tokens, dtype):
+    """1 and 3 tokens x 4 slots over 64 experts (the decode layout above): the per-expert reference's outputs."""
+    m, x, ids, w = make(64, 32, 16, tokens=tokens, k=4, seed=tokens)
+    m = m.to(dtype)
+    xd = x.detach().to(dtype)
+    assert _grouped_mm_runs(xd, m.gate_proj, m.up_proj, m.down_proj)
+    with torch.no_grad():
+        got, want = m(xd, ids, w), per_expert_reference(m, xd, ids, w)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_equals_loop_with_skewed_and_empty_experts(dtype):
     m, x, ids, w = skewed(12, tokens=45, k=3, seed=7)

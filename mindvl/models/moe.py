@@ -165,15 +165,19 @@ def aligned_groups(counts: torch.Tensor, n_rows: int, align: int = GROUP_ALIGN
     """counts [E] (rows per expert, summing to n_rows) -> (dest [n_rows]: where each row goes in the padded layout,
     offsets [E] int32: the padded groups' end rows, size: the padded layout's rows).
 
-    Group e starts at a multiple of `align`. `size` is a bound fixed by n_rows and E (every group may need
-    align - 1 pad rows, and one more row keeps offsets[-1] strictly below it, as grouped_mm's contract asks), so no
-    shape depends on the counts' values on the host. The rows from offsets[-1] to `size` belong to no group:
+    Group e starts at a multiple of `align`. `size` is a bound fixed by n_rows and E: at most min(E, n_rows) groups
+    are not empty, each may need align - 1 pad rows (an empty group needs none), and one more row keeps offsets[-1]
+    strictly below it, as grouped_mm's contract asks. So no shape depends on the counts' values on the host, and a
+    decode step's few rows over many experts get a layout of a few tiles, not E of them (8 rows over 256 experts:
+    144 rows, where a bound of E pad groups made 3,856, each gathered and multiplied through the activation's
+    elementwise kernels). The rows from offsets[-1] to `size` belong to no group:
     grouped_mm ignores rows past the last offset (its documented contract), so a batch pays for its own padded
     groups only, not for the bound. (When the last group took that slack, a decode step of a few rows over 256
     experts computed ~3,800 pad rows in one expert.) Their outputs are left unset and never read: the caller keeps
     only `dest` rows."""
     e = counts.shape[0]
-    size = -(-(n_rows + e * (align - 1) + 1) // align) * align  # + 1: offsets[-1] < size, as grouped_mm asks
+    busy = min(e, n_rows)  # groups that can hold a row
+    size = -(-(n_rows + busy * (align - 1) + 1) // align) * align  # + 1: offsets[-1] < size, as grouped_mm asks
     padded = (counts + align - 1) // align * align
     pad_ends = padded.cumsum(0)
     ends = counts.cumsum(0)
