@@ -52,7 +52,7 @@ FAMILY_FIELDS = {
     "deepseek_v3": dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                         n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
-    "qwen3_5": dict(mrope_section=[2, 1, 1], mrope_interleaved=True, partial_rotary_factor=0.5,
+    "qwen3_5": dict(mrope_interleaved=True, partial_rotary_factor=0.5,
                     linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
                     linear_num_key_heads=2, linear_num_value_heads=4),
 }
@@ -62,12 +62,15 @@ def build(family: str, layers: int, dtype: torch.dtype, wide: bool = False) -> M
     """A narrow model of the family's layer structure (the kernel count does not depend on the widths); `wide`:
     hidden 1024, 8 query heads of 128 over 4 KV heads (for the bit comparison)."""
     sizes = (dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=128, mrope_section=[16, 24, 24]) if wide else
-             dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  mrope_section=[2, 3, 3]))
+                  head_dim=128) if wide else
+             dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     extra = dict(FAMILY_FIELDS.get(family, {}))
     if family == "qwen3_5":  # linear and full attention alternate, so (4 layers - 2) / 2 is one of each, averaged
         extra["layer_types"] = ["linear_attention", "full_attention"] * (layers // 2)
+    rotary = {"deepseek_v3": extra.get("qk_rope_head_dim"),
+              "qwen3_5": int(sizes["head_dim"] * extra.get("partial_rotary_factor", 1))}.get(family, sizes["head_dim"])
+    half, part = rotary // 2, 3 * (rotary // 2) // 8
+    extra["mrope_section"] = [half - 2 * part, part, part]  # Qwen2.5-VL's 16/24/24 split of 64, at any width
     text = TextConfig(family=family, vocab_size=1001, num_hidden_layers=layers, **{**sizes, **extra})
     vision = VisionConfig(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, fullatt_block_indexes=[0])
     model = MindVL(MindVLConfig(text=text, vision=vision, image_token_id=1000, video_token_id=999,

@@ -144,6 +144,25 @@ def test_the_compiled_graphs_do_not_grow_with_the_layers_or_the_steps(name, coun
     assert graphs_for(2 * base) == first
 
 
+def test_models_decoded_one_after_another_keep_every_layer_compiled(counting):
+    """Dynamo keeps at most `recompile_limit` graphs per function and then runs it eagerly, with a log line only.
+    The layers' own methods (DecoderLayer.decode_forward, each attention's forward: split at the cache's calls,
+    they are frames of their own) are shared by every model, so a process that decodes one model after another
+    (the families, in fp32 and bf16) needs more than dynamo's default of 8. After them, a model's compiled
+    generation runs exactly as many compiled graphs as in a fresh process, with the eager loop's tokens."""
+    def graph_runs(model) -> int:
+        before = counting.runs
+        prompts = prompts_for(model, 2)
+        assert generate(model, prompts, 4, compile=True) == generate(model, prompts, 4, engine="eager")
+        return counting.runs - before
+
+    fresh = graph_runs(build("qwen3_5").to(torch.bfloat16))
+    torch._dynamo.reset()
+    for name in TEXT:
+        graph_runs(build(name))
+    assert graph_runs(build("qwen3_5").to(torch.bfloat16)) == fresh
+
+
 @pytest.mark.filterwarnings("error")
 def test_calls_of_other_lengths_compile_nothing_new(counting):
     """The compiled graphs see the cache's buffers (the K/V writes are traced), so a compiled generation's cache is

@@ -25,10 +25,12 @@ ROOMS = {
     "quickstart": "workflows", "quickstart_plan": "workflows", "ablate": "workflows", "cli": "cli",
     # Leaf modules that import nothing of mindvl, so every room may use them (a plan change: see LEAVES).
     "typed": "leaf", "conventions": "leaf", "progress": "leaf", "children": "leaf", "untrusted": "leaf",
+    "compile_limit": "leaf",
 }
 LEAVES = {"leaf"}  # mindvl.typed (the one mapping -> dataclass converter), mindvl.conventions (shared constants),
 # mindvl.progress (the progress display of long work: eval, search, planner trace, curation, synthetic data),
-# mindvl.children (Python children start with the safe path), mindvl.untrusted (bounded reads of received files)
+# mindvl.children (Python children start with the safe path), mindvl.untrusted (bounded reads of received files),
+# mindvl.compile_limit (dynamo's recompile limit, raised for the decode step's and the training blocks' compiles)
 ROOT = "root"  # mindvl/__init__.py (the version string)
 
 # The "may import" column of ARCHITECTURE.md §2 (stdlib and third-party imports are not checked here).

@@ -25,6 +25,9 @@ layer asks for this step's K/V buffers and slots first and writes them in its gr
 writes in place, in the rotation's kernel). A layer is a few graphs, split at the cache's calls. A
 second batch size (a compaction, another call) recompiles once with a dynamic batch (dynamo's automatic dynamic
 shapes). With `graphs` the compiled layers are captured like eager ones: the capture's warm-up run compiles them.
+The layers' methods are shared by every model, so a process decoding several models keeps more graphs per method
+than dynamo's default recompile limit of 8, past which it would run them eagerly: the limit is raised
+(mindvl.compile_limit).
 
 Numerics: the matmuls are the same library calls as eager. Inductor evaluates a fused elementwise chain without
 rounding between its ops unless told to, and its pattern matcher folds the residual add into the down projection
@@ -51,6 +54,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+
+from ..compile_limit import make_room_for_graphs
 
 # What `compile=None` means when MINDVL_DECODE_COMPILE is unset (see the module docstring: off until a device run).
 COMPILE_BY_DEFAULT = False
@@ -115,6 +120,7 @@ def layer_call() -> Callable[..., torch.Tensor]:
     """The compiled `layer_call` for BACKEND, made once per backend (dynamo keeps its graphs with the compiled
     functions' code, so every step and every model share them): each kind of piece goes to its own compiled copy of
     `layer_forward`."""
+    make_room_for_graphs()
     call = _CALLS.get(BACKEND)
     if call is None:
         options, backend = _options(), BACKEND
@@ -138,6 +144,7 @@ def whole(fn: Callable) -> Callable | None:
     """fn compiled in one graph with BACKEND (fullgraph: a call runs compiled code or raises one of dynamo's errors
     before running any of it, so a caller may fall back to fn on the same inputs); None if an earlier compilation
     of fn failed."""
+    make_room_for_graphs()
     key = (BACKEND, fn)
     if key not in _WHOLE:
         _WHOLE[key] = torch.compile(fn, backend=BACKEND, options=_options(), fullgraph=True)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mindvl.compile_limit import make_room_for_graphs
 from mindvl.config import ParallelSection
 
 from .compile_backend import backend_for, compile_failures
@@ -426,6 +427,7 @@ def _compile(model: nn.Module, ctx: PrepareContext) -> nn.Module:
     if not compile_enabled(ctx.parallel, ctx.env.device):
         return model
     strict = ctx.parallel.compile in ("on", True)  # asked for: a graph inductor cannot compile is an error
+    make_room_for_graphs()  # the blocks' methods are shared by every model of the process (compile_limit)
     for b in blocks(model):
         # Inside the checkpoint wrapper, not around it: a block has graph breaks (`attend`, the delta rule: compile
         # boundaries, see models.host.Segments), and dynamo cannot trace a checkpointed region with a break in it,
