@@ -26,6 +26,10 @@ tail) and the next section runs:
   the graph with the layers compiled (fused kernels; kernels per decode step counted eager against compiled),
   the static and graph arms again without cuDNN in sdpa's choice, transformers `generate` with and without cuDNN,
   the capture's cost, the sdpa backend picked per call, and the bandwidth bound (weight bytes / copy bandwidth).
+- decode_bits (after generate): the compiled decode step's pieces (norm, residual add + norm, SwiGLU product, the
+  same with SiLU as eager's formula, rotation), each compiled alone at batch 1 and 32 and compared with eager bit
+  for bit under inductor's defaults, decode_compile.INDUCTOR_OPTIONS and those without their triton pair: which
+  piece leaves eager's bits on the device, and which options bring it back (COMPILE_BY_DEFAULT waits on it).
 - plan: `mindvl.plan.plan` for that recipe on one of the card the proof runs on (CPU, fake tensors; runs beside the
   GPU sections): the planner's preset for the detected GPU (H200 -> h200, H100 -> h100-80g, ...), a `custom:` spec
   from its memory when mindvl has none, h100-80g without a GPU (the dry run); proof.json's `plan.device` says which.
@@ -73,9 +77,11 @@ The AC-off arms cost about what their full-AC arms took for as many steps (mindv
 the first arm's compiled blocks; hf_packed: 4 steps, ~10 s at the H200's 2.5 s steps) and fit in the default limits
 (mindvl 240 s, hf_packed 90 s) only when the full-AC arms are quick; when proof.json says `ac_off.skipped`, get them
 with `--sections prepare,mindvl,hf_packed --section-limit mindvl=360 --section-limit hf_packed=150 --budget-s 420`.
-Issue 39 (generation) first: `--sections environment,prepare,generate --budget-s 420` (prepare 20 s on the H200,
-generate up to its 300 s: six mindvl arms at batch 1 and 32, inductor compiling the decode layers twice, the two
-transformers arms), then the rest (`--sections tests,prepare,mindvl,profile,...`) with what is left.
+Issue 39 (generation) first: `--sections environment,prepare,generate,decode_bits --budget-s 450` with timeout_s
+520 (environment 6 s and prepare 20 s on the H200, generate up to its 300 s: six mindvl arms at batch 1 and 32,
+inductor compiling the decode layers twice, the two transformers arms; decode_bits up to 90 s: each piece of the
+compiled step compiled alone, its bits against eager's under each option set), then the rest
+(`--sections tests,prepare,mindvl,profile,...`) with what is left.
 Not yet known: how long inductor takes for the mid model's blocks (the H200 run of 2026-11-28 compiled nothing: the
 blocks' graph breaks inside checkpoint wrappers ran them eagerly, fixed since); the first run's proof.json has it.
 """
@@ -108,6 +114,8 @@ SECTIONS = [("environment", 60, 120), ("tests", 150, 180), ("prepare", 120, 180)
 # issue 39, right after prepare: benchmarks/proof_generate.py (300 s: its compiled arm compiles the layers twice,
 # at batch 1 and again with a dynamic batch)
 SECTIONS.insert(3, ("generate", 300, 240))
+# then each of the compiled decode step's pieces alone, eager's bits or not, under each option set (proof_generate)
+SECTIONS.insert(4, ("decode_bits", 90, 180))
 PLAN_TIMEOUT = (240, 300)  # the planner runs in the background from after `prepare`
 PROFILE = "profile"  # the switch that adds a profiled step to the mindvl and moe sections (see the docstring)
 FAIL_ENV = "MINDVL_PROOF_FAIL"  # a section name: that section raises at once (tests of the failure isolation)
@@ -1039,6 +1047,13 @@ def sec_generate(args, work: Path) -> dict:
 WORKERS["generate"] = sec_generate
 
 
+def sec_decode_bits(args, work: Path) -> dict:
+    return _proof_generate().sec_decode_bits(args, work, save_partial)
+
+
+WORKERS["decode_bits"] = sec_decode_bits
+
+
 # ------------------------------------------------------------------------------------------------------ driver
 
 
@@ -1170,6 +1185,8 @@ def report(res: dict) -> str:
             what = f"{fmt(data.get('tokens_per_s_median'), ',.0f')} tokens/s, MFU {fmt(data.get('mfu_median'), '.2%')}"
         elif name == "generate":
             what = _proof_generate().generate_summary(data)
+        elif name == "decode_bits":
+            what = _proof_generate().decode_bits_summary(data)
         elif name == "plan":
             what = (f"planned peak {fmt(data.get('peak_bytes_per_rank', 0) / GIB, '.2f')} GiB on "
                     f"{(data.get('device') or {}).get('spec', '?')}")

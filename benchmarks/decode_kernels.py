@@ -17,6 +17,9 @@ counts once, not again for its `addmm`). The per-layer figure is the difference
 between a 4-layer and a 2-layer model, halved; `fixed` is the rest (embedding, rotary tables, decode mask, final
 norm, logits). On an accelerator the proof's generate section counts the real CUDA kernels (`kernels_per_step`).
 
+`--pieces` runs the accelerator proof's decode_bits diagnosis here instead: each piece of the compiled step (norm,
+residual add + norm, SwiGLU product, SiLU by eager's formula, rotation) compiled alone under each option set.
+
 `--check-bits` also compares the logits of 8 decode steps (4 rows, the same teacher-forced tokens on both sides) of
 a wider model (hidden 1024, head_dim 128) eager against compiled, fused or not: with decode_compile.INDUCTOR_OPTIONS
 they are equal bit for bit on the CPU; without them (inductor's defaults) they are not (`--check-bits
@@ -164,7 +167,21 @@ def main() -> None:
     parser.add_argument("--families", default="qwen2,qwen3")
     parser.add_argument("--check-bits", action="store_true", help="compare eager and compiled logits bit for bit")
     parser.add_argument("--default-options", action="store_true", help="inductor's defaults, not INDUCTOR_OPTIONS")
+    parser.add_argument("--pieces", action="store_true",
+                        help="only the proof's decode_bits pieces (proof_generate.piece_bits) of the wide qwen2 model, "
+                             "compiled by inductor on this CPU, under each option set")
     args = parser.parse_args()
+    if args.pieces:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from proof_generate import decode_bits_summary, piece_bits
+
+        pieces = piece_bits(build("qwen2", 2, getattr(torch, args.dtype), wide=True), (1, 32), "inductor")
+        print(json.dumps(pieces))
+        print(decode_bits_summary({"pieces": pieces}))
+        return
     if args.default_options:
         decode_compile.INDUCTOR_OPTIONS = {}
     import torch._inductor.config as inductor_config

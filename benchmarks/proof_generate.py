@@ -325,3 +325,125 @@ def generate_summary(data: dict) -> str:
                 cells.append(f"{key} {row[key]}")
         parts.append(f"b{b}: " + ", ".join(cells))
     return "; ".join(parts) or "no batches"
+
+
+# ------------------------------------------------------------------------------------- decode_bits (its own section)
+
+# The compiled decode step's elementwise pieces, each compiled alone with each option set and compared with eager
+# bit for bit at the model's shapes: which piece (if any) leaves eager's bits on this device, and which inductor
+# options bring it back. `inductor_defaults` is what torch.compile does unasked; `mindvl` is
+# decode_compile.INDUCTOR_OPTIONS; `mindvl_without_eager_numerics` leaves out its triton-only pair (division rounded
+# as eager's, subnormals kept).
+EAGER_NUMERICS = ("eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+
+
+def option_sets() -> dict[str, dict]:
+    from mindvl.infer import decode_compile
+
+    mindvl = decode_compile.INDUCTOR_OPTIONS
+    return {"inductor_defaults": {},
+            "mindvl_without_eager_numerics": {k: v for k, v in mindvl.items() if k not in EAGER_NUMERICS},
+            "mindvl": dict(mindvl)}
+
+
+def decode_pieces(model, rows: int, device) -> dict:
+    """name -> (fn, args, the eager reference's fn): the first decoder layer's input norm, the deferred residual add
+    into it (text.residual_norm), the SwiGLU product (the MLP's own activation), the same product with SiLU written
+    as eager's CUDA kernel computes it (x / (1 + exp(-x)) in fp32: triton's sigmoid is another formula), and the
+    rotation of the queries (layers.apply_rotary with the model's bf16 tables)."""
+    import torch
+
+    from mindvl.models.layers import apply_rotary
+    from mindvl.models.text import residual_norm
+
+    lm = model.language_model
+    layer, cfg = lm.layers[0], lm.cfg
+    dtype = lm.embed_tokens.weight.dtype
+    gen = torch.Generator(device=device).manual_seed(rows)
+
+    def randn(*shape, scale: float = 1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    h, r = randn(rows, cfg.hidden_size), randn(rows, cfg.hidden_size, scale=0.5)
+    gate, up = randn(rows, cfg.intermediate_size, scale=2.0), randn(rows, cfg.intermediate_size)
+    q = randn(rows, cfg.num_attention_heads, cfg.head_dim)
+    positions = torch.arange(100, 100 + rows, device=device)
+    cos, sin = lm.rotary_tables(positions.expand(3, rows) if cfg.mrope_section else positions, dtype)
+    act = layer.mlp.act
+
+    def swiglu(g, u):
+        return act(g) * u
+
+    def swiglu_by_formula(g, u):
+        x = g.float()
+        return (x / (1 + torch.exp(-x))).to(g.dtype) * u
+
+    return {"rms_norm": (layer.input_layernorm, (h,), None),
+            "residual_add_rms_norm": (residual_norm, (layer.input_layernorm, h, r), None),
+            "swiglu_product": (swiglu, (gate, up), None),
+            "swiglu_product_by_formula": (swiglu_by_formula, (gate, up), swiglu),
+            "rotary": (apply_rotary, (q, cos, sin), None)}
+
+
+def piece_bits(model, rows_list=(1, 32), backend: str = "inductor") -> dict:
+    """{rows: {piece: {option set: {equal, fraction_differing, max_abs_diff}}}}: each piece compiled alone (a fresh
+    dynamo state per compilation) against its eager reference; at the first rows count with every option set, at
+    the others with `mindvl` only (a compilation is a second or two of triton each)."""
+    import torch
+
+    from mindvl.infer import decode_compile
+
+    device = model.language_model.embed_tokens.weight.device
+    sets = option_sets()
+    out: dict = {}
+    for i, rows in enumerate(rows_list):
+        row = out[str(rows)] = {}
+        for name, (fn, args, reference) in decode_pieces(model, rows, device).items():
+            with torch.inference_mode():
+                want = (reference or fn)(*args)
+                row[name] = {}
+                for set_name, options in sets.items():
+                    if i and set_name != "mindvl":
+                        continue
+                    torch._dynamo.reset()
+                    opts = decode_compile.inductor_options(options) if backend == "inductor" else None
+                    got = torch.compile(fn, backend=backend, options=opts, dynamic=False)(*args)
+                    diff = (got.float() - want.float()).abs()
+                    row[name][set_name] = {"equal": torch.equal(got, want),
+                                           "fraction_differing": round((diff > 0).float().mean().item(), 6),
+                                           "max_abs_diff": diff.max().item()}
+    torch._dynamo.reset()
+    return out
+
+
+def sec_decode_bits(args, work: Path, save_partial=None) -> dict:
+    """The decode_bits section: piece_bits on the prepared model in bf16 (the dry run: the CPU, fp32 and aot_eager,
+    the code's path only). Its own section, after generate, so that its compilations cannot cost generate's arms
+    their time."""
+    import torch
+
+    from mindvl.checkpoint import load_model
+    from mindvl.infer import decode_compile
+
+    if not (work / "mindvl").is_dir():
+        raise RuntimeError("the decode_bits section needs the prepare section's model (run prepare first)")
+    dry = args.dry_run
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not dry else torch.device("cpu")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = load_model(work / "mindvl", dtype=dtype, device=device).eval()
+    resolved = {name: decode_compile.inductor_options(o) for name, o in option_sets().items()}
+    out = {"dtype": str(dtype), "options": resolved}
+    if save_partial is not None:
+        save_partial(args, out, "pieces")
+    out["pieces"] = piece_bits(model, (1, 4) if dry else (1, 32), "aot_eager" if device.type == "cpu" else "inductor")
+    return out
+
+
+def decode_bits_summary(data: dict) -> str:
+    """One line: per rows count, the pieces whose compiled bits differ from eager's, by option set."""
+    parts = []
+    for rows, pieces in data.get("pieces", {}).items():
+        differ = {f"{piece}/{name}": r["fraction_differing"] for piece, sets in pieces.items()
+                  for name, r in sets.items() if not r["equal"]}
+        parts.append(f"rows {rows}: " + (f"differ {differ}" if differ else "every piece equal to eager"))
+    return "; ".join(parts) or "no pieces"

@@ -41,7 +41,7 @@ def test_dry_run_every_section_succeeds(tmp_path):
     failed = {k: v.get("error") for k, v in sections.items() if not v.get("ok")}
     assert rc == 0 and not failed, (failed, output[-3000:])
     assert set(sections) == {"environment", "tests", "prepare", "plan", "mindvl", "hf_packed", "hf_padded", "moe",
-                             "tiny", "generate"}
+                             "tiny", "generate", "decode_bits"}
     for row in sections["generate"]["batches"].values():
         assert row["identical"] == dict.fromkeys(("static", "graphs", "graphs_compiled", "static_no_cudnn",
                                                   "graphs_no_cudnn"), True)
@@ -50,6 +50,16 @@ def test_dry_run_every_section_succeeds(tmp_path):
         assert row["capture"]["first_call_s"] > 0 and row["sdpa"] and "transformers_no_cudnn" in row
     bits = sections["generate"]["batches"]["1"]["compiled_step_bits"]  # aot_eager runs eager's ops: equal
     assert bits["equal"] and bits["steps"] == 7 and bits["fused_matmul_equal"] and bits["argmax_differs"] == 0
+    # aot_eager runs each piece's own ops: equal to eager under every option set (rows 1) and mindvl's (rows 4),
+    # except SiLU by eager's CUDA formula against the CPU's fused silu kernel, which in fp32 differ in the last bit
+    # (bf16 rounds it away): the same fraction under every option set, since nothing was compiled
+    pieces = sections["decode_bits"]["pieces"]
+    assert set(pieces) == {"1", "4"} and all(len(pieces[rows]) == 5 for rows in pieces)
+    formula = pieces["1"].pop("swiglu_product_by_formula")
+    assert len({r["fraction_differing"] for r in formula.values()}) == 1
+    assert all(len(sets) == 3 and all(r["equal"] for r in sets.values()) for sets in pieces["1"].values())
+    pieces["4"].pop("swiglu_product_by_formula")
+    assert all(set(sets) == {"mindvl"} and sets["mindvl"]["equal"] for sets in pieces["4"].values())
     assert sections["environment"]["missing_packages"] == []
     assert sections["tests"]["skipped"] >= 10 and sections["tests"]["failure"] == 0  # no CUDA here: all skip
     mid = sections["mindvl"]

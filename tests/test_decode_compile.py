@@ -270,6 +270,24 @@ def test_the_environment_turns_compilation_on_for_callers_that_do_not_choose(cou
         generate(model, prompts, 5)
 
 
+def test_inductor_options_are_passed_under_the_names_this_torch_has(monkeypatch):
+    """decode_compile.INDUCTOR_OPTIONS as inductor knows them: every option of this torch kept (sub-config ones by
+    their dotted name), an option under a name this torch lacks passed under its older name (OPTION_ALIASES), an
+    unknown one left out (torch.compile would fail on it: the device's torch is older than this machine's)."""
+    from torch._inductor import config
+
+    wanted = dict(decode_compile.INDUCTOR_OPTIONS)
+    assert decode_compile.inductor_options(wanted) == wanted  # this torch (2.13) has every one
+    assert config.eager_numerics.division_rounding is False  # a real sub-config option, off unless asked
+    monkeypatch.setitem(decode_compile.OPTION_ALIASES, "renamed.in_a_later_torch", ("emulate_precision_casts",))
+    got = decode_compile.inductor_options({"renamed.in_a_later_torch": True, "pattern_matcher": False,
+                                           "no_such_option": 1, "eager_numerics.no_such_option": 2})
+    assert got == {"emulate_precision_casts": True, "pattern_matcher": False}
+    compiled = torch.compile(lambda x: x / (x.sum() + 1), backend="inductor", options=decode_compile._options())
+    x = torch.randn(7)
+    torch.testing.assert_close(compiled(x), x / (x.sum() + 1))
+
+
 @pytest.mark.slow
 def test_inductor_keeps_eager_bf16_logits_bit_for_bit_on_the_cpu(use_backend):
     """The real backend (inductor, C++ kernels on the CPU) with decode_compile.INDUCTOR_OPTIONS and the fused

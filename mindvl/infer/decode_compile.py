@@ -65,8 +65,14 @@ COMPILE_ENV = "MINDVL_DECODE_COMPILE"
 BACKEND: str | Callable = "inductor"
 # Eager's numerics, kept (benchmarks/decode_kernels.py --check-bits): `emulate_precision_casts` rounds to bf16
 # between fused ops where eager does; the pattern matcher off keeps inductor from rewriting mm + add (the residual
-# after down_proj) into one addmm that rounds once where eager rounds twice.
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "pattern_matcher": False}
+# after down_proj) into one addmm that rounds once where eager rounds twice. The `eager_numerics` pair is for
+# triton (no effect on the CPU's C++ kernels): fp32 x / y rounded as eager's division (div_rn, not triton's
+# approximate div.full: the norms' mean is one) and subnormals kept rather than flushed to zero, as eager's CUDA
+# kernels do. The accelerator proof's decode_bits section measures each piece's bits with and without them.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "pattern_matcher": False,
+                    "eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+# Older names of an option (inductor renamed them): the first one this torch has is passed.
+OPTION_ALIASES = {"eager_numerics.division_rounding": ("emulate_divison_rounding",)}
 
 _CALLS: dict = {}
 # model -> {(backend, batch size): whether that trial step compiled}
@@ -107,13 +113,27 @@ def _forward_for(kind: str) -> Callable:
     return types.FunctionType(code, layer_forward.__globals__, code.co_name)
 
 
-def _options() -> dict | None:
-    """INDUCTOR_OPTIONS that this torch's inductor has (an unknown one fails the compilation); None for others."""
-    if BACKEND != "inductor":
-        return None
+def inductor_options(wanted: dict) -> dict:
+    """`wanted` (option -> value, dotted names for sub-configs) as this torch's inductor names them: an option
+    under an older name (OPTION_ALIASES) renamed, one it does not have left out (an unknown one fails the
+    compilation)."""
     from torch._inductor import config
 
-    return {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
+    def known(name: str) -> bool:
+        head, _, rest = name.partition(".")
+        return hasattr(config, head) and (not rest or hasattr(getattr(config, head), rest))
+
+    out = {}
+    for name, value in wanted.items():
+        found = next((n for n in (name, *OPTION_ALIASES.get(name, ())) if known(n)), None)
+        if found is not None:
+            out[found] = value
+    return out
+
+
+def _options() -> dict | None:
+    """INDUCTOR_OPTIONS as this torch's inductor names them (inductor_options); None for other backends."""
+    return inductor_options(INDUCTOR_OPTIONS) if BACKEND == "inductor" else None
 
 
 def layer_call() -> Callable[..., torch.Tensor]:
