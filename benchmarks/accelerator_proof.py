@@ -27,9 +27,10 @@ tail) and the next section runs:
   the static and graph arms again without cuDNN in sdpa's choice, transformers `generate` with and without cuDNN,
   the capture's cost, the sdpa backend picked per call, and the bandwidth bound (weight bytes / copy bandwidth).
 - decode_bits (after generate): the compiled decode step's pieces (norm, residual add + norm, SwiGLU product, the
-  same with SiLU as eager's formula, rotation), each compiled alone at batch 1 and 32 and compared with eager bit
-  for bit under inductor's defaults, decode_compile.INDUCTOR_OPTIONS and those without their triton pair: which
-  piece leaves eager's bits on the device, and which options bring it back (COMPILE_BY_DEFAULT waits on it).
+  same with SiLU as eager's formula, rotation, the norm with its mean of squares by eager's kernels), each compiled
+  alone at batch 1 and 32 and compared with eager bit for bit under inductor's defaults,
+  decode_compile.INDUCTOR_OPTIONS and those without their triton pair: which piece leaves eager's bits on the
+  device, and which options or formula bring it back (COMPILE_BY_DEFAULT waits on it).
 - plan: `mindvl.plan.plan` for that recipe on one of the card the proof runs on (CPU, fake tensors; runs beside the
   GPU sections): the planner's preset for the detected GPU (H200 -> h200, H100 -> h100-80g, ...), a `custom:` spec
   from its memory when mindvl has none, h100-80g without a GPU (the dry run); proof.json's `plan.device` says which.

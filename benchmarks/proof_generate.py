@@ -349,11 +349,12 @@ def option_sets() -> dict[str, dict]:
 def decode_pieces(model, rows: int, device) -> dict:
     """name -> (fn, args, the eager reference's fn): the first decoder layer's input norm, the deferred residual add
     into it (text.residual_norm), the SwiGLU product (the MLP's own activation), the same product with SiLU written
-    as eager's CUDA kernel computes it (x / (1 + exp(-x)) in fp32: triton's sigmoid is another formula), and the
-    rotation of the queries (layers.apply_rotary with the model's bf16 tables)."""
+    as eager's CUDA kernel computes it (x / (1 + exp(-x)) in fp32: triton's sigmoid is another formula), the
+    rotation of the queries (layers.apply_rotary with the model's bf16 tables), and (an RMSNorm) the norm with its
+    mean of squares computed by eager's kernels (a triton reduction may sum in another order)."""
     import torch
 
-    from mindvl.models.layers import apply_rotary
+    from mindvl.models.layers import RMSNorm, apply_rotary
     from mindvl.models.text import residual_norm
 
     lm = model.language_model
@@ -378,11 +379,32 @@ def decode_pieces(model, rows: int, device) -> dict:
         x = g.float()
         return (x / (1 + torch.exp(-x))).to(g.dtype) * u
 
-    return {"rms_norm": (layer.input_layernorm, (h,), None),
-            "residual_add_rms_norm": (residual_norm, (layer.input_layernorm, h, r), None),
-            "swiglu_product": (swiglu, (gate, up), None),
-            "swiglu_product_by_formula": (swiglu_by_formula, (gate, up), swiglu),
-            "rotary": (apply_rotary, (q, cos, sin), None)}
+    norm = layer.input_layernorm
+    pieces = {"rms_norm": (norm, (h,), None),
+              "residual_add_rms_norm": (residual_norm, (norm, h, r), None),
+              "swiglu_product": (swiglu, (gate, up), None),
+              "swiglu_product_by_formula": (swiglu_by_formula, (gate, up), swiglu),
+              "rotary": (apply_rotary, (q, cos, sin), None)}
+    if type(norm) is RMSNorm:  # its formula, with the mean of squares left to eager's reduction kernel
+        def rms_norm_mean_in_eager(x):
+            xf = x.float()
+            xf = xf * torch.rsqrt(_mean_of_squares(xf) + norm.eps)
+            return norm.weight * xf.to(x.dtype)
+
+        pieces["rms_norm_mean_in_eager"] = (rms_norm_mean_in_eager, (h,), norm)
+    return pieces
+
+
+def _mean_of_squares(xf):
+    """x [..., d] fp32 -> mean(x^2) [..., 1], run by eager's kernels inside a compiled piece (a graph break): if the
+    compiled norm leaves eager's bits and this does not, the reduction's order is what differs."""
+    import torch
+
+    @torch.compiler.disable
+    def eager(x):
+        return x.pow(2).mean(-1, keepdim=True)
+
+    return eager(xf)
 
 
 def piece_bits(model, rows_list=(1, 32), backend: str = "inductor") -> dict:

@@ -8,8 +8,8 @@ forward and DecoderLayer.decode_forward are frames of their own), which every mo
 per layer kind (dense, MoE, linear or full attention; in decode, the first layer without a pending residual), dtype,
 grad mode and shape regime (static, then dynamic). A process that runs a few models one after another needs more
 than 8: after the four test families, a fifth model's decode ran 8 of its 72 graph calls compiled and the rest
-eagerly (tests/test_decode_compile.py); after three families trained and evaluated, a fourth one's blocks ran 72 of
-their 168 (tests/test_compile_guards.py).
+eagerly; after three families trained and evaluated, a fourth one's blocks ran 72 of their 168 (RESULTS.md,
+session 18; tests/test_decode_compile.py and tests/test_compile_guards.py check the raise).
 
 The limit is a process-wide setting (others who compile per model raise it too): raised to RECOMPILE_LIMIT, never
 lowered.

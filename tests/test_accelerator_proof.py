@@ -54,7 +54,7 @@ def test_dry_run_every_section_succeeds(tmp_path):
     # except SiLU by eager's CUDA formula against the CPU's fused silu kernel, which in fp32 differ in the last bit
     # (bf16 rounds it away): the same fraction under every option set, since nothing was compiled
     pieces = sections["decode_bits"]["pieces"]
-    assert set(pieces) == {"1", "4"} and all(len(pieces[rows]) == 5 for rows in pieces)
+    assert set(pieces) == {"1", "4"} and all(len(pieces[rows]) == 6 for rows in pieces)
     formula = pieces["1"].pop("swiglu_product_by_formula")
     assert len({r["fraction_differing"] for r in formula.values()}) == 1
     assert all(len(sets) == 3 and all(r["equal"] for r in sets.values()) for sets in pieces["1"].values())

@@ -154,9 +154,11 @@ def test_compiling_the_blocks_makes_room_for_every_models_graphs(monkeypatch):
 
     monkeypatch.setattr(parallel, "COMPILE_BACKEND", "eager")
     env = ParallelEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    start = config.recompile_limit  # 8, or 64 where an earlier test of this process compiled
     for before, after in ((8, RECOMPILE_LIMIT), (RECOMPILE_LIMIT + 36, RECOMPILE_LIMIT + 36)):
-        monkeypatch.setattr(config, "recompile_limit", before)
-        parallelize(build("dense").train(), env, ParallelSection(compile="off", mixed_precision="fp32"))
-        assert config.recompile_limit == before  # nothing compiled: nothing changed
-        parallelize(build("dense").train(), env, ParallelSection(compile="on", mixed_precision="fp32"))
-        assert config.recompile_limit == after
+        with config.patch(recompile_limit=before):  # torch's own patch (monkeypatch's undo deletes the key)
+            parallelize(build("dense").train(), env, ParallelSection(compile="off", mixed_precision="fp32"))
+            assert config.recompile_limit == before  # nothing compiled: nothing changed
+            parallelize(build("dense").train(), env, ParallelSection(compile="on", mixed_precision="fp32"))
+            assert config.recompile_limit == after
+    assert config.recompile_limit == start  # as it was, for the tests after this one

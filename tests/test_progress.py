@@ -119,18 +119,20 @@ def test_a_line_while_one_unit_of_work_takes_long():
 def test_the_heartbeat_counts_from_the_last_line_on_an_injected_clock():
     from mindvl.progress import Heartbeat
 
+    # The thread sleeps in real seconds, at most every_s: half a second keeps the test short. The times are binary
+    # fractions, so "every_s since the last line" is exact.
     now = [0.0]
     said = []
-    beat = Heartbeat(lambda: said.append(now[0]), every_s=10.0, clock=lambda: now[0]).start()
+    beat = Heartbeat(lambda: said.append(now[0]), every_s=0.5, clock=lambda: now[0]).start()
     try:
-        now[0] = 9.0
-        assert not wait_for(lambda: said, timeout=0.1)  # 9 s since the start: not yet
-        beat.beat()  # the owner printed at t=9
-        now[0] = 18.5
-        assert not wait_for(lambda: said, timeout=0.1)  # 9.5 s since that line
-        now[0] = 19.0
-        assert wait_for(lambda: said == [19.0])  # 10 s since the owner's line
-        now[0] = 25.0
+        now[0] = 0.25
+        assert not wait_for(lambda: said, timeout=0.1)  # half of every_s since the start: not yet
+        beat.beat()  # the owner printed at t=0.25
+        now[0] = 0.71875
+        assert not wait_for(lambda: said, timeout=0.1)  # 15/16 of every_s since that line
+        now[0] = 0.75
+        assert wait_for(lambda: said == [0.75])  # every_s since the owner's line
+        now[0] = 1.0
         assert not wait_for(lambda: len(said) > 1, timeout=0.1)
     finally:
         beat.stop()
