@@ -407,17 +407,20 @@ def _mean_of_squares(xf):
     return eager(xf)
 
 
-def piece_bits(model, rows_list=(1, 32), backend: str = "inductor") -> dict:
-    """{rows: {piece: {option set: {equal, fraction_differing, max_abs_diff}}}}: each piece compiled alone (a fresh
-    dynamo state per compilation) against its eager reference; at the first rows count with every option set, at
-    the others with `mindvl` only (a compilation is a second or two of triton each)."""
+def piece_bits(model, rows_list=(1, 32), backend: str = "inductor", out: dict | None = None,
+               progress=None) -> dict:
+    """{rows: {piece: {option set: {equal, fraction_differing, max_abs_diff} or {error}}}}, filled into `out`: each
+    piece compiled alone (a fresh dynamo state per compilation) against its eager reference; at the first rows
+    count with every option set, at the others with `mindvl` only (a compilation is a second or two of triton
+    each). A compilation that fails is recorded and the next one runs; `progress()` is called after each piece (the
+    section saves what it has)."""
     import torch
 
     from mindvl.infer import decode_compile
 
     device = model.language_model.embed_tokens.weight.device
     sets = option_sets()
-    out: dict = {}
+    out = {} if out is None else out
     for i, rows in enumerate(rows_list):
         row = out[str(rows)] = {}
         for name, (fn, args, reference) in decode_pieces(model, rows, device).items():
@@ -429,11 +432,17 @@ def piece_bits(model, rows_list=(1, 32), backend: str = "inductor") -> dict:
                         continue
                     torch._dynamo.reset()
                     opts = decode_compile.inductor_options(options) if backend == "inductor" else None
-                    got = torch.compile(fn, backend=backend, options=opts, dynamic=False)(*args)
+                    try:
+                        got = torch.compile(fn, backend=backend, options=opts, dynamic=False)(*args)
+                    except Exception as exc:  # noqa: BLE001 - recorded: the other pieces and options still count
+                        row[name][set_name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                        continue
                     diff = (got.float() - want.float()).abs()
                     row[name][set_name] = {"equal": torch.equal(got, want),
                                            "fraction_differing": round((diff > 0).float().mean().item(), 6),
                                            "max_abs_diff": diff.max().item()}
+            if progress is not None:
+                progress()
     torch._dynamo.reset()
     return out
 
@@ -454,10 +463,15 @@ def sec_decode_bits(args, work: Path, save_partial=None) -> dict:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = load_model(work / "mindvl", dtype=dtype, device=device).eval()
     resolved = {name: decode_compile.inductor_options(o) for name, o in option_sets().items()}
-    out = {"dtype": str(dtype), "options": resolved}
-    if save_partial is not None:
-        save_partial(args, out, "pieces")
-    out["pieces"] = piece_bits(model, (1, 4) if dry else (1, 32), "aot_eager" if device.type == "cpu" else "inductor")
+    out = {"dtype": str(dtype), "options": resolved, "pieces": {}}
+
+    def progress() -> None:  # cut off at the section's limit, the pieces done so far are kept
+        if save_partial is not None:
+            save_partial(args, out, "pieces")
+
+    progress()
+    piece_bits(model, (1, 4) if dry else (1, 32), "aot_eager" if device.type == "cpu" else "inductor",
+               out["pieces"], progress)
     return out
 
 
@@ -465,7 +479,7 @@ def decode_bits_summary(data: dict) -> str:
     """One line: per rows count, the pieces whose compiled bits differ from eager's, by option set."""
     parts = []
     for rows, pieces in data.get("pieces", {}).items():
-        differ = {f"{piece}/{name}": r["fraction_differing"] for piece, sets in pieces.items()
-                  for name, r in sets.items() if not r["equal"]}
+        differ = {f"{piece}/{name}": r.get("fraction_differing", r.get("error")) for piece, sets in pieces.items()
+                  for name, r in sets.items() if not r.get("equal")}
         parts.append(f"rows {rows}: " + (f"differ {differ}" if differ else "every piece equal to eager"))
     return "; ".join(parts) or "no pieces"

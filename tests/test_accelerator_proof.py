@@ -262,3 +262,36 @@ def test_a_section_killed_in_its_optional_part_keeps_its_figures(tmp_path):
     proc = subprocess.Popen(sleeper, start_new_session=True)
     data = proof.finish("mindvl", proc, result, time.perf_counter(), timeout=1)
     assert not data["ok"] and data["error"] == "timed out after 1 s" and "ac_off" not in data
+
+
+def test_a_decode_piece_that_fails_to_compile_is_recorded_and_the_others_run(monkeypatch):
+    """decode_bits on a device: a compilation that fails (an option or a kernel the device's triton lacks) is one
+    entry with its error; the other pieces and option sets are still compared, and the section's figures are saved
+    after every piece."""
+    import importlib.util
+
+    import torch
+    from family_models import build
+
+    spec = importlib.util.spec_from_file_location("proof_generate", ROOT / "benchmarks" / "proof_generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    compiled = []
+
+    def backend(gm, example_inputs):  # the traced ops as they are; the second compilation fails
+        compiled.append(gm)
+        if len(compiled) == 2:
+            raise RuntimeError("no triton here")
+        return gm.forward
+
+    monkeypatch.setattr(generate, "option_sets", lambda: {"first": {}, "second": {}})  # 12 compilations, not 18
+    saved = []
+    pieces = generate.piece_bits(build("dense"), (1,), backend, progress=lambda: saved.append(1))["1"]
+    assert len(saved) == len(pieces) == 6 and all(len(sets) == 2 for sets in pieces.values())
+    results = [r for sets in pieces.values() for r in sets.values()]
+    assert [i for i, r in enumerate(results) if "error" in r] == [1] and "no triton here" in results[1]["error"]
+    assert pieces["rms_norm"]["second"] is results[1]
+    assert all(r["equal"] for name, sets in pieces.items() if name != "swiglu_product_by_formula"
+               for r in sets.values() if "error" not in r)
+    assert "rms_norm/second" in generate.decode_bits_summary({"pieces": {"1": pieces}})
+    torch._dynamo.reset()
