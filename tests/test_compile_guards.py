@@ -138,7 +138,6 @@ def test_checkpointed_blocks_are_compiled(ac, monkeypatch):
         assert torch.equal(g, e)
 
 
-
 def test_compiling_the_blocks_makes_room_for_every_models_graphs(monkeypatch):
     """The blocks' methods are shared by every model of a process, and dynamo keeps at most `recompile_limit`
     graphs per method, then runs it eagerly with a log line only (mindvl.compile_limit). Measured once (75 s, so
