@@ -164,9 +164,9 @@ def whole(fn: Callable) -> Callable | None:
     """fn compiled in one graph with BACKEND (fullgraph: a call runs compiled code or raises one of dynamo's errors
     before running any of it, so a caller may fall back to fn on the same inputs); None if an earlier compilation
     of fn failed."""
-    make_room_for_graphs()
     key = (BACKEND, fn)
-    if key not in _WHOLE:
+    if key not in _WHOLE:  # here, not on every call: a generation asks for fn at each decode step
+        make_room_for_graphs()
         _WHOLE[key] = torch.compile(fn, backend=BACKEND, options=_options(), fullgraph=True)
     return _WHOLE[key]
 
